@@ -1,0 +1,161 @@
+"""Per-call overhead: three fits in a row of the same small job, from one process.
+
+Competitors (alternating; each turn makes 3 calls in a row):
+
+* ``nbddp_warm``: ``nbddp.dist_fit`` on workers started once beforehand (plus
+  one untimed fit right after start, reported as ``first_fit_after_start``).
+* ``accelerate``: ``accelerate.notebook_launcher(fn, num_processes=2)``, which
+  forks fresh processes on every call; ``fn`` runs the same DDP loop as
+  torchrun_train.py (``run_ddp``) and rank 0 writes its results to a file.
+* ``torchrun``: a new ``python -m torch.distributed.run`` job per call.
+
+Overhead of a call = its wall time in this process - the training-loop time
+measured inside the workers (torchrun_train's ``loop_s`` /
+``hist.timings['train_s']``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
+from benchmarks import common, torchrun_train  # noqa: E402
+
+NAME = "latency"
+CALLS = 3
+
+
+def _accelerate_worker(cfg: dict, result_path: str) -> None:
+    """Runs in each process notebook_launcher forks (env:// vars are set)."""
+    res = torchrun_train.run_ddp(cfg)
+    if res["rank"] == 0:
+        with open(result_path, "w") as f:
+            json.dump(res, f)
+
+
+def accelerate_fit(cfg: dict, nproc: int = 2) -> dict:
+    from accelerate import notebook_launcher
+
+    fd, path = tempfile.mkstemp(prefix="nbddp_bench_acc_", suffix=".json")
+    os.close(fd)
+    try:
+        old = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(common.CPU_THREADS_PER_RANK)
+        t0 = time.perf_counter()
+        try:
+            notebook_launcher(_accelerate_worker, args=(cfg, path), num_processes=nproc,
+                              use_port=str(common.free_port()), master_addr="127.0.0.1")
+        finally:
+            wall = time.perf_counter() - t0
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+        with open(path) as f:
+            res = json.load(f)
+    finally:
+        os.unlink(path)
+    res["wall_s"] = wall
+    res["overhead_s"] = wall - res["loop_s"]
+    return res
+
+
+def _three(call) -> dict:
+    calls = [call() for _ in range(CALLS)]
+    return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
+            "wall_s": [c.get("wall_s") for c in calls]}
+
+
+def main(quick: bool = False, reps: int | None = None) -> dict:
+    reps = reps or (1 if quick else 3)
+    n_cuda = common.cuda_count()
+    world = min(2, n_cuda) if n_cuda else 2
+    cfg = common.workload_cfg("mlp", quick, n_samples=512 if quick else 2048, epochs=1)
+    data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
+    out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": CALLS, "world_size": world}
+
+    comps = {}
+    ok, reason = common.nbddp_status()
+    out["nbddp"] = reason
+    started = False
+    if ok:
+        try:
+            out["nbddp_start_s"] = common.nbddp_start(world)
+            started = True
+            model = common.make_model("mlp", seed=cfg["seed"])
+            out["first_fit_after_start"] = common.nbddp_fit(model, data, cfg, world=world)
+        except Exception as exc:
+            ok = False
+            out["nbddp"] = f"nbddp start/first fit failed: {type(exc).__name__}: {exc}"
+    if ok:
+        comps["nbddp_warm"] = lambda: _three(
+            lambda: common.nbddp_fit(common.make_model("mlp", seed=cfg["seed"]), data, cfg, world=world))
+    else:
+        common.log(f"nbddp side skipped: {out['nbddp']}")
+    try:
+        import accelerate  # noqa: F401
+
+        comps["accelerate"] = lambda: _three(lambda: accelerate_fit(cfg, nproc=world))
+    except ImportError:
+        out["accelerate"] = "not installed (pip install accelerate -c constraints-dev.txt)"
+    comps["torchrun"] = lambda: _three(lambda: common.run_torchrun(cfg, nproc=world))
+
+    try:
+        raw = common.alternate(comps, reps=reps, label="latency")
+    finally:
+        if started:
+            common.nbddp_stop()
+
+    summary = {}
+    for name, turns in raw.items():
+        good = [t for t in turns if "error" not in t]
+        per_call = [common.summarize(t["overhead_s"][i] for t in good) for i in range(CALLS)]
+        summary[name] = {
+            "overhead_s": common.summarize(v for t in good for v in t["overhead_s"]),
+            "overhead_s_by_call": per_call,
+            "wall_s": common.summarize(v for t in good for v in t["wall_s"]),
+            "loop_s": common.summarize(c.get("loop_s", c.get("train_s")) for t in good for c in t["calls"]),
+            "errors": common.errors_of(turns),
+        }
+    base = summary.get("nbddp_warm", {}).get("overhead_s", {}).get("median")
+    out["summary"] = summary
+    out["ratios"] = {f"{n}/nbddp_warm": common.ratio(s["overhead_s"]["median"], base) for n, s in summary.items() if n != "nbddp_warm"}
+    out["raw"] = raw
+    rows = [
+        {
+            "competitor": n,
+            "overhead s (median)": s["overhead_s"]["median"],
+            "call1": s["overhead_s_by_call"][0]["median"],
+            "call2": s["overhead_s_by_call"][1]["median"],
+            "call3": s["overhead_s_by_call"][2]["median"],
+            "wall s": s["wall_s"]["median"],
+            "loop s": s["loop_s"]["median"],
+            "x nbddp": common.ratio(s["overhead_s"]["median"], base),
+            "errors": len(s["errors"]),
+        }
+        for n, s in summary.items()
+    ]
+    common.print_table(rows, title=f"\n== latency: per-call overhead, {CALLS} fits in a row ({cfg['n_samples']} samples mlp) ==")
+    return out
+
+
+def summary_rows(res: dict) -> list[dict]:
+    base = res.get("summary", {}).get("nbddp_warm", {}).get("overhead_s", {}).get("median")
+    return [
+        {"bench": "latency", "competitor": n, "metric": "overhead s/call",
+         "median": s["overhead_s"]["median"], "ratio": common.ratio(s["overhead_s"]["median"], base),
+         "ratio_of": "x nbddp_warm"}
+        for n, s in res.get("summary", {}).items()
+    ]
+
+
+if __name__ == "__main__":
+    common.cli(main, NAME)

@@ -1,0 +1,65 @@
+"""Run every nbddp benchmark, print a summary table, write one JSON file.
+
+    python benchmarks/run_all.py            # full sizes, several repetitions
+    python benchmarks/run_all.py --quick    # tiny sizes, 1 repetition (smoke)
+    python benchmarks/run_all.py --only throughput latency
+
+Results go to ``benchmarks/results/<date>.json`` (or ``--out``). A benchmark
+that crashes is recorded as ``{"error": ...}`` and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+
+BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling"]
+
+
+def run(quick: bool = False, only: list[str] | None = None) -> dict:
+    results: dict = {"quick": quick, "benchmarks": {}}
+    rows: list[dict] = []
+    for name in only or BENCHES:
+        mod = importlib.import_module(f"benchmarks.bench_{name}")
+        common.log(f"=== {name} ===")
+        t0 = time.perf_counter()
+        try:
+            res = mod.main(quick=quick)
+            rows += mod.summary_rows(res)
+        except Exception as exc:  # keep going with the other benchmarks
+            res = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            rows.append({"bench": name, "competitor": "-", "metric": "ERROR", "median": None, "ratio_of": res["error"][:60]})
+            common.log(f"{name} FAILED: {res['error']}")
+        res["bench_wall_s"] = time.perf_counter() - t0
+        results["benchmarks"][name] = res
+    results["summary_rows"] = rows
+    print()
+    results["summary_table"] = common.print_table(
+        rows, ["bench", "competitor", "metric", "median", "ratio", "ratio_of"],
+        title=f"==== nbddp benchmarks summary ({'quick' if quick else 'full'}) ====")
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition")
+    ap.add_argument("--only", nargs="*", choices=BENCHES, help="run only these benchmarks")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>.json)")
+    args = ap.parse_args(argv)
+    results = run(quick=args.quick, only=args.only)
+    common.write_json(results, path=args.out)
+    failed = [n for n, r in results["benchmarks"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

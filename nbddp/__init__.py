@@ -1,0 +1,79 @@
+"""nbddp: DistributedDataParallel training from a Jupyter notebook.
+
+``%load_ext nbddp``, ``%ddp start``, then ``dist_fit(model, data)`` in a cell.
+Workers are persistent ipyparallel engines; the notebook's ``model`` gets the
+trained weights back.
+
+Importing this package is instant: torch and ipyparallel are imported only
+when a function that needs them is first called.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "start",
+    "stop",
+    "status",
+    "restart",
+    "run",
+    "dist_fit",
+    "History",
+    "FitHandle",
+    "WorkerError",
+    "WorkerDied",
+    "__version__",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+# public name -> module that defines it (imported on first use)
+_LAZY = {
+    "start": "nbddp.api",
+    "stop": "nbddp.api",
+    "status": "nbddp.api",
+    "restart": "nbddp.api",
+    "run": "nbddp.api",
+    "dist_fit": "nbddp.api",
+    "History": "nbddp.history",
+    "FitHandle": "nbddp.handle",
+    "WorkerError": "nbddp.errors",
+    "WorkerDied": "nbddp.errors",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbddp.api import dist_fit, restart, run, start, status, stop
+    from nbddp.errors import WorkerDied, WorkerError
+    from nbddp.handle import FitHandle
+    from nbddp.history import History
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbddp``: register ``%ddp``/``%%ddp`` and expose ``dist_fit``."""
+    from nbddp.magics import register
+
+    register(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbddp``: remove the magics (workers keep running)."""
+    from nbddp.magics import unregister
+
+    unregister(ipython)

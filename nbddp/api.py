@@ -1,0 +1,218 @@
+"""The public functions: thin calls into the kernel's one ``Session``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from nbddp.handle import FitHandle
+from nbddp.history import History
+from nbddp.session import DEFAULT_PG_TIMEOUT_S, get_session
+
+
+def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
+          cluster_id: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT_S, threads: int | None = None,
+          interface: str | None = None) -> dict[str, Any]:
+    """Start (or attach to) the workers and form the process group; return ``status()``.
+
+    Args:
+        n: workers to start; default: one per visible GPU, or 2 CPU workers.
+        backend: ``"nccl"`` (default with GPUs) or ``"gloo"`` (default without).
+        cluster: any ``ipyparallel.Cluster`` (SSH, MPI, Slurm... launchers);
+            nbddp starts it if it is not running, and stops it at ``stop()``.
+        profile, cluster_id: attach to a cluster started with ``ipcluster start``;
+            nbddp never stops engines it did not start.
+        timeout: process-group timeout in seconds: how long a collective may
+            hang before it fails (the torch default is 30 minutes).
+        threads: CPU threads per worker; default: the host's cores divided by
+            its workers (torchrun's ``OMP_NUM_THREADS`` logic).
+        interface: network interface for gloo/NCCL across hosts
+            (default: the one that reaches the controller; loopback on one host).
+
+    Calling it again with the same settings while workers run does nothing.
+    """
+    get_session().start(n, backend=backend, cluster=cluster, profile=profile, cluster_id=cluster_id,
+                        timeout=timeout, threads=threads, interface=interface)
+    return status()
+
+
+def stop() -> None:
+    """Stop the workers this kernel started (an attached cluster is only left)."""
+    get_session().stop()
+
+
+def restart() -> dict[str, Any]:
+    """Stop and start again with the same settings (fresh engines, fresh group)."""
+    get_session().restart()
+    return status()
+
+
+def status() -> dict[str, Any]:
+    """A snapshot: running, backend, world size, and one row per rank."""
+    from nbddp import topology
+
+    s = get_session()
+    if not s.started:
+        return {"running": False, "backend": None, "world_size": 0, "ranks": [], "fit_running": False}
+    return {
+        "running": True,
+        "backend": s.backend,
+        "world_size": s.world_size,
+        "generation": s.generation,
+        "owned": s.workers.owned,
+        "hosts": sorted({p.host for p in s.placements}),
+        "ranks": topology.describe(s.placements),
+        "fit_running": s.running is not None and not s.running.finished,
+    }
+
+
+def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
+
+    ``fn`` may be defined in the notebook: it travels by value. Inside it,
+    ``torch.distributed`` is initialised (``dist.get_rank()`` works).
+    """
+    from nbddp import shipping
+    from nbddp.tasks import RankTasks
+    from nbddp.worker.entry import call_task
+
+    if not callable(fn):
+        raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
+                        f"HINT: pass the function itself, run(f, x), not its result, run(f(x))")
+    s = get_session()
+    s.ensure_started()
+    name = getattr(fn, "__name__", "the function")
+    parcels = {local: shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=local)
+               for local in {p.local for p in s.placements}}
+    meta = {"generation": s.generation}
+    try:
+        ars = {p.rank: s.client[p.engine_id].apply_async(call_task, parcels[p.local], meta) for p in s.placements}
+        results = RankTasks(s, ars, f"nbddp.run({name})").wait()
+    finally:
+        for parcel in parcels.values():
+            parcel.discard()
+    out = []
+    for rank in sorted(results):
+        parcel = results[rank]
+        try:
+            out.append(shipping.unpack(parcel))
+        finally:
+            parcel.discard()
+    return out
+
+
+def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | None = None,
+             loss_fn: Callable | None = None, optimizer: Any = None, lr: float = 1e-3, scheduler: Callable | None = None,
+             metrics: Mapping[str, Callable] | None = None, step_fn: Callable | None = None, max_steps: int | None = None,
+             shuffle: bool = True, seed: int = 0, precision: str = "32", grad_accum: int = 1,
+             clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
+             checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
+             val_every: int | str | None = None, block: bool = True, live: bool | str | None = None,
+             **advanced: Any) -> History | FitHandle:
+    """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
+
+    Args:
+        model: an ``nn.Module`` (its weights are shipped; the trained weights of
+            rank 0 are loaded back into this same object) or a zero-argument
+            function returning one (built on each worker; the trained module
+            is ``history.model``).
+        data: a ``Dataset``, a ``DataLoader`` (its dataset, batch size and
+            collate function are used), a tuple of tensors ``(x, y)``, or a
+            zero-argument function that builds the dataset on each worker
+            (best for large data: nothing is shipped).
+        epochs: passes over the data. ``max_steps`` stops earlier (mid-epoch).
+        val_data: same forms as ``data``; evaluated after each epoch (or every
+            ``val_every`` steps) without padding, reduced over all ranks.
+        batch_size: samples per rank per step (global batch = batch_size x
+            world size x grad_accum). Default: the DataLoader's, else 32.
+        loss_fn: ``loss_fn(model(x), y)`` for ``(x, y)`` batches. Default:
+            cross-entropy for integer targets, MSE for float targets. Dict
+            batches run ``model(**batch)`` and use the output's loss.
+        optimizer: an optimizer class (built with ``lr``) or a factory
+            ``params -> Optimizer``. Default: AdamW.
+        lr: learning rate for the default optimizer or an optimizer class.
+        scheduler: a factory ``optimizer -> LR scheduler``, stepped after every
+            optimizer step; ``History.steps`` records ``lr``.
+        metrics: ``{"acc": fn(output, target)}`` computed on validation data,
+            sample-weighted over all ranks, recorded as ``val_acc``.
+        step_fn: ``step_fn(model, batch) -> loss or {"loss": ..., ...}``: full
+            control of a step; extra dict entries are recorded like metrics.
+        shuffle, seed: sampling order; the same seed gives the same History.
+        precision: ``"32"``, ``"bf16"`` (autocast, CPU and GPU) or
+            ``"16-mixed"`` (fp16 with a gradient scaler, GPU only).
+        grad_accum: micro-batches per optimizer step (gradients synchronised
+            only on the last one).
+        clip_grad_norm: clip the global gradient norm to this value.
+        sync_batchnorm: convert BatchNorm to SyncBatchNorm (GPU only).
+        checkpoint_dir, checkpoint_every: save model, optimizer, scheduler,
+            scaler, data position, step and RNG states every N steps (rank 0,
+            atomic); ``resume=True`` continues from the latest one, or
+            ``resume="path"`` from that file. Files load with plain torch.load.
+        log_every: reduce and record metrics at most every N steps (and about
+            once a second for slow steps).
+        block: ``False`` returns a ``FitHandle`` at once; training and the
+            dashboard go on while the notebook stays usable.
+        live: ``None`` (automatic: dashboard in Jupyter, text elsewhere),
+            ``True``, ``False`` (show nothing), ``"widget"`` or ``"text"``.
+        **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
+            ``record_interval_s``, ``publish_interval_s``.
+
+    Kernel > Interrupt during a blocking fit stops every rank at the same
+    step and returns a History with ``status == "interrupted"`` (the model
+    holds that step's weights); a second interrupt kills and replaces the
+    workers.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any worker starts work.
+        WorkerError: a rank failed (``.rank``, ``.remote_traceback``).
+        WorkerDied: a worker process died (pid, signal, log tail).
+    """
+    from nbddp.fitting import FitRun, prepare
+    from nbddp.live import choose_view
+
+    if not isinstance(block, bool):
+        raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
+    view = choose_view(live)
+    s = get_session()
+    s.ensure_started()
+    options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,
+                   grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
+                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                   log_every=log_every, val_every=val_every, **advanced)
+    with s.lock:
+        s.ensure_ready()
+        plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
+                       metrics=metrics, step_fn=step_fn, batch_size=batch_size, **options)
+        run_ = FitRun(s, plan, view)
+        try:
+            run_.launch()
+        except BaseException:
+            plan.discard()
+            s.running = None
+            raise
+    if not block:
+        return FitHandle(run_)
+    _wait_interruptibly(run_, None)
+    return run_.result()
+
+
+def _wait_interruptibly(run_: Any, timeout: float | None) -> bool:
+    """Wait for a fit; the first Ctrl-C/Interrupt stops it cleanly, the second kills it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interrupts = 0
+    while True:
+        try:
+            while not run_.done_event.wait(0.1):
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+            return True
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts == 1:
+                run_.request_stop()
+            else:
+                run_.hard_stop()
+
+
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit"]

@@ -1,0 +1,110 @@
+"""Errors raised in the notebook, rendered the way IPython renders tracebacks.
+
+A failure on a worker is only useful if it names the rank and shows the
+remote traceback, so ``WorkerError`` carries both and implements
+``_render_traceback_`` (IPython calls it instead of printing the local,
+uninteresting kernel-side traceback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class NbddpError(RuntimeError):
+    """Base class of errors raised by nbddp itself (not by bad arguments)."""
+
+
+class NotStartedError(NbddpError):
+    """An operation needs workers, and none are running."""
+
+
+class FitRunningError(NbddpError):
+    """A second fit (or cell) was started while one runs on the same workers."""
+
+
+@dataclass
+class RankFailure:
+    """One rank's failure, as the kernel learnt it."""
+
+    rank: int
+    exc_type: str
+    message: str
+    remote_traceback: str = ""
+    pid: int | None = None
+    host: str = ""
+
+    def headline(self) -> str:
+        where = f"rank {self.rank}" + (f" (pid {self.pid}" + (f" on {self.host})" if self.host else ")") if self.pid else "")
+        return f"{where}: {self.exc_type}: {self.message}"
+
+
+@dataclass
+class _Extra:
+    others: list[RankFailure] = field(default_factory=list)
+
+
+class WorkerError(NbddpError):
+    """A rank failed. ``str()`` names the rank, the exception type and message.
+
+    Attributes:
+        rank: the rank that failed first.
+        exc_type: the name of the original exception's type.
+        message: the original exception's message.
+        remote_traceback: the traceback as the worker printed it.
+        others: further ranks that failed in the same call (listed, not raised).
+    """
+
+    def __init__(self, failure: RankFailure, others: list[RankFailure] | None = None, note: str = ""):
+        self.failure = failure
+        self.rank = failure.rank
+        self.exc_type = failure.exc_type
+        self.message = failure.message
+        self.remote_traceback = failure.remote_traceback
+        self.pid = failure.pid
+        self.others = list(others or [])
+        self.note = note
+        super().__init__(self._summary())
+
+    def _summary(self) -> str:
+        lines = [f"{self.failure.headline()}"]
+        for other in self.others:
+            lines.append(f"  also failed: {other.headline()}")
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the kernel-side traceback."""
+        red, reset = "\x1b[0;31m", "\x1b[0m"
+        out = [f"{red}{type(self).__name__}{reset}: {self.failure.headline()}"]
+        if self.remote_traceback:
+            out.append(f"--- remote traceback (rank {self.rank}) ---")
+            out.extend(self.remote_traceback.rstrip("\n").splitlines())
+        for other in self.others:
+            out.append(f"--- also failed: {other.headline()}")
+        if self.note:
+            out.append(self.note)
+        return out
+
+
+class WorkerDied(WorkerError):
+    """A worker process died (killed, segfault, out of memory).
+
+    Attributes, besides ``WorkerError``'s:
+        pid: the dead process's pid.
+        how: how it died, e.g. ``"killed by signal 9 (SIGKILL)"``.
+        log_tail: the last lines of its engine log, when they could be read.
+    """
+
+    def __init__(self, failure: RankFailure, how: str, log_tail: str = "", others=None, note: str = ""):
+        self.how = how
+        self.log_tail = log_tail
+        super().__init__(failure, others, note)
+
+    def _render_traceback_(self) -> list[str]:
+        out = super()._render_traceback_()
+        if self.log_tail:
+            out.append(f"--- last lines of rank {self.rank}'s engine log ---")
+            out.extend(self.log_tail.rstrip("\n").splitlines())
+        return out

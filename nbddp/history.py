@@ -1,0 +1,71 @@
+"""History: what a fit recorded, in the kernel.
+
+Records are plain dicts so they print, pickle and go into pandas
+(``pd.DataFrame(history.steps)``) without nbddp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class History:
+    """The result of ``dist_fit``.
+
+    Attributes:
+        status: ``"completed"``, ``"interrupted"`` (stopped by the person) or
+            ``"failed"`` (only seen on a ``FitHandle``'s partial history).
+        steps: one dict per logged point: ``step`` (optimizer steps done),
+            ``epoch``, ``loss`` (mean over every rank's samples since the
+            previous record), ``lr``, ``samples_per_s`` (all ranks together),
+            ``time`` (seconds since training began), plus any extra values a
+            ``step_fn`` returned.
+        epochs: one dict per finished epoch: ``epoch``, ``step``, ``loss``
+            (sample-weighted mean over all ranks), and with validation data
+            ``val_loss`` and ``val_<metric>``.
+        validations: every validation pass, including those run every
+            ``val_every`` steps inside an epoch.
+        timings: seconds spent shipping, training and returning weights.
+        world_size: how many ranks trained.
+    """
+
+    status: str = "completed"
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    validations: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    world_size: int = 0
+    model: Any = field(default=None, repr=False)
+
+    def add(self, kind: str, record: dict[str, Any]) -> None:
+        """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""
+        target = {"step": self.steps, "epoch": self.epochs, "val": self.validations}[kind]
+        target.append(record)
+
+    @property
+    def last_step(self) -> int:
+        return self.steps[-1]["step"] if self.steps else 0
+
+    def plot(self, figsize: tuple[float, float] = (6.0, 3.6)):
+        """A matplotlib ``Figure`` of the training and validation loss.
+
+        Built with ``Figure`` + Agg, never pyplot, so it is safe from any
+        thread and never pops up a window.
+        """
+        from nbddp.live.plot import loss_figure
+
+        return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})", figsize=figsize)
+
+    def __repr__(self) -> str:
+        last = self.epochs[-1] if self.epochs else (self.steps[-1] if self.steps else {})
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in last.items())
+        return (
+            f"History(status={self.status!r}, world_size={self.world_size}, "
+            f"steps={len(self.steps)} records, epochs={len(self.epochs)}, last: {shown})"
+        )
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else repr(value)

@@ -1,0 +1,53 @@
+"""Kernel-side views of a running fit: widget, text, or nothing.
+
+The choice is made in one place, ``choose_view``:
+
+* ``live=False``: nothing is shown;
+* inside a Jupyter kernel with ipywidgets: the dashboard widget, plus a
+  static final summary for saved notebooks (``live.widget``);
+* anywhere else (terminal IPython, a script): a compact text line.
+
+A view has three methods, called from the fit's watcher thread:
+``start(run)``, ``update(run)`` (throttled by the view), ``finish(run)``.
+``run.live_state`` holds status, per-rank figures and metadata;
+``run.history`` the records so far. ``live/`` never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NullView:
+    def start(self, run: Any) -> None:
+        pass
+
+    def update(self, run: Any) -> None:
+        pass
+
+    def finish(self, run: Any) -> None:
+        pass
+
+
+def in_notebook_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def choose_view(live: Any) -> Any:
+    """The view for ``dist_fit(live=...)``: ``None`` means automatic."""
+    if live is False:
+        return NullView()
+    if live not in (None, True, "widget", "text"):
+        raise ValueError(f"dist_fit(live=...) must be True, False, None (automatic), 'widget' or 'text'; got {live!r}")
+    if live == "text" or not in_notebook_kernel():
+        from nbddp.live.text import TextView
+
+        return TextView()
+    from nbddp.live.widget import WidgetView
+
+    return WidgetView()

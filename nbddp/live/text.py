@@ -1,0 +1,74 @@
+"""A compact text progress line for terminals and scripts, and a final summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60:d}:{seconds % 60:02d}"
+
+
+def progress_fields(run: Any) -> dict[str, Any]:
+    """What every view shows: step/total, epoch, loss, lr, throughput, elapsed, ETA."""
+    state, hist = run.live_state, run.history
+    meta = state.get("meta", {})
+    total = meta.get("total_steps") or 0
+    last = hist.steps[-1] if hist.steps else {}
+    step = last.get("step", meta.get("start_step", 0))
+    elapsed = last.get("time", 0.0)
+    done_from = meta.get("start_step", 0)
+    rate = (step - done_from) / elapsed if elapsed > 0 else 0.0
+    eta = (total - step) / rate if rate > 0 and total else None
+    val = hist.validations[-1] if hist.validations else {}
+    return {"status": state.get("status", "starting"), "step": step, "total": total,
+            "epoch": last.get("epoch", 0), "epochs": meta.get("epochs", 0), "loss": last.get("loss"),
+            "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "elapsed": elapsed, "eta": eta,
+            "val": {k: v for k, v in val.items() if k.startswith("val_")}}
+
+
+def progress_line(run: Any) -> str:
+    f = progress_fields(run)
+    parts = [f"[{f['status']}]", f"step {f['step']}/{f['total'] or '?'}", f"epoch {f['epoch'] + 1}/{f['epochs'] or '?'}"]
+    if f["loss"] is not None:
+        parts.append(f"loss {f['loss']:.4g}")
+    parts += [f"{k} {v:.4g}" for k, v in f["val"].items()]
+    if f["samples_per_s"]:
+        parts.append(f"{f['samples_per_s']:.0f} samples/s")
+    parts.append(f"{fmt_time(f['elapsed'])}" + (f" (ETA {fmt_time(f['eta'])})" if f["eta"] is not None else ""))
+    return "  ".join(parts)
+
+
+class TextView:
+    """One line, rewritten in place on a terminal, at most every ``every`` seconds."""
+
+    def __init__(self, stream: Any = None, every: float = 1.0):
+        self.stream = stream or sys.stdout
+        self.every = every
+        self._last = 0.0
+        self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def start(self, run: Any) -> None:
+        meta = run.live_state.get("meta", {})
+        self.stream.write(f"nbddp: training on {meta.get('world_size', '?')} rank(s), backend {meta.get('backend', '?')}\n")
+        self.stream.flush()
+
+    def update(self, run: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        line = progress_line(run)
+        self.stream.write(("\r" + line + "\x1b[K") if self._tty else line + "\n")
+        self.stream.flush()
+
+    def finish(self, run: Any) -> None:
+        if self._tty:
+            self.stream.write("\n")
+        self.stream.write(progress_line(run) + "\n")
+        if run.error is not None:
+            self.stream.write(f"nbddp: training failed: {str(run.error).splitlines()[0]}\n")
+        self.stream.flush()

@@ -1,0 +1,121 @@
+"""The plain (non-callable) options of ``dist_fit``, validated in the kernel.
+
+Everything that can be known before a worker starts is checked here, so a
+typo costs an error message, not a broken process group. ``FitConfig`` is
+plain data: it travels to the workers with ordinary pickle.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+PRECISIONS = ("32", "bf16", "16-mixed")
+
+
+@dataclass
+class FitConfig:
+    """Validated options, as the worker loop reads them."""
+
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    lr: float = 1e-3
+    shuffle: bool = True
+    seed: int = 0
+    precision: str = "32"
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    sync_batchnorm: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool | str = False
+    log_every: int = 20
+    val_every: int | None = None
+    drop_last: bool = False
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    record_interval_s: float = 1.0
+    publish_interval_s: float = 0.25
+
+
+def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"dist_fit({name}=...) must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"dist_fit({name}=...) must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _float(name: str, value: Any, minimum: float, allow_none: bool = False, strict: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"dist_fit({name}=...) must be a number, got {type(value).__name__} {value!r}")
+    if value < minimum or (strict and value == minimum) or value != value:
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        raise ValueError(f"dist_fit({name}=...) must be {bound}, got {value}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"dist_fit({name}=...) must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def make_config(**options: Any) -> FitConfig:
+    """Check every plain option and build a ``FitConfig``.
+
+    Raises:
+        TypeError / ValueError: naming the option, the bad value and what it
+            should be.
+    """
+    known = {f.name for f in fields(FitConfig)}
+    unknown = set(options) - known
+    if unknown:
+        raise TypeError(f"dist_fit() got unknown option(s) {sorted(unknown)}; see help(nbddp.dist_fit) for the options")
+    cfg = FitConfig(**options)
+    cfg.epochs = _int("epochs", cfg.epochs, 1)
+    cfg.max_steps = _int("max_steps", cfg.max_steps, 1, allow_none=True)
+    cfg.batch_size = _int("batch_size", cfg.batch_size, 1)
+    cfg.lr = _float("lr", cfg.lr, 0.0)
+    cfg.shuffle = _bool("shuffle", cfg.shuffle)
+    cfg.seed = _int("seed", cfg.seed, 0)
+    if cfg.precision not in PRECISIONS:
+        aliases = {32: "32", "fp32": "32", "bf16-mixed": "bf16", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed"}
+        hint = f" (did you mean {aliases[cfg.precision]!r}?)" if cfg.precision in aliases else ""
+        raise ValueError(f"dist_fit(precision=...) must be one of {PRECISIONS}, got {cfg.precision!r}{hint}")
+    cfg.grad_accum = _int("grad_accum", cfg.grad_accum, 1)
+    cfg.clip_grad_norm = _float("clip_grad_norm", cfg.clip_grad_norm, 0.0, allow_none=True, strict=True)
+    cfg.sync_batchnorm = _bool("sync_batchnorm", cfg.sync_batchnorm)
+    if cfg.checkpoint_dir is not None:
+        if not isinstance(cfg.checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"dist_fit(checkpoint_dir=...) must be a path, got {type(cfg.checkpoint_dir).__name__}")
+        cfg.checkpoint_dir = os.path.abspath(os.fspath(cfg.checkpoint_dir))
+    cfg.checkpoint_every = _int("checkpoint_every", cfg.checkpoint_every, 1, allow_none=True)
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("dist_fit(checkpoint_every=...) needs checkpoint_dir=... to say where checkpoints go")
+    if isinstance(cfg.resume, os.PathLike):
+        cfg.resume = os.fspath(cfg.resume)
+    if not isinstance(cfg.resume, (bool, str)):
+        raise TypeError(f"dist_fit(resume=...) must be True/False or a checkpoint path, got {type(cfg.resume).__name__}")
+    if cfg.resume is True and not cfg.checkpoint_dir:
+        raise ValueError("dist_fit(resume=True) resumes from checkpoint_dir; pass checkpoint_dir=... or resume='path/to/ckpt'")
+    if isinstance(cfg.resume, str):
+        cfg.resume = os.path.abspath(cfg.resume)
+    cfg.log_every = _int("log_every", cfg.log_every, 1)
+    if cfg.val_every == "epoch":
+        cfg.val_every = None
+    cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
+    cfg.drop_last = _bool("drop_last", cfg.drop_last)
+    cfg.num_workers = _int("num_workers", cfg.num_workers, 0, allow_none=True)
+    if cfg.pin_memory is not None:
+        cfg.pin_memory = _bool("pin_memory", cfg.pin_memory)
+    cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
+    cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
+    return cfg

@@ -1,0 +1,125 @@
+"""Watching one task per rank: results, or a fast, named failure.
+
+This is the fault contract's kernel half (``design.md``):
+
+* one ``AsyncResult`` per rank, so a dead engine is seen at once (a task over
+  several engines reports a death only when all complete);
+* the first failure is remembered; ranks that can be released finish within
+  a short grace (they fail too, or finish); ranks still running after it are
+  stuck in a collective that no signal can break (gloo/NCCL wait in C++),
+  so they are killed by pid and replaced in the background;
+* a failure a rank raised deliberately because *another* rank failed
+  (``PeerFailed``) is never the headline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from nbddp.errors import RankFailure, WorkerDied, WorkerError
+
+GRACE_S = 1.5
+PEER_FAILED = "PeerFailed"
+
+
+class RankTasks:
+    def __init__(self, session: Any, ars: dict[int, Any], what: str):
+        self.session = session
+        self.ars = ars  # rank -> AsyncResult
+        self.what = what
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, tuple[float, BaseException]] = {}
+        self.first_failure_at: float | None = None
+        self.finished = False
+
+    @property
+    def pending(self) -> list[int]:
+        return [r for r in self.ars if r not in self.results and r not in self.failures]
+
+    def poll(self) -> bool:
+        """Collect what finished; return True when the outcome is decided."""
+        for rank in self.pending:
+            ar = self.ars[rank]
+            if not ar.ready():
+                continue
+            try:
+                self.results[rank] = ar.get(timeout=0)
+            except BaseException as exc:  # noqa: BLE001 - classified below
+                self.failures[rank] = (time.monotonic(), exc)
+                if self.first_failure_at is None:
+                    self.first_failure_at = time.monotonic()
+        if not self.pending:
+            return True
+        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > GRACE_S
+
+    def wait(self, on_tick: Callable[[], None] | None = None, tick_s: float = 0.05) -> dict[int, Any]:
+        """Block until every rank finished (results by rank) or raise ``WorkerError``."""
+        try:
+            while not self.poll():
+                if on_tick is not None:
+                    on_tick()
+                self._sleep(tick_s)
+            if on_tick is not None:
+                on_tick()
+        finally:
+            self.finished = True
+        if self.failures:
+            raise self.fail()
+        return self.results
+
+    def _sleep(self, tick_s: float) -> None:
+        # wait on any pending result rather than sleeping blindly: returns early when one finishes
+        pending = self.pending
+        if pending:
+            try:
+                self.ars[pending[0]].wait(tick_s)
+            except Exception:  # noqa: BLE001
+                time.sleep(tick_s)
+
+    def fail(self) -> WorkerError:
+        """Kill stuck ranks, start healing, and build the error to raise."""
+        stuck = self.pending
+        placements = {p.rank: p for p in self.session.placements}
+        killed: list[int] = [placements[r].engine_id for r in stuck]
+        broken_group = bool(stuck)
+        workers = self.session.workers
+        if stuck:  # first, so they stop burning CPU while we build the report
+            workers.kill(killed, {p.engine_id: p.pid for p in placements.values()})
+        failures = []
+        died: dict[int, tuple[str, str]] = {}
+        for rank, (at, exc) in sorted(self.failures.items(), key=lambda kv: kv[1][0]):
+            p = placements[rank]
+            failure, dead = classify(rank, exc, p)
+            if dead:
+                how, tail = workers.how_died(p.pid)
+                failure.message = f"the worker process (pid {p.pid}) {how}"
+                died[rank] = (how, tail)
+                killed.append(p.engine_id)
+                broken_group = True
+            failures.append(failure)
+        own = [f for f in failures if f.exc_type != PEER_FAILED] or failures
+        head, others = own[0], [f for f in failures if f is not own[0] and f.exc_type != PEER_FAILED]
+        note = ""
+        if stuck:
+            note = (f"rank(s) {', '.join(map(str, stuck))} were stuck in a collective and were killed; "
+                    "replacement workers are starting, the next call waits for them")
+        if broken_group:
+            self.session.heal_async(killed)
+        if head.rank in died:
+            how, tail = died[head.rank]
+            return WorkerDied(head, how, tail, others, note)
+        return WorkerError(head, others, note)
+
+
+def classify(rank: int, exc: BaseException, placement: Any) -> tuple[RankFailure, bool]:
+    """(failure record, whether the engine process died)."""
+    from ipyparallel.error import EngineError, RemoteError
+
+    if isinstance(exc, RemoteError):
+        tb = exc.traceback if isinstance(exc.traceback, str) else "".join(exc.traceback or [])
+        return RankFailure(rank, exc.ename, str(exc.evalue), tb, placement.pid, placement.host), False
+    if isinstance(exc, EngineError):
+        return RankFailure(rank, "WorkerDied", f"the worker process (pid {placement.pid}) died", "",
+                           placement.pid, placement.host), True
+    return RankFailure(rank, type(exc).__name__, str(exc), "", placement.pid, placement.host), False

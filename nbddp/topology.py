@@ -1,0 +1,148 @@
+"""From probed engines to ranks: rank, local rank, device, master address.
+
+Pure functions over plain data, so the placement logic is tested with fake
+probes (2 hosts x 4 GPUs, engines registering in any order, replaced
+engines with new ids) without starting anything.
+
+Rules:
+* hosts are ordered by the smallest engine id on them (the host that came up
+  first, usually the controller's, is rank 0's), engines within a host by id;
+  ranks count through that order. Engine ids change when engines are
+  replaced, so ranks are always derived again from the current probes.
+* ``local_rank`` is the index within the host; with CUDA it is the GPU index.
+* rank 0's host address is the master address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What an engine said about itself (see ``worker.probe.probe``)."""
+
+    engine_id: int
+    host: str
+    pid: int
+    address: str  # the address this engine reaches the controller from
+    cuda_devices: int = 0
+    same_host_as_kernel: bool = False
+    python: str = ""
+    torch_version: str = ""
+    hints: dict[str, str] = field(default_factory=dict)
+    interfaces: dict[str, str] = field(default_factory=dict)  # name -> IPv4 address
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank lives."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    address: str
+    local: bool  # shares the kernel's file system (shared-memory shipping)
+
+
+class TopologyError(ValueError):
+    """The engines cannot form the requested process group."""
+
+
+def assign(probes: list[Probe], backend: str) -> list[Placement]:
+    """Ranks for ``probes``, checked for what ``backend`` needs.
+
+    Raises:
+        TopologyError: no engines; ``nccl`` on an engine that sees no GPU; more
+            engines on a host than it has GPUs; hosts with different numbers
+            of engines per GPU layout under ``nccl``.
+    """
+    if not probes:
+        raise TopologyError("no engines are registered; start some with nbddp.start(n=...)")
+    by_host: dict[str, list[Probe]] = {}
+    for p in sorted(probes, key=lambda p: p.engine_id):
+        by_host.setdefault(p.host, []).append(p)
+    hosts = sorted(by_host, key=lambda h: by_host[h][0].engine_id)
+    if backend == "nccl":
+        _check_gpus(by_host)
+    world = len(probes)
+    placements: list[Placement] = []
+    for host in hosts:
+        group = by_host[host]
+        for local_rank, p in enumerate(group):
+            device = f"cuda:{local_rank}" if backend == "nccl" or p.cuda_devices > local_rank else "cpu"
+            if backend == "gloo" and p.cuda_devices and p.cuda_devices < len(group):
+                device = "cpu"  # more engines than GPUs on gloo: keep everyone on CPU, consistently
+            placements.append(
+                Placement(
+                    rank=len(placements),
+                    local_rank=local_rank,
+                    world_size=world,
+                    local_world_size=len(group),
+                    engine_id=p.engine_id,
+                    host=host,
+                    pid=p.pid,
+                    device=device,
+                    address=p.address,
+                    local=p.same_host_as_kernel,
+                )
+            )
+    return placements
+
+
+def _check_gpus(by_host: dict[str, list[Probe]]) -> None:
+    counts = {host: (len(group), group[0].cuda_devices) for host, group in by_host.items()}
+    for host, (engines, gpus) in counts.items():
+        if gpus == 0:
+            raise TopologyError(
+                f"backend='nccl' needs GPUs, but the engines on host {host!r} see none. "
+                "Use backend='gloo' for CPU training, or check CUDA_VISIBLE_DEVICES on that host."
+            )
+        if engines > gpus:
+            raise TopologyError(
+                f"host {host!r} runs {engines} engines but sees {gpus} GPU(s); nccl needs one GPU per engine. "
+                f"Start at most {gpus} engine(s) there (nbddp.start(n={gpus}) on one machine)."
+            )
+    gpu_counts = {gpus for _, gpus in counts.values()}
+    if len(gpu_counts) > 1:
+        detail = ", ".join(f"{h}: {e} engines / {g} GPUs" for h, (e, g) in counts.items())
+        raise TopologyError(
+            f"hosts differ in their GPUs ({detail}); mixed hosts make local ranks and devices ambiguous. "
+            "Use hosts of one kind, or start the same number of engines on each."
+        )
+
+
+def master_address(placements: list[Placement]) -> str:
+    """Rank 0's reachable address (loopback when every rank is on one host)."""
+    if len({p.host for p in placements}) == 1:
+        return "127.0.0.1"
+    return placements[0].address
+
+
+def interface_for(address: str, interfaces: dict[str, str]) -> str | None:
+    """The interface name that carries ``address`` (for GLOO/NCCL_SOCKET_IFNAME)."""
+    for name, addr in interfaces.items():
+        if addr == address:
+            return name
+    return None
+
+
+def describe(placements: list[Placement]) -> list[dict[str, Any]]:
+    """Rows for ``status()`` tables."""
+    return [
+        {
+            "rank": p.rank,
+            "local_rank": p.local_rank,
+            "host": p.host,
+            "pid": p.pid,
+            "device": p.device,
+            "engine": p.engine_id,
+        }
+        for p in placements
+    ]

@@ -1,0 +1,118 @@
+"""Datasets and loaders on a worker: one shard per rank.
+
+Training uses ``DistributedSampler``: each rank sees ``ceil(N / world)``
+samples per epoch; when ``N`` is not divisible by the world size the
+sampler *pads* by repeating the first few indices (``drop_last=True``
+drops the tail instead). Every rank therefore runs the same number of
+batches, so no rank waits for another at an epoch's end.
+
+Validation does not pad (a repeated sample would bias the metric): rank
+``r`` takes samples ``r, r + world, ...``, runs without collectives, and
+the sums are reduced once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+
+class DataSpec:
+    """How to rebuild a user's data on a worker (picklable)."""
+
+    def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
+                 batch_size: int | None = None, collate_fn: Callable | None = None, key: str | None = None):
+        self.dataset = dataset
+        self.factory = factory
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.key = key  # cache key: the same key means the same data
+
+
+def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
+    if spec.key is not None and spec.key in cache:
+        return cache[spec.key]
+    if spec.factory is not None:
+        ds = spec.factory()
+        if isinstance(ds, DataLoader):
+            ds = ds.dataset
+        elif isinstance(ds, tuple):
+            ds = TensorDataset(*ds)
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+            raise TypeError(
+                f"the data factory returned {type(ds).__name__}; it must return a map-style Dataset "
+                "(with __len__ and __getitem__), a DataLoader or a tuple of tensors"
+            )
+    else:
+        ds = spec.dataset
+    if len(ds) == 0:
+        raise ValueError("the dataset built on the worker is empty (len 0)")
+    if spec.key is not None:
+        if len(cache) >= 8:  # keep a few datasets resident, not every one ever seen
+            cache.pop(next(iter(cache)))
+        cache[spec.key] = ds
+    return ds
+
+
+class SkipSampler(Sampler):
+    """Yields a sampler's indices after skipping the first ``skip`` (resume mid-epoch)."""
+
+    def __init__(self, inner: Sampler, skip: int = 0):
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        it = iter(self.inner)
+        for _ in range(self.skip):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+
+class StridedSampler(Sampler):
+    """Rank ``r`` of ``world`` takes indices ``r, r + world, ...``: no padding."""
+
+    def __init__(self, n: int, rank: int, world: int):
+        self.indices = range(rank, n, world)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: bool | None) -> dict[str, Any]:
+    """DataLoader settings that suit the device, unless the person chose."""
+    on_gpu = device.type == "cuda"
+    kwargs: dict[str, Any] = {
+        "num_workers": (2 if on_gpu else 0) if num_workers is None else num_workers,
+        "pin_memory": on_gpu if pin_memory is None else pin_memory,
+    }
+    if kwargs["num_workers"] > 0:
+        kwargs["persistent_workers"] = False
+    return kwargs
+
+
+def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int,
+                 device: torch.device) -> tuple[DataLoader, DistributedSampler, Callable[[Sampler], DataLoader]]:
+    """The epoch loader, its sampler, and a maker of loaders over another sampler (resume)."""
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=cfg.shuffle, seed=cfg.seed, drop_last=cfg.drop_last)
+    kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
+
+    def make(s: Sampler) -> DataLoader:
+        return DataLoader(ds, batch_size=cfg.batch_size, sampler=s, collate_fn=spec.collate_fn, drop_last=False, **kwargs)
+
+    return make(sampler), sampler, make
+
+
+def val_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device) -> DataLoader:
+    return DataLoader(ds, batch_size=cfg.batch_size, sampler=StridedSampler(len(ds), rank, world),
+                      collate_fn=spec.collate_fn, **loader_kwargs(device, cfg.num_workers, cfg.pin_memory))

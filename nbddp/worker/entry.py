@@ -1,0 +1,52 @@
+"""The functions the kernel calls on engines (by reference: ``nbddp`` is importable there).
+
+Each wraps one piece of worker machinery and returns plain data or a
+``shipping.Parcel``, never a user-defined object through ipyparallel's own
+canning (which breaks notebook classes; see the facts file).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbddp import shipping
+from nbddp.worker.state import STATE, stop_on_sigint
+
+
+def ping() -> int:
+    import os
+
+    return os.getpid()
+
+
+def fit_task(parcel: shipping.Parcel, cfg: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights."""
+    from nbddp.worker import loop
+
+    _check_generation(meta)
+    with stop_on_sigint():
+        result = loop.fit(parcel, cfg, meta)
+    module = result.pop("module", None)
+    if module is not None:
+        obj = module.state_dict() if meta.get("return") == "state_dict" else module.cpu()
+        result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local)
+    return result
+
+
+def call_task(parcel: shipping.Parcel, meta: dict[str, Any]) -> shipping.Parcel:
+    """``nbddp.run``: call the shipped function with the process group ready."""
+    _check_generation(meta)
+    fn, args, kwargs = shipping.unpack(parcel)
+    result = fn(*args, **kwargs)
+    return shipping.pack(result, what=f"the result of {getattr(fn, '__name__', 'the function')}",
+                         local=STATE.placement.local)
+
+
+def _check_generation(meta: dict[str, Any]) -> None:
+    want = meta.get("generation")
+    if want is not None and want != STATE.generation:
+        raise RuntimeError(
+            f"this engine joined process-group generation {STATE.generation}, the kernel expected {want}; "
+            "run nbddp.restart() to rebuild the workers"
+        )
+

@@ -1,0 +1,154 @@
+"""Reducing metrics across ranks, and publishing records to the kernel.
+
+Per step, the loop only adds detached tensors on the device (no ``.item()``,
+no collective). At a synchronisation point every rank packs its sums into
+ONE tensor and ``all_reduce``s it: loss and sample sums, the stop flag,
+extra values, and one slot per rank for throughput and memory (an
+all-gather by sum). The next interval is derived from rank 0's timing
+slot, identical on every rank, so all ranks agree on where the next
+collective is and nobody can wait for a partner that skipped it.
+
+Rank 0 publishes with ``ipyparallel.datapub.publish_data``. The client keeps
+only the latest value per key, so each message carries a sequence number
+and a window of recent records; the full list also comes back as the
+task's result, so the kernel's ``History`` never misses a record.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+WINDOW = 64
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class Reporter:
+    def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, total_steps: int, meta: dict[str, Any]):
+        self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
+        self.total_steps = total_steps
+        self.meta = meta
+        self.sync_every = 1  # the first interval is measured, then adapted
+        self.records: list[tuple[int, str, dict[str, Any]]] = []
+        self.ranks: list[dict[str, Any]] = []
+        self.status = "training"
+        self._last_publish = 0.0
+        self._zero = torch.zeros((), device=device, dtype=torch.float64)
+        self._extra_keys: list[str] | None = None
+        self.reset_window()
+        self.epoch_loss = 0.0
+        self.epoch_n = 0.0
+        self.t0 = time.perf_counter()
+        self._publish = None
+        if rank == 0:
+            try:
+                from ipyparallel.datapub import publish_data
+                self._publish = publish_data
+            except Exception:  # noqa: BLE001 - outside an engine (unit tests) there is nobody to publish to
+                self._publish = None
+        self.publish(force=True)
+
+    def reset_window(self) -> None:
+        self.loss_sum = self._zero.clone()
+        self.n = 0
+        self.extras: dict[str, torch.Tensor] = {}
+        self.steps_since = 0
+        self.t_last = time.perf_counter()
+
+    # -- per step (no synchronisation) ----------------------------------
+    def add(self, loss: torch.Tensor, n: int, extras: dict[str, Any]) -> None:
+        self.loss_sum += loss.detach().to(torch.float64) * n
+        self.n += n
+        for k, v in extras.items():
+            v = v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64, device=self.device)
+            self.extras[k] = self.extras.get(k, self._zero) + v.reshape(()) * n
+
+    def due(self, step: int) -> bool:
+        return self.steps_since >= self.sync_every or step >= self.total_steps
+
+    # -- collective -----------------------------------------------------
+    def sync(self, step: int, epoch: int, lr: float, stop_requested: bool, peak_mem: int) -> bool:
+        """Reduce the window, record it (rank 0), return whether to stop."""
+        if self._extra_keys is None:
+            self._extra_keys = sorted(self.extras)
+        keys = self._extra_keys
+        elapsed = max(time.perf_counter() - self.t_last, 1e-9)
+        w = self.world
+        head = torch.stack([
+            self.loss_sum,
+            torch.tensor(float(self.n), dtype=torch.float64, device=self.device),
+            torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device),
+            torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
+            *[self.extras.get(k, self._zero) for k in keys],
+        ])
+        slots = torch.zeros(2 * w, dtype=torch.float64, device=self.device)
+        slots[self.rank] = self.n / elapsed
+        slots[w + self.rank] = float(peak_mem)
+        vec = torch.cat([head, slots])
+        dist.all_reduce(vec)
+        v = vec.cpu().tolist()
+        loss_sum, n, stop, elapsed0 = v[0], v[1], v[2], v[3]
+        extras = dict(zip(keys, v[4 : 4 + len(keys)]))
+        per_rank_sps = v[4 + len(keys) : 4 + len(keys) + w]
+        per_rank_mem = v[4 + len(keys) + w :]
+        steps = max(self.steps_since, 1)
+        self.sync_every = max(1, min(self.cfg.log_every, int(self.cfg.record_interval_s / (elapsed0 / steps))))
+        loss = loss_sum / n if n else float("nan")
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"the loss is {loss} at step {step} (epoch {epoch}): training diverged or the data holds NaN/inf. "
+                "Lower lr, add clip_grad_norm=..., or check the inputs."
+            )
+        self.epoch_loss += loss_sum
+        self.epoch_n += n
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+                  "samples_per_s": n / elapsed0, "time": time.perf_counter() - self.t0}
+        record.update({k: s / n for k, s in extras.items()})
+        self.ranks = [{"rank": r, "samples_per_s": per_rank_sps[r], "peak_mem": int(per_rank_mem[r])} for r in range(w)]
+        self.record("step", record)
+        self.reset_window()
+        return stop > 0
+
+    def end_epoch(self, epoch: int, step: int) -> dict[str, Any]:
+        loss = self.epoch_loss / self.epoch_n if self.epoch_n else float("nan")
+        self.epoch_loss, self.epoch_n = 0.0, 0.0
+        return {"epoch": epoch, "step": step, "loss": loss}
+
+    def reduce_sums(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    # -- publishing (rank 0) --------------------------------------------
+    def record(self, kind: str, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        self.records.append((len(self.records), kind, record))
+        self.publish()
+
+    def publish(self, force: bool = False) -> None:
+        if self._publish is None:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_publish < self.cfg.publish_interval_s:
+            return
+        self._last_publish = now
+        self._publish({"nbddp": {
+            "seq": len(self.records),
+            "window": self.records[-WINDOW:],
+            "status": self.status,
+            "ranks": self.ranks,
+            "meta": self.meta,
+        }})

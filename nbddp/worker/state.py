@@ -1,0 +1,53 @@
+"""The one per-process state of a worker (engine).
+
+An engine outlives many fits, so what must persist between calls (the
+process group's generation, this rank's placement, datasets kept resident,
+the namespace of ``%%ddp`` cells, the stop flag) lives in one object,
+``STATE``, instead of scattered module globals.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass
+class WorkerState:
+    placement: Any = None  # topology.Placement of this rank
+    backend: str = ""
+    generation: int = -1  # process-group generation this engine joined
+    stop_requested: bool = False
+    busy: bool = False
+    namespace: dict[str, Any] = field(default_factory=dict)  # %%ddp cells' names
+    dataset_cache: dict[str, Any] = field(default_factory=dict)
+    watchdog: threading.Thread | None = None
+
+
+STATE = WorkerState()
+
+
+@contextmanager
+def stop_on_sigint() -> Iterator[WorkerState]:
+    """While a task runs, SIGINT sets ``STATE.stop_requested`` instead of raising.
+
+    A rank must never leave mid-collective, so the kernel's stop request (a
+    SIGINT relayed by the engine's nanny) becomes a flag that the ranks agree
+    on at the next synchronisation point. Engine tasks run in the main
+    thread, so installing a handler here is allowed.
+    """
+    STATE.stop_requested = False
+
+    def _handler(signum: int, frame: Any) -> None:
+        STATE.stop_requested = True
+
+    old = signal.signal(signal.SIGINT, _handler)
+    STATE.busy = True
+    try:
+        yield STATE
+    finally:
+        STATE.busy = False
+        signal.signal(signal.SIGINT, old)
