@@ -120,7 +120,6 @@ class Workers:
                     f"only {len(self.client.ids)} of {n} engines registered within {timeout:.0f} s; "
                     "the machine may be overloaded, or engines fail at start-up (see their logs in the profile's log/ folder)"
                 )
-            self.client.spin()
             time.sleep(0.05)
 
     def launcher_pids(self) -> dict[int, Any]:
@@ -188,7 +187,6 @@ class Workers:
         """Wait until the controller has unregistered ``engine_ids``."""
         deadline = time.monotonic() + timeout
         while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
-            self.client.spin()
             time.sleep(0.05)
 
     def stop(self) -> None:

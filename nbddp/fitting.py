@@ -41,7 +41,8 @@ class FitPlan:
 
 
 def _is_dataset(obj: Any) -> bool:
-    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, (str, bytes, Mapping))
+    return (not isinstance(obj, (type, str, bytes, Mapping))
+            and hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
 def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
@@ -96,10 +97,12 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
 
     if isinstance(model, torch.nn.Module):
         returned = model
+    elif isinstance(model, type) and issubclass(model, torch.nn.Module):
+        returned = None  # a Module class is a factory: Net() is built on each worker
     elif callable(model) and not isinstance(model, type):
         returned = None
     else:
-        what = "a class (call it: Net(), or pass lambda: Net())" if isinstance(model, type) else type(model).__name__
+        what = f"the class {model.__name__}, which is not an nn.Module" if isinstance(model, type) else type(model).__name__
         raise TypeError(f"dist_fit(model=...) must be a torch.nn.Module or a zero-argument function returning one; got {what}")
     spec, n_train, loader_bs = data_spec(data, "dist_fit(data=...)")
     if n_train == 0:
@@ -197,6 +200,8 @@ class FitRun:
         self._t0 = time.perf_counter() - plan.ship_s  # the call began when shipping began
         self.live_state: dict[str, Any] = {"status": "starting", "ranks": [], "meta": {}}
         self.thread: threading.Thread | None = None
+        self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
+        self.watch_cpu_s: float | None = None
 
     # -- public-ish --------------------------------------------------------
     @property
@@ -255,17 +260,21 @@ class FitRun:
         self.live_state["meta"] = {**self.live_state["meta"], **(msg.get("meta") or {})}
         if not self.stop_requested:
             self.live_state["status"] = msg.get("status", "training")
-        for seq, kind, record in msg.get("window", []):
-            if seq >= self._seen:
-                if seq > self._seen:  # fell behind the window; the final result fills the gap
-                    continue
+        window = msg.get("window", [])
+        if window and window[0][0] > self._seen:
+            # fell behind the window (a very slow poll): skip ahead so the view goes on;
+            # the final result (every record, from rank 0's return value) fills the gap
+            self.live_state["missed"] = self.live_state.get("missed", 0) + window[0][0] - self._seen
+            self._seen = window[0][0]
+        for seq, kind, record in window:
+            if seq == self._seen:
                 self.history.add(kind, record)
                 self._seen = seq + 1
         self.view.update(self)
 
     def _watch(self) -> None:
         try:
-            results = self.tasks.wait(on_tick=self._stream)
+            results = self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
             self._finish(results)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             if self.hard_stopped:
@@ -277,11 +286,12 @@ class FitRun:
         finally:
             self.session.running = None
             self.plan.discard()
-            self.done_event.set()
-            try:
+            try:  # before done_event: a blocking cell returns only once the final state is drawn
                 self.view.finish(self)
             except Exception:  # noqa: BLE001 - a display problem must not hide the result
                 pass
+            self.watch_cpu_s = time.thread_time()  # this thread's CPU seconds, view included
+            self.done_event.set()
 
     def _finish(self, results: dict[int, Any]) -> None:
         t0 = time.perf_counter()

@@ -5,7 +5,9 @@ The choice is made in one place, ``choose_view``:
 * ``live=False``: nothing is shown;
 * inside a Jupyter kernel with ipywidgets: the dashboard widget, plus a
   static final summary for saved notebooks (``live.widget``);
-* anywhere else (terminal IPython, a script): a compact text line.
+* anywhere else (terminal IPython, a script), or without ipywidgets: a
+  compact text line and a final summary (``live.text``);
+* ``live="widget"`` / ``live="text"`` force one of them.
 
 A view has three methods, called from the fit's watcher thread:
 ``start(run)``, ``update(run)`` (throttled by the view), ``finish(run)``.
@@ -44,10 +46,18 @@ def choose_view(live: Any) -> Any:
         return NullView()
     if live not in (None, True, "widget", "text"):
         raise ValueError(f"dist_fit(live=...) must be True, False, None (automatic), 'widget' or 'text'; got {live!r}")
-    if live == "text" or not in_notebook_kernel():
-        from nbddp.live.text import TextView
+    if live == "widget" or (live != "text" and in_notebook_kernel() and _has_widgets()):
+        from nbddp.live.widget import WidgetView
 
-        return TextView()
-    from nbddp.live.widget import WidgetView
+        return WidgetView()
+    from nbddp.live.text import TextView
 
-    return WidgetView()
+    return TextView()
+
+
+def _has_widgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True

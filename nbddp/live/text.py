@@ -19,15 +19,35 @@ def progress_fields(run: Any) -> dict[str, Any]:
     total = meta.get("total_steps") or 0
     last = hist.steps[-1] if hist.steps else {}
     step = last.get("step", meta.get("start_step", 0))
-    elapsed = last.get("time", 0.0)
+    train_time = last.get("time", 0.0)  # seconds since training began, on the workers
     done_from = meta.get("start_step", 0)
-    rate = (step - done_from) / elapsed if elapsed > 0 else 0.0
-    eta = (total - step) / rate if rate > 0 and total else None
+    rate = (step - done_from) / train_time if train_time > 0 else 0.0
+    eta = (total - step) / rate if rate > 0 and total and step < total else None
+    finished = getattr(run, "finished", False)
+    if hist.timings.get("total_s") is not None:
+        elapsed = hist.timings["total_s"]  # the whole call, shipping and returning weights included
+    elif getattr(run, "_t0", None) is not None and not finished:
+        elapsed = time.perf_counter() - run._t0
+    else:
+        elapsed = train_time
+    if finished:
+        eta = None
     val = hist.validations[-1] if hist.validations else {}
     return {"status": state.get("status", "starting"), "step": step, "total": total,
             "epoch": last.get("epoch", 0), "epochs": meta.get("epochs", 0), "loss": last.get("loss"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "elapsed": elapsed, "eta": eta,
-            "val": {k: v for k, v in val.items() if k.startswith("val_")}}
+            "val": {k: v for k, v in val.items() if k.startswith("val_")},
+            "fraction": min(1.0, step / total) if total else 0.0}
+
+
+def fmt_bytes(n: float | None) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def progress_line(run: Any) -> str:

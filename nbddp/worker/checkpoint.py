@@ -2,9 +2,12 @@
 
 A checkpoint is one file ``step-00000123.pt`` holding only torch and plain
 Python objects (no nbddp classes), so ``torch.load(path)`` works without
-nbddp. It is written to a temporary name in the same directory, flushed to
-disk, then renamed: a crash mid-write leaves a stray temporary file, never a
-corrupt ``step-*.pt``. The latest checkpoint is the highest step that loads.
+nbddp, even with its default ``weights_only=True`` (the numpy RNG state is
+stored as a tensor, not an array). It is written to a temporary name in the
+same directory, flushed to disk, then renamed: a crash mid-write leaves a
+stray temporary file (removed by the next save), never a corrupt
+``step-*.pt``. The latest checkpoint is the highest step whose file is a
+complete archive.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import glob
 import os
 import random
 import re
+import zipfile
 from typing import Any
 
 import torch
 
 KEEP = 3
 _NAME = re.compile(r"step-(\d+)\.pt$")
+_TMP = re.compile(r"step-\d+\.pt\.tmp-(\d+)$")
 
 
 def path_for(directory: str, step: int) -> str:
@@ -28,7 +33,9 @@ def path_for(directory: str, step: int) -> str:
 def rng_state() -> dict[str, Any]:
     import numpy as np
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -39,7 +46,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, keys, pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -47,6 +56,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(directory: str, step: int, payload: dict[str, Any], keep: int = KEEP) -> str:
     """Write ``payload`` as the checkpoint of ``step``; keep the newest ``keep``."""
     os.makedirs(directory, exist_ok=True)
+    _remove_stale_temporaries(directory)
     final = path_for(directory, step)
     tmp = f"{final}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -70,19 +80,50 @@ def save(directory: str, step: int, payload: dict[str, Any], keep: int = KEEP) -
     return final
 
 
+def _remove_stale_temporaries(directory: str) -> None:
+    """Delete temporaries left by a writer that died mid-save (its pid is gone)."""
+    for path in glob.glob(os.path.join(directory, "step-*.pt.tmp-*")):
+        match = _TMP.search(path)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and _alive(pid):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` archive (its zip directory reads), without loading it."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def list_checkpoints(directory: str) -> list[str]:
     found = [p for p in glob.glob(os.path.join(directory, "step-*.pt")) if _NAME.search(p)]
     return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
 
 
 def latest(directory: str) -> str | None:
-    """The newest checkpoint in ``directory`` that loads, or ``None``."""
+    """The newest complete checkpoint in ``directory``, or ``None`` (a damaged file is skipped)."""
     for path in reversed(list_checkpoints(directory)):
-        try:
-            torch.load(path, map_location="cpu", weights_only=False)
+        if is_complete(path):
             return path
-        except Exception:  # noqa: BLE001 - a damaged file is skipped, the previous one is used
-            continue
     return None
 
 
@@ -104,4 +145,12 @@ def resolve(resume: bool | str, directory: str | None) -> str | None:
 
 
 def load(path: str) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Read a checkpoint written by ``save`` (ours, so a full unpickle is fine)."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    missing = [k for k in ("model", "optimizer", "step", "epoch") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(
+            f"resume={path!r} is not an nbddp checkpoint (missing {missing}); pass a step-*.pt file that "
+            "dist_fit(checkpoint_dir=...) wrote, or the directory holding them"
+        )
+    return state

@@ -79,6 +79,39 @@ def precision_tools(precision: str, device: torch.device) -> tuple[Any, Any]:
     return contextlib.nullcontext, None
 
 
+def sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Convert BatchNorm layers to SyncBatchNorm (GPU only: it has no CPU kernel)."""
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"sync_batchnorm=True needs CUDA GPUs (SyncBatchNorm has no CPU kernel), but this rank runs on {device}; "
+            "leave sync_batchnorm off on CPU workers"
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: str) -> None:
+    """A mid-epoch checkpoint can only continue with the same sharding of the epoch."""
+    if not restored.get("batches_done"):
+        return
+    saved = (restored.get("world_size"), restored.get("batch_size"))
+    if saved != (world, cfg.batch_size):
+        raise ValueError(
+            f"resume={path!r}: that checkpoint was saved mid-epoch with world_size={saved[0]}, batch_size={saved[1]}, "
+            f"but this fit runs world_size={world}, batch_size={cfg.batch_size}; the rest of that epoch cannot be "
+            "found again. Resume with the same workers and batch_size, or from a checkpoint saved at an epoch end."
+        )
+
+
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -96,12 +129,10 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
     error: BaseException | None = None
     try:
         parts = unpack(parcel)
-        torch.manual_seed(cfg.seed)
+        seed_everything(cfg.seed)
         model = build_model(parts["model"]).to(device)
         if cfg.sync_batchnorm:
-            if device.type != "cuda":
-                raise RuntimeError("sync_batchnorm=True needs CUDA GPUs (SyncBatchNorm has no CPU kernel)")
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = sync_batchnorm(model, device)
         data_spec, val_spec = parts["data"], parts.get("val_data")
         train_ds = materialise(data_spec, STATE.dataset_cache)
         loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
@@ -121,6 +152,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         restored = None
         if resume_path:
             restored = ckpt.load(resume_path)
+            check_resumable(restored, cfg, world, resume_path)
             model.load_state_dict(restored["model"])
             optimizer.load_state_dict(restored["optimizer"])
             if scheduler is not None and restored.get("scheduler") is not None:
@@ -143,11 +175,14 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         total_steps = min(total_steps, cfg.max_steps)
     meta = dict(meta, total_steps=total_steps, steps_per_epoch=steps_per_epoch, start_step=start_step)
     rep = Reporter(rank, world, device, cfg, total_steps, meta)
+    rng = None  # this rank's RNG state at the checkpoint, restored where the straight run stood
     if restored is not None:
         rep.epoch_loss, rep.epoch_n = restored.get("epoch_sums", (0.0, 0.0))
-        rng = restored.get("rng_per_rank")
-        if rng and rank < len(rng):
-            ckpt.set_rng_state(rng[rank])
+        states = restored.get("rng_per_rank")
+        rng = states[rank] if states and rank < len(states) else None
+    # with checkpoint_dir alone, a checkpoint is written at every epoch end
+    ckpt_every = cfg.checkpoint_every if cfg.checkpoint_every else None
+    ckpt_at_epoch_end = bool(cfg.checkpoint_dir)
     setup_s = time.perf_counter() - t_setup
 
     # ---- 2. train ------------------------------------------------------
@@ -161,7 +196,16 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         epoch_loader = make_loader(SkipSampler(sampler, first * cfg.batch_size)) if first else loader
         ddp.train()
         bi = first - 1
-        for bi, batch in enumerate(epoch_loader, start=first):
+        # a DataLoader iterator draws a seed from the global RNG when it is created: restore the
+        # checkpoint's RNG where the uninterrupted run stood (before the epoch's iterator when the
+        # checkpoint closed an epoch, after it when it was saved mid-epoch)
+        if rng is not None and not first:
+            ckpt.set_rng_state(rng)
+        batches = iter(epoch_loader)
+        if rng is not None and first:
+            ckpt.set_rng_state(rng)
+        rng = None
+        for bi, batch in enumerate(batches, start=first):
             window_start = bi - bi % accum
             window = min(accum, batches_per_epoch - window_start)
             last_micro = bi - window_start == window - 1
@@ -191,7 +235,9 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
             step += 1
             rep.steps_since += 1
             end_of_epoch = bi == batches_per_epoch - 1
-            if rep.due(step) or end_of_epoch:
+            ckpt_due = bool(ckpt_every) and step % ckpt_every == 0
+            # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
+            if rep.due(step) or end_of_epoch or ckpt_due:
                 if rep.sync(step, epoch, lr, STATE.stop_requested, peak_memory(device)):
                     stopped, status = True, "interrupted"
             if cfg.val_every and step % cfg.val_every == 0 and vloader is not None and not end_of_epoch:
@@ -199,7 +245,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
             if stopped or step >= total_steps:
                 stopped = True
                 break
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not end_of_epoch:
+            if ckpt_due and not end_of_epoch:
                 save_checkpoint(cfg, module, optimizer, scheduler, scaler, rep, step, epoch, bi + 1)
         epoch_done = bi == batches_per_epoch - 1
         if epoch_done:
@@ -208,9 +254,9 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
                 record.update(validate(module, vloader, rep, cfg, metrics, loss_fn, step_fn, autocast, device, epoch, step))
             rep.record("epoch", record)
             epoch += 1
-            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
+            if ckpt_at_epoch_end:
                 save_checkpoint(cfg, module, optimizer, scheduler, scaler, rep, step, epoch, 0)
-        elif stopped and cfg.checkpoint_dir and cfg.checkpoint_every:
+        elif stopped and cfg.checkpoint_dir:
             save_checkpoint(cfg, module, optimizer, scheduler, scaler, rep, step, epoch, bi + 1)
     train_s = time.perf_counter() - t_train
 

@@ -45,6 +45,7 @@ class Reporter:
         self.ranks: list[dict[str, Any]] = []
         self.status = "training"
         self._last_publish = 0.0
+        self._published = 0
         self._zero = torch.zeros((), device=device, dtype=torch.float64)
         self._extra_keys: list[str] | None = None
         self.reset_window()
@@ -142,9 +143,11 @@ class Reporter:
         if self._publish is None:
             return
         now = time.perf_counter()
-        if not force and now - self._last_publish < self.cfg.publish_interval_s:
+        behind = len(self.records) - self._published  # records no message has carried yet
+        if not force and now - self._last_publish < self.cfg.publish_interval_s and behind < WINDOW // 2:
             return
         self._last_publish = now
+        self._published = len(self.records)
         self._publish({"nbddp": {
             "seq": len(self.records),
             "window": self.records[-WINDOW:],

@@ -1,0 +1,245 @@
+"""The dashboard under a ``dist_fit`` cell (ipywidgets), with a static ending.
+
+Layout::
+
+    [status]  nbddp · 2 ranks · gloo
+    [=========>          ] step 120/400 · epoch 1/3 · 0:12 elapsed · ETA 0:30
+    loss 0.412 · val_loss 0.398 · val_acc 0.91 · lr 0.001 · 5,120 samples/s
+    +-----------------------+  rank  host   device  samples/s  peak memory
+    |  loss plot (PNG)      |  0     node1  cuda:0  2,560      1.2 GiB
+    +-----------------------+  [Stop]
+
+Everything is drawn from the fit's watcher thread: trait changes from a
+thread reach the browser even while the cell blocks (``ipyparallel-facts.md``).
+Text and progress are refreshed at most ``every`` seconds, the plot at most
+every ``plot_every`` seconds and never for more than ~3 % of the thread's
+time (the interval stretches when rendering is slow).
+
+The output is one display (``display_id``). When the fit ends, that display
+is updated with the final widget AND a static PNG + text summary in the same
+bundle: live frontends keep the widget, while a notebook saved by nbclient,
+papermill or nbconvert (or viewed where widgets do not render) shows the
+final plot and numbers instead of a frozen "0 %" bar.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+from typing import Any
+
+from nbddp.live.plot import LossPlot
+from nbddp.live.text import fmt_bytes, fmt_time, progress_fields
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
+                  "done": "#2ca02c", "interrupted": "#ff7f0e", "failed": "#d62728"}
+BAR_STYLES = {"done": "success", "interrupted": "warning", "failed": "danger"}
+PLOT_CPU_SHARE = 0.03  # the plot may use at most this share of the watcher thread's wall time
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return str(v)
+
+
+def metrics_text(f: dict[str, Any]) -> str:
+    parts = [f"loss {_num(f['loss'])}"]
+    parts += [f"{k} {_num(v)}" for k, v in f["val"].items()]
+    if f["lr"] is not None:
+        parts.append(f"lr {f['lr']:.3g}")
+    if f["samples_per_s"]:
+        parts.append(f"{f['samples_per_s']:,.0f} samples/s")
+    return " · ".join(parts)
+
+
+def progress_text(f: dict[str, Any]) -> str:
+    epochs = f["epochs"] or "?"
+    epoch = min(f["epoch"] + 1, f["epochs"]) if f["epochs"] else f["epoch"] + 1
+    text = f"step {f['step']}/{f['total'] or '?'} · epoch {epoch}/{epochs} · {fmt_time(f['elapsed'])} elapsed"
+    if f["eta"] is not None:
+        text += f" · ETA {fmt_time(f['eta'])}"
+    return text
+
+
+def rank_rows(run: Any) -> list[dict[str, Any]]:
+    """One row per rank: placement from the launch metadata, figures from every rank's last report."""
+    meta = run.live_state.get("meta", {})
+    figures = {r["rank"]: r for r in run.live_state.get("ranks") or []}
+    rows = []
+    for p in meta.get("ranks", []):
+        fig = figures.get(p["rank"], {})
+        rows.append({"rank": p["rank"], "host": p.get("host", "?"), "device": p.get("device", "?"),
+                     "samples_per_s": fig.get("samples_per_s"), "peak_mem": fig.get("peak_mem")})
+    return rows
+
+
+def rank_table_html(rows: list[dict[str, Any]]) -> str:
+    head = "".join(f"<th style='padding:0 8px;text-align:{a}'>{h}</th>" for h, a in
+                   (("rank", "right"), ("host", "left"), ("device", "left"), ("samples/s", "right"), ("peak memory", "right")))
+    body = []
+    for r in rows:
+        sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
+        cells = [(str(r["rank"]), "right"), (html.escape(str(r["host"])), "left"), (html.escape(str(r["device"])), "left"),
+                 (sps, "right"), (fmt_bytes(r["peak_mem"]), "right")]
+        body.append("<tr>" + "".join(f"<td style='padding:0 8px;text-align:{a}'>{c}</td>" for c, a in cells) + "</tr>")
+    return (f"<table class='nbddp-ranks' style='font-size:12px;border-collapse:collapse'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def status_html(run: Any, status: str) -> str:
+    meta = run.live_state.get("meta", {})
+    colour = STATUS_COLOURS.get(status, "#777")
+    badge = (f"<span class='nbddp-status' style='background:{colour};color:white;border-radius:3px;"
+             f"padding:1px 6px;font-weight:bold'>{html.escape(status)}</span>")
+    where = f"nbddp · {meta.get('world_size', '?')} rank(s) · {html.escape(str(meta.get('backend', '?')))}"
+    error = getattr(run, "error", None)
+    if status == "failed" and error is not None:
+        first = html.escape(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        where += f" · <span style='color:#d62728'>{first}</span>"
+    return f"<div style='font-size:13px'>{badge} {where}</div>"
+
+
+def summary_text(run: Any) -> str:
+    """The plain-text ending: what a saved notebook or a terminal shows."""
+    f = progress_fields(run)
+    lines = [f"nbddp fit {f['status']}: {progress_text(f)}", metrics_text(f)]
+    for r in rank_rows(run):
+        sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
+        lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}")
+    error = getattr(run, "error", None)
+    if error is not None:
+        lines.append(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+    return "\n".join(lines)
+
+
+class WidgetView:
+    """The live dashboard (see the module docstring)."""
+
+    def __init__(self, every: float = 0.25, plot_every: float = 0.5):
+        self.every = every
+        self.plot_every = plot_every
+        self._last_text = 0.0
+        self._last_plot = 0.0
+        self._plot_interval = plot_every
+        self._plotted = (-1, -1)  # (steps, validations) drawn last
+        self._plot: LossPlot | None = None
+        self._handle: Any = None
+        self._run: Any = None
+        self.redraws = 0
+        self.thread_cpu_s: float | None = None  # watcher thread CPU at finish (time.thread_time)
+        self._build()
+
+    # -- widgets -----------------------------------------------------------
+    def _build(self) -> None:
+        import ipywidgets as w
+
+        self.status = w.HTML(value="<div>nbddp: starting...</div>")
+        self.bar = w.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info",
+                                   layout=w.Layout(width="45%", min_width="200px"))
+        self.percent = w.HTML(value="0%", layout=w.Layout(width="4em"))
+        self.progress = w.HTML(value="waiting for the workers")
+        self.metrics = w.HTML(value="")
+        self.image = w.Image(format="png", layout=w.Layout(width="480px", min_height="60px"))
+        self.ranks = w.HTML(value="")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
+                                    tooltip="Stop training on every rank at the same step. Works while the notebook is "
+                                            "free (dist_fit(..., block=False)); in a blocking cell use Kernel > Interrupt.")
+        self.stop_button.on_click(self._on_stop)
+        self.box = w.VBox([
+            self.status,
+            w.HBox([self.bar, self.percent, self.progress]),
+            self.metrics,
+            w.HBox([self.image, w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))]),
+        ])
+        self.box.add_class("nbddp-dashboard")
+
+    def _on_stop(self, _button: Any = None) -> None:
+        run = self._run
+        if run is None or run.finished:
+            return
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping..."
+        run.request_stop()
+        self.status.value = status_html(run, "stopping")
+
+    # -- view protocol -------------------------------------------------------
+    def start(self, run: Any) -> None:
+        """Called in the cell's thread: show the dashboard."""
+        from IPython.display import display
+
+        self._run = run
+        self.status.value = status_html(run, "starting")
+        self.ranks.value = rank_table_html(rank_rows(run))
+        self._handle = display(self._bundle(run, final=False), raw=True, display_id=True)
+
+    def update(self, run: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_text < self.every:
+            return
+        self._last_text = now
+        self._draw_text(run, run.live_state.get("status", "training"))
+        if now - self._last_plot >= self._plot_interval:
+            self._draw_plot(run)
+
+    def finish(self, run: Any) -> None:
+        """The final state, whatever ended the fit; then the static fallback in the same display."""
+        self.thread_cpu_s = time.thread_time()
+        status = run.live_state.get("status", "done")
+        if run.error is not None and status not in ("failed", "interrupted"):
+            status = "failed"
+        self._draw_text(run, status)
+        self._draw_plot(run, force=True)
+        self.bar.bar_style = BAR_STYLES.get(status, "info")
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stop"
+        if self._handle is not None:
+            self._handle.update(self._bundle(run, final=True), raw=True)
+
+    # -- drawing -------------------------------------------------------------
+    def _draw_text(self, run: Any, status: str) -> None:
+        f = progress_fields(run)
+        if status == "done":
+            f["fraction"] = 1.0 if f["total"] and f["step"] >= f["total"] else f["fraction"]
+        self.status.value = status_html(run, status)
+        self.bar.value = f["fraction"]
+        self.percent.value = f"{f['fraction'] * 100:.0f}%"
+        self.progress.value = html.escape(progress_text(f))
+        self.metrics.value = html.escape(metrics_text(f))
+        self.ranks.value = rank_table_html(rank_rows(run))
+
+    def _draw_plot(self, run: Any, force: bool = False) -> None:
+        hist = run.history
+        drawn = (len(hist.steps), len(hist.validations))
+        if drawn == self._plotted and not force:
+            return
+        if not hist.steps and not hist.validations:
+            return
+        t0 = time.perf_counter()
+        if self._plot is None:
+            self._plot = LossPlot()
+        self.image.value = self._plot.png(hist.steps, hist.validations)
+        self._plotted = drawn
+        self.redraws += 1
+        cost = time.perf_counter() - t0
+        self._last_plot = time.monotonic()
+        self._plot_interval = max(self.plot_every, cost / PLOT_CPU_SHARE)
+
+    def _bundle(self, run: Any, final: bool) -> dict[str, Any]:
+        """The display's mime bundle; the final one adds the static fallback."""
+        bundle: dict[str, Any] = {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id}}
+        if not final:
+            bundle["text/plain"] = "nbddp dashboard (needs a Jupyter frontend with ipywidgets; the final plot and summary appear here when training ends)"
+            return bundle
+        summary = summary_text(run)
+        bundle["text/plain"] = summary
+        png = self.image.value
+        if png:
+            bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        img = f"<img src='data:image/png;base64,{bundle['image/png']}'/>" if png else ""
+        bundle["text/html"] = (f"<div class='nbddp-summary'>{img}<pre>{html.escape(summary)}</pre></div>")
+        return bundle

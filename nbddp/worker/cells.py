@@ -1,0 +1,106 @@
+"""Engine side of ``%%ddp`` and ``%ddp push/pull/status``.
+
+A ``%%ddp`` cell runs in ``STATE.namespace``, one dict per worker that
+outlives every cell (``join_process_group`` refreshes ``rank``,
+``local_rank``, ``world_size`` and ``device`` in it). The cell's source
+travels as a plain string; values travel as ``shipping.Parcel``s, so classes
+and functions defined in the notebook (or in an earlier cell) keep working.
+
+Cell code runs with the engine's ordinary SIGINT behaviour: the kernel
+forwards Kernel > Interrupt as SIGINT, which raises ``KeyboardInterrupt`` in
+the cell like in a local Python cell.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import sys
+from typing import Any
+
+from nbddp import shipping
+from nbddp.worker.entry import _check_generation
+from nbddp.worker.state import STATE
+
+CELL_FILENAME = "<%%ddp cell {n}>"
+
+
+def _namespace() -> dict[str, Any]:
+    ns = STATE.namespace
+    # "__main__": classes and functions defined in cells pickle by value (cloudpickle),
+    # so `%ddp pull` of an instance works in the kernel.
+    ns.setdefault("__name__", "__main__")
+    ns.setdefault("__builtins__", builtins)
+    return ns
+
+
+def run_cell(source: str, cell_number: int, meta: dict[str, Any]) -> None:
+    """Execute ``source`` in this worker's namespace; print the last expression's value.
+
+    Like a notebook cell: names it defines persist for later cells, and a
+    final bare expression that is not ``None`` is printed (``repr``).
+    """
+    _check_generation(meta)
+    ns = _namespace()
+    filename = CELL_FILENAME.format(n=cell_number)
+    # tracebacks show the cell's lines
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename=filename, mode="exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    try:
+        exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point
+        if last is not None:
+            value = eval(compile(last, filename, "eval"), ns)  # noqa: S307
+            if value is not None:
+                print(repr(value))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def push(parcel: shipping.Parcel) -> list[str]:
+    """Put the shipped ``{name: value}`` into this worker's namespace."""
+    values = shipping.unpack(parcel)
+    _namespace().update(values)
+    return sorted(values)
+
+
+def pull(names: list[str]) -> dict[str, Any]:
+    """Pack the named variables, or say which are missing (the kernel raises)."""
+    ns = _namespace()
+    missing = [n for n in names if n not in ns]
+    if missing:
+        return {"missing": missing, "available": user_names()}
+    parcel = shipping.pack({n: ns[n] for n in names}, what=f"%ddp pull {' '.join(names)}",
+                           local=STATE.placement.local)
+    return {"parcel": parcel}
+
+
+def user_names() -> list[str]:
+    """The names a person defined (no dunders, no modules)."""
+    import types
+
+    return sorted(k for k, v in STATE.namespace.items()
+                  if not k.startswith("__") and not isinstance(v, types.ModuleType))
+
+
+def health() -> dict[str, Any]:
+    """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation."""
+    import psutil
+
+    info: dict[str, Any] = {
+        "pid": os.getpid(),
+        "rss": psutil.Process().memory_info().rss,
+        "generation": STATE.generation,
+        "busy": STATE.busy,
+        "names": len(user_names()),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None and STATE.placement is not None and STATE.placement.device.startswith("cuda"):
+        info["cuda_allocated"] = torch.cuda.memory_allocated()
+        info["cuda_reserved"] = torch.cuda.memory_reserved()
+    return info

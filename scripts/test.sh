@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh Debian machine, then runs it.
+#   bash scripts/test.sh            # whole suite
+#   bash scripts/test.sh -k faults  # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages: iproute2 (fake hosts in network namespaces), chromium-headless-shell (browser test).
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -x /usr/lib/chromium/chromium-headless-shell ] || need+=(chromium-headless-shell)
+if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
+    || echo "warning: could not install ${need[*]}; the tests that need them will skip and say why"
+fi
+
+EXTRAS=browser,bench bash scripts/setup.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "$@"

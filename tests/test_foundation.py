@@ -1,0 +1,189 @@
+"""Issue 2 end to end: a notebook-style model trains with DDP on persistent workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nbddp
+from nbddp.errors import NotStartedError
+
+
+class Net(nn.Module):
+    """Defined in the test module (shipped by value, like a notebook class) and uses super()."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class MarkedDataset(torch.utils.data.Dataset):
+    """Records the pid of the process that built it."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(256, 64, generator=g)
+        self.y = torch.randint(0, 10, (256,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_import_is_lazy():
+    code = "import sys, nbddp; print('torch' in sys.modules, 'ipyparallel' in sys.modules, nbddp.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["False", "False"], "import nbddp must not import torch or ipyparallel"
+    assert set(nbddp.__all__) >= {"start", "stop", "status", "restart", "run", "dist_fit", "History", "FitHandle", "WorkerError"}
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        nbddp.nope  # noqa: B018
+
+
+def test_dist_fit_trains_the_notebook_model_in_place(workers, digits):
+    (xt, yt), val = digits
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight_obj = model.body[0].weight
+    history = nbddp.dist_fit(model, (xt, yt), epochs=3, batch_size=32, loss_fn=F.cross_entropy, lr=1e-3,
+                             val_data=val, live=False, metrics={"acc": lambda o, t: (o.argmax(1) == t).float().mean()})
+    assert history.status == "completed" and history.world_size == 2
+    assert [e["epoch"] for e in history.epochs] == [0, 1, 2]
+    assert {"epoch", "loss", "val_loss", "val_acc", "step"} <= set(history.epochs[-1])
+    assert history.epochs[-1]["loss"] < history.epochs[0]["loss"]
+    assert history.epochs[-1]["val_acc"] > 0.6
+    assert all({"step", "epoch", "loss", "lr", "samples_per_s"} <= set(r) for r in history.steps)
+    assert history.steps[-1]["step"] == 3 * 22  # 1400 samples / 2 ranks / 32 per batch = 22 steps per epoch
+    # same object, same tensors, new values
+    assert model.body[0].weight is weight_obj
+    assert not torch.equal(before["body.0.weight"], model.body[0].weight)
+    # the kernel model reproduces the validation loss the workers reported
+    with torch.no_grad():
+        val_loss = F.cross_entropy(model(val[0]), val[1]).item()
+    assert val_loss == pytest.approx(history.epochs[-1]["val_loss"], rel=1e-5)
+
+
+def test_second_fit_reuses_engines_and_process_group(workers, digits):
+    (xt, yt), _ = digits
+    pids = [p.pid for p in workers.placements]
+    generation = workers.generation
+    model = Net()
+    nbddp.dist_fit(model, (xt, yt), epochs=1, loss_fn=F.cross_entropy, live=False)
+    h2 = nbddp.dist_fit(model, (xt, yt), epochs=1, live=False)  # default loss: cross-entropy for int targets
+    assert h2.status == "completed"
+    assert [p.pid for p in workers.placements] == pids
+    assert workers.generation == generation
+    ranks = nbddp.run(_rank_and_pid)
+    assert [r[0] for r in ranks] == [0, 1] and [r[1] for r in ranks] == pids
+
+
+def _rank_and_pid():
+    import torch.distributed as dist
+
+    return dist.get_rank(), os.getpid()
+
+
+def test_dataset_factory_runs_on_the_workers(workers):
+    model = Net()
+    history = nbddp.dist_fit(model, MarkedDataset, epochs=1, batch_size=16, live=False)
+    assert history.status == "completed"
+    worker_pids = {p.pid for p in workers.placements}
+    seen = nbddp.run(_cached_dataset_pids)
+    assert all(pids and set(pids) <= worker_pids for pids in seen), f"factory must run on workers: {seen}"
+    assert os.getpid() not in {pid for pids in seen for pid in pids}
+
+
+def _cached_dataset_pids():
+    from nbddp.worker.state import STATE
+
+    return [getattr(ds, "pid", None) for ds in STATE.dataset_cache.values()] or [os.getpid()]
+
+
+def test_factory_model_comes_back_as_history_model(workers):
+    x = torch.randn(128, 64)
+    y = torch.randint(0, 10, (128,))
+    history = nbddp.dist_fit(Net, (x, y), epochs=1, batch_size=16, live=False)
+    assert isinstance(history.model, Net)
+    assert history.model(x[:2]).shape == (2, 10)
+
+
+def test_dataloader_batch_size_and_collate_are_used(workers):
+    calls = []
+
+    def collate(items):
+        calls.append(len(items))
+        xs, ys = zip(*items)
+        return torch.stack(xs), torch.stack(ys)
+
+    ds = torch.utils.data.TensorDataset(torch.randn(96, 64), torch.randint(0, 10, (96,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=12, collate_fn=collate)
+    history = nbddp.dist_fit(Net(), loader, epochs=1, live=False)
+    assert history.steps[-1]["step"] == 96 // 2 // 12
+
+
+def test_run_returns_results_in_rank_order_and_ships_closures(workers):
+    offset = 100
+    assert nbddp.run(lambda k: _rank_and_pid()[0] * k + offset, 3) == [100, 103]
+
+
+def test_run_needs_a_function(workers):
+    with pytest.raises(TypeError, match=r"needs a function.*not its result"):
+        nbddp.run(42)
+
+
+def test_status_describes_ranks(workers):
+    st = nbddp.status()
+    assert st["running"] and st["backend"] == "gloo" and st["world_size"] == 2
+    assert [r["rank"] for r in st["ranks"]] == [0, 1]
+    assert all(r["device"] == "cpu" for r in st["ranks"])
+    assert not st["fit_running"]
+
+
+def test_history_plot_and_repr(workers, digits):
+    (xt, yt), val = digits
+    h = nbddp.dist_fit(Net(), (xt[:256], yt[:256]), epochs=2, batch_size=32, val_data=val, live=False, log_every=2)
+    fig = h.plot()
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()] == ["train loss", "val loss"]
+    assert len(ax.get_lines()[1].get_xdata()) == 2
+    assert "status='completed'" in repr(h)
+
+
+@pytest.mark.fresh_workers
+def test_stop_leaves_no_process_and_start_after_stop_works(workers):
+    import time
+
+    pids = set(workers.workers.all_pids())
+    procs = []
+    for pid in pids:
+        try:
+            procs += [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    reaper = workers.workers.reaper
+    nbddp.stop()
+    assert nbddp.status()["running"] is False
+    gone, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, f"processes left after stop(): {[p.pid for p in alive]}"
+    assert reaper is None or reaper.poll() is not None
+    with pytest.raises(NotStartedError, match=r"stopped with nbddp.stop\(\); start new ones"):
+        nbddp.dist_fit(Net(), (torch.randn(8, 64), torch.randint(0, 10, (8,))), batch_size=2, live=False)
+    t0 = time.perf_counter()
+    nbddp.start(n=2)
+    assert time.perf_counter() - t0 < 120
+    assert nbddp.status()["world_size"] == 2
