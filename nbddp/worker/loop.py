@@ -181,7 +181,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         states = restored.get("rng_per_rank")
         rng = states[rank] if states and rank < len(states) else None
     # with checkpoint_dir alone, a checkpoint is written at every epoch end
-    ckpt_every = cfg.checkpoint_every if cfg.checkpoint_every else None
+    ckpt_every = cfg.checkpoint_every
     ckpt_at_epoch_end = bool(cfg.checkpoint_dir)
     setup_s = time.perf_counter() - t_setup
 

@@ -1,0 +1,58 @@
+"""Issue 5 on GPUs: fp16 with a gradient scaler, bf16, SyncBatchNorm (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nbddp
+
+pytestmark = pytest.mark.requires_gpu
+
+
+@pytest.fixture
+def gpu_workers(_suite_session):
+    """One worker per visible GPU with NCCL (the CPU `workers` fixture restarts its own afterwards)."""
+    from nbddp.session import get_session
+
+    s = get_session()
+    if s.started and s.backend != "nccl":
+        nbddp.stop()
+    if not s.started:
+        nbddp.start(n=torch.cuda.device_count(), backend="nccl")
+    yield s
+    nbddp.stop()
+
+
+def _data(n: int = 512):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16"])
+def test_mixed_precision_trains_on_gpus(gpu_workers, tmp_path, precision):
+    model = _bn_net()
+    history = nbddp.dist_fit(model, _data(), epochs=3, batch_size=32, lr=1e-2, precision=precision,
+                             clip_grad_norm=1.0, checkpoint_dir=tmp_path, live=False)
+    losses = [e["loss"] for e in history.epochs]
+    assert losses[-1] < losses[0]
+    assert model[0].weight.dtype == torch.float32
+    state = torch.load(sorted(tmp_path.glob("step-*.pt"))[-1])
+    assert (state["scaler"] is not None) == (precision == "16-mixed")
+
+
+def test_sync_batchnorm_converts_and_trains_on_gpus(gpu_workers):
+    history = nbddp.dist_fit(_bn_net, _data(), epochs=2, batch_size=16, sync_batchnorm=True, lr=1e-2, live=False)
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in history.model.modules())
+    assert history.epochs[-1]["loss"] < history.epochs[0]["loss"]
+    # the notebook's own model keeps its BatchNorm1d and loads the trained weights (same state_dict keys)
+    model = _bn_net()
+    nbddp.dist_fit(model, _data(), epochs=1, batch_size=16, sync_batchnorm=True, live=False)
+    assert isinstance(model[1], nn.BatchNorm1d)
