@@ -316,3 +316,25 @@ def test_a_stop_writes_a_checkpoint_at_the_step_it_stopped(workers, tmp_path):
     state = torch.load(tmp_path / f"step-{last['step']:08d}.pt")
     assert state["step"] == last["step"]
     assert state["batches_done"] == (0 if last["step"] % 4 == 0 else last["step"] % 4)  # 4 steps per epoch
+
+
+
+def _draws_differ_across_ranks(model, batch):
+    """A step_fn: all-gathers one random draw per rank and reports whether they differ."""
+    import torch.distributed as dist
+
+    out = model(batch[0])
+    mine = torch.rand(1)
+    draws = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(draws, mine)
+    return {"loss": F.cross_entropy(out, batch[1]), "differ": float(len({d.item() for d in draws}) > 1)}
+
+
+def test_ranks_draw_different_random_numbers(workers):
+    """The same seed gives the same run, but each rank has its own stream (dropout masks differ)."""
+    import nbddp
+
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    h = nbddp.dist_fit(nn.Linear(4, 2), (x, y), epochs=1, batch_size=8, step_fn=_draws_differ_across_ranks,
+                       live=False, log_every=1, seed=3)
+    assert [r["differ"] for r in h.steps] == [1.0] * 4

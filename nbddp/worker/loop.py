@@ -129,8 +129,11 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
     error: BaseException | None = None
     try:
         parts = unpack(parcel)
-        seed_everything(cfg.seed)
+        seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
         model = build_model(parts["model"]).to(device)
+        # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
+        # stream on every rank, all ranks would drop the same units, which DDP users do not expect
+        seed_everything(cfg.seed + 1_000_003 * rank)
         if cfg.sync_batchnorm:
             model = sync_batchnorm(model, device)
         data_spec, val_spec = parts["data"], parts.get("val_data")
