@@ -19,6 +19,7 @@ waits and printed line by line with a ``[rank N]`` label.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import html
 import itertools
@@ -29,7 +30,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring, real_name
 
 from nbddp.session import get_session
 
@@ -80,7 +81,12 @@ _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _r
 
 
 def usage() -> str:
-    lines = [f.parser.format_usage().removeprefix("usage: ").strip() for f in [*_SUBCOMMANDS.values(), _cell]]
+    """One line per sub-command, generated from the parsers (so it never drifts)."""
+    lines = []
+    for func in [*_SUBCOMMANDS.values(), _cell]:
+        formatter = argparse.HelpFormatter(prog=real_name(func), width=200)
+        formatter.add_usage(None, func.parser._actions, func.parser._mutually_exclusive_groups, prefix="")
+        lines.append(formatter.format_help().strip())
     return "usage:\n  " + "\n  ".join(lines)
 
 
