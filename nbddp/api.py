@@ -8,11 +8,11 @@ from typing import Any, Callable
 
 from nbddp.handle import FitHandle
 from nbddp.history import History
-from nbddp.session import DEFAULT_PG_TIMEOUT_S, get_session
+from nbddp.session import get_session
 
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
-          cluster_id: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT_S, threads: int | None = None,
+          cluster_id: str | None = None, timeout: float | None = None, threads: int | None = None,
           interface: str | None = None) -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
@@ -21,14 +21,21 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Any = No
         backend: ``"nccl"`` (default with GPUs) or ``"gloo"`` (default without).
         cluster: any ``ipyparallel.Cluster`` (SSH, MPI, Slurm... launchers);
             nbddp starts it if it is not running, and stops it at ``stop()``.
-        profile, cluster_id: attach to a cluster started with ``ipcluster start``;
-            nbddp never stops engines it did not start.
+        profile, cluster_id: attach to a running cluster (``ipcluster start``,
+            or ``ipcontroller`` with ``ipengine`` on each host): ``profile`` is
+            a profile name, a profile directory path, or the path of the
+            client connection file ``ipcontroller-<id>-client.json``. nbddp
+            never stops engines it did not start. See ``docs/multi-node.md``.
         timeout: process-group timeout in seconds: how long a collective may
-            hang before it fails (the torch default is 30 minutes).
+            hang before it fails (default ``DEFAULT_PG_TIMEOUT_S``, 5 minutes;
+            torch's own is 30). Given while workers run, the group is formed
+            again with the new timeout (same engines).
         threads: CPU threads per worker; default: the host's cores divided by
             its workers (torchrun's ``OMP_NUM_THREADS`` logic).
-        interface: network interface for gloo/NCCL across hosts
-            (default: the one that reaches the controller; loopback on one host).
+        interface: network interface for gloo/NCCL across hosts, set as
+            ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` on every rank (default:
+            on each host, the interface carrying the address that reaches the
+            controller; loopback on one host). Every host must have it.
 
     Calling it again with the same settings while workers run does nothing.
     """
@@ -62,6 +69,7 @@ def status() -> dict[str, Any]:
         "generation": s.generation,
         "owned": s.workers.owned,
         "hosts": sorted({p.host for p in s.placements}),
+        "master": s.master,
         "ranks": topology.describe(s.placements),
         "fit_running": s.running is not None and not s.running.finished,
     }

@@ -119,10 +119,23 @@ def _check_gpus(by_host: dict[str, list[Probe]]) -> None:
 
 
 def master_address(placements: list[Placement]) -> str:
-    """Rank 0's reachable address (loopback when every rank is on one host)."""
+    """Rank 0's reachable address (loopback when every rank is on one host).
+
+    Raises:
+        TopologyError: ranks on several hosts, but rank 0 reaches the
+            controller only through loopback (or an unspecified address), so
+            the other hosts could not reach its store.
+    """
     if len({p.host for p in placements}) == 1:
         return "127.0.0.1"
-    return placements[0].address
+    first = placements[0]
+    if first.address.startswith("127.") or first.address in ("0.0.0.0", "", "localhost"):
+        raise TopologyError(
+            f"ranks run on {len({p.host for p in placements})} hosts, but rank 0 (host {first.host!r}) reaches the "
+            f"controller through {first.address!r}, which the other hosts cannot reach. Make the controller listen on "
+            "an address every host reaches (`ipcontroller --ip=<that address>`, or `ipcluster start --ip=...`)."
+        )
+    return first.address
 
 
 def interface_for(address: str, interfaces: dict[str, str]) -> str | None:
@@ -131,6 +144,34 @@ def interface_for(address: str, interfaces: dict[str, str]) -> str | None:
         if addr == address:
             return name
     return None
+
+
+def socket_interfaces(placements: list[Placement], probes: list[Probe], interface: str | None) -> dict[int, str | None]:
+    """rank -> network interface for ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``.
+
+    ``interface`` (the ``start(interface=...)`` option) is used on every rank,
+    after checking that every host has it. By default each rank uses the
+    interface carrying the address it reaches the controller from; ``None``
+    (the interface is unknown) leaves gloo's and NCCL's own choice.
+
+    Raises:
+        TopologyError: ``interface`` is missing on a host.
+    """
+    by_engine = {pr.engine_id: pr for pr in probes}
+    out: dict[int, str | None] = {}
+    for p in placements:
+        known = by_engine[p.engine_id].interfaces if p.engine_id in by_engine else {}
+        if interface is not None:
+            if known and interface not in known:
+                raise TopologyError(
+                    f"start(interface={interface!r}): host {p.host!r} (rank {p.rank}) has no such network interface; "
+                    f"it has {sorted(known)}. Pass an interface every host has, or leave interface=None to use the "
+                    "one each host reaches the controller through."
+                )
+            out[p.rank] = interface
+        else:
+            out[p.rank] = interface_for(p.address, known)
+    return out
 
 
 def describe(placements: list[Placement]) -> list[dict[str, Any]]:
@@ -143,6 +184,7 @@ def describe(placements: list[Placement]) -> list[dict[str, Any]]:
             "pid": p.pid,
             "device": p.device,
             "engine": p.engine_id,
+            "address": p.address,
         }
         for p in placements
     ]

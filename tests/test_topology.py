@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from nbddp.topology import Probe, TopologyError, assign, interface_for, master_address
+from nbddp.topology import Probe, TopologyError, assign, describe, interface_for, master_address, socket_interfaces
 
 
 def probes(layout: dict[str, list[int]], gpus: int = 4) -> list[Probe]:
@@ -79,3 +79,32 @@ def test_no_engines_is_refused():
 def test_interface_is_the_one_carrying_the_address():
     assert interface_for("10.0.0.2", {"lo": "127.0.0.1", "eth1": "10.0.0.2"}) == "eth1"
     assert interface_for("192.168.1.1", {"lo": "127.0.0.1"}) is None
+
+
+def test_master_across_hosts_is_never_loopback():
+    placed = assign(probes({"a": [0], "b": [1]}, gpus=0), "gloo")
+    assert master_address(placed) == "10.0.0.1"
+    looped = [Probe(engine_id=0, host="a", pid=1, address="127.0.0.1"), Probe(engine_id=1, host="b", pid=2, address="10.0.0.2")]
+    with pytest.raises(TopologyError, match=r"2 hosts, but rank 0 \(host 'a'\) reaches the controller through '127.0.0.1'.*--ip="):
+        master_address(assign(looped, "gloo"))
+
+
+def test_socket_interfaces_default_to_the_controller_facing_one():
+    ps = probes({"a": [0, 1], "b": [2]}, gpus=0)
+    placed = assign(ps, "gloo")
+    assert socket_interfaces(placed, ps, None) == {0: "eth0", 1: "eth0", 2: "eth0"}
+    unknown = [Probe(engine_id=0, host="a", pid=1, address="10.0.0.1", interfaces={"lo": "127.0.0.1"})]
+    assert socket_interfaces(assign(unknown, "gloo"), unknown, None) == {0: None}  # leave gloo's own choice
+
+
+def test_socket_interface_option_must_exist_on_every_host():
+    ps = probes({"a": [0], "b": [1]}, gpus=0)
+    placed = assign(ps, "gloo")
+    assert socket_interfaces(placed, ps, "eth0") == {0: "eth0", 1: "eth0"}
+    with pytest.raises(TopologyError, match=r"interface='ib0'\): host 'a' \(rank 0\) has no such network interface; it has \['eth0', 'lo'\]"):
+        socket_interfaces(placed, ps, "ib0")
+
+
+def test_describe_shows_host_and_address():
+    rows = describe(assign(probes({"a": [4], "b": [2]}, gpus=0), "gloo"))
+    assert [(r["rank"], r["host"], r["address"], r["engine"]) for r in rows] == [(0, "b", "10.0.0.2", 2), (1, "a", "10.0.0.1", 4)]

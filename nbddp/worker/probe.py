@@ -35,7 +35,7 @@ def probe(controller_host: str, token_path: str, token: str, kernel_pid: int, ke
             if a.family == socket.AF_INET:
                 interfaces[name] = a.address
     hints = {k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "OMPI_", "PMI_", "CUDA_VISIBLE"))}
-    if same:
+    if same and kernel_pid > 0:  # 0: an attached cluster's engines, which outlive the kernel
         _watch_kernel(kernel_pid)
     return {
         "host": socket.gethostname(),
@@ -146,6 +146,7 @@ def join_process_group(
     STATE.placement = placement
     STATE.backend = backend
     STATE.generation = generation
+    STATE.dataset_cache.clear()  # the kernel starts each generation with nothing resident
     STATE.namespace.update(
         rank=placement.rank,
         local_rank=placement.local_rank,
