@@ -30,6 +30,7 @@ class FitPlan:
     train_len: int | None
     parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # local? -> parcel
     ship_s: float = 0.0
+    data_keys: list[str] = field(default_factory=list)  # resident on the workers once this fit succeeds
 
     def discard(self) -> None:
         for parcel in self.parcels.values():
@@ -134,9 +135,11 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     _check_against_workers(session, cfg, n_train)
     if n_train is not None:
         _check_shard(cfg, n_train, session.world_size)
+    keys = _make_resident(session, [spec, val_spec])
     parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": loss_fn, "optimizer": optimizer,
-             "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
-    plan = FitPlan(cfg=cfg, parts=parts, model=returned, train_len=n_train)
+             "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn,
+             "resident": list(dict.fromkeys([*keys, *session.resident]))[:MAX_RESIDENT]}
+    plan = FitPlan(cfg=cfg, parts=parts, model=returned, train_len=n_train, data_keys=keys)
     t0 = time.perf_counter()
     localities = {p.local for p in session.placements}
     try:
@@ -147,6 +150,25 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
         raise
     plan.ship_s = time.perf_counter() - t0
     return plan
+
+
+MAX_RESIDENT = 4  # datasets kept on the workers between fits
+
+
+def _make_resident(session: Any, specs: list[Any]) -> list[str]:
+    """Key each dataset by content; one the workers already hold is not shipped again."""
+    keys = []
+    for spec in specs:
+        if spec is None or spec.dataset is None:
+            continue  # factories run on the workers every time: they may build something new
+        key = shipping.fingerprint(spec.dataset)
+        if key is None:
+            continue
+        spec.key = key
+        keys.append(key)
+        if key in session.resident:
+            spec.dataset = None  # the workers have it: send the key alone
+    return keys
 
 
 def _describe_parts(parts: dict[str, Any]) -> str:
@@ -194,6 +216,8 @@ class FitRun:
         self.error: BaseException | None = None
         self.done_event = threading.Event()
         self.stop_requested = False
+        self._training_started = False
+        self._stop_sent = False
         self.hard_stopped = False
         self.tasks: RankTasks | None = None
         self._seen = 0
@@ -233,10 +257,17 @@ class FitRun:
             return
         self.stop_requested = True
         self.live_state["status"] = "stopping"
-        ids = [p.engine_id for p in self.session.placements]
+        if self._training_started:
+            self._send_stop()
+        # else: sent by _stream when rank 0 first reports. Before that a rank may not yet have
+        # turned SIGINT into a stop flag, and the signal would kill its task instead.
+
+    def _send_stop(self) -> None:
         import signal
 
-        self.session.workers.signal(ids, signal.SIGINT)
+        if not self._stop_sent:
+            self._stop_sent = True
+            self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
         """Kill every rank now (they are replaced); the model keeps its old weights."""
@@ -256,6 +287,11 @@ class FitRun:
         msg = data.get("nbddp") if isinstance(data, dict) else None
         if not msg:
             return
+        if not self._training_started:
+            # rank 0 publishes only after every rank agreed on setup, so all have the stop handler now
+            self._training_started = True
+            if self.stop_requested:
+                self._send_stop()
         self.live_state["ranks"] = msg.get("ranks") or self.live_state["ranks"]
         self.live_state["meta"] = {**self.live_state["meta"], **(msg.get("meta") or {})}
         if not self.stop_requested:
@@ -281,6 +317,7 @@ class FitRun:
                 exc = KeyboardInterrupt(f"training was killed ({self.hard_stop_reason}); the workers are being replaced "
                                         "and the model keeps the weights it had before the call")
             self.error = exc
+            self.session.resident = {}  # the workers' caches may have changed mid-way: ship afresh next time
             self.history.status = "failed"
             self.live_state["status"] = "failed" if not self.hard_stopped else "interrupted"
         finally:
@@ -317,11 +354,13 @@ class FitRun:
             "setup_s": head["timings"]["setup_s"],
             "train_s": head["timings"]["train_s"],
             "return_s": time.perf_counter() - t0,
+            "shipped_bytes": float(max(p.nbytes for p in self.plan.parcels.values())),
             "total_s": time.perf_counter() - self._t0,
         }
         history.timings["overhead_s"] = history.timings["total_s"] - history.timings["train_s"]
         self.history = history
         self.live_state["status"] = "interrupted" if history.status == "interrupted" else "done"
+        self.session.mark_resident(self.plan.data_keys, MAX_RESIDENT)
 
     def result(self) -> History:
         if self.error is not None:

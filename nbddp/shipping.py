@@ -115,6 +115,28 @@ class _Pickler(cloudpickle.Pickler):
         return ("nbddp-tensor", index)
 
 
+def fingerprint(obj: Any) -> str | None:
+    """A content key for ``obj``, cheap even for gigabytes of tensors (``None``: cannot tell).
+
+    The object is pickled with its tensors lifted out (so only the small
+    rest is hashed); each tensor contributes its storage address, shape,
+    dtype, strides and version counter, which PyTorch bumps on every in-place
+    change. The same unchanged dataset passed again gets the same key.
+    """
+    import hashlib
+
+    lifted: list[Any] = []
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, lifted).dump(obj)
+    except Exception:  # noqa: BLE001 - unpicklable objects fail later, with a better message
+        return None
+    h = hashlib.sha256(buf.getvalue())
+    for t in lifted:
+        h.update(repr((t.data_ptr(), tuple(t.shape), str(t.dtype), t.stride(), t._version, str(t.device))).encode())
+    return h.hexdigest()[:32]
+
+
 def dumps(obj: Any, *, what: str = "object") -> bytes:
     """cloudpickle ``obj`` with tensors inline (for other hosts), naming what failed."""
     try:

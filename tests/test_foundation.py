@@ -28,10 +28,11 @@ class Net(nn.Module):
 
 
 class MarkedDataset(torch.utils.data.Dataset):
-    """Records the pid of the process that built it."""
+    """Appends the pid of the process that built it to ``log`` (a shared file)."""
 
-    def __init__(self):
-        self.pid = os.getpid()
+    def __init__(self, log):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(256, 64, generator=g)
         self.y = torch.randint(0, 10, (256,), generator=g)
@@ -98,20 +99,13 @@ def _rank_and_pid():
     return dist.get_rank(), os.getpid()
 
 
-def test_dataset_factory_runs_on_the_workers(workers):
-    model = Net()
-    history = nbddp.dist_fit(model, MarkedDataset, epochs=1, batch_size=16, live=False)
+def test_dataset_factory_runs_on_the_workers(workers, tmp_path):
+    log = tmp_path / "built_by"
+    history = nbddp.dist_fit(Net(), lambda: MarkedDataset(log), epochs=1, batch_size=16, live=False)
     assert history.status == "completed"
-    worker_pids = {p.pid for p in workers.placements}
-    seen = nbddp.run(_cached_dataset_pids)
-    assert all(pids and set(pids) <= worker_pids for pids in seen), f"factory must run on workers: {seen}"
-    assert os.getpid() not in {pid for pids in seen for pid in pids}
-
-
-def _cached_dataset_pids():
-    from nbddp.worker.state import STATE
-
-    return [getattr(ds, "pid", None) for ds in STATE.dataset_cache.values()] or [os.getpid()]
+    builders = sorted(int(line) for line in log.read_text().split())
+    assert builders == sorted(p.pid for p in workers.placements), "the factory runs once on each worker"
+    assert os.getpid() not in builders, "the factory must not run in the kernel"
 
 
 def test_factory_model_comes_back_as_history_model(workers):
@@ -187,3 +181,14 @@ def test_stop_leaves_no_process_and_start_after_stop_works(workers):
     nbddp.start(n=2)
     assert time.perf_counter() - t0 < 120
     assert nbddp.status()["world_size"] == 2
+
+
+def test_stop_right_after_a_non_blocking_start_is_a_clean_stop(workers):
+    """A stop requested before the ranks are training is held until they can take it."""
+    x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
+    model = Net()
+    handle = nbddp.dist_fit(model, (x, y), epochs=50, batch_size=8, live=False, block=False)
+    history = handle.stop()
+    assert history.status == "interrupted"
+    assert 0 < history.steps[-1]["step"] < 50 * 256
+    assert handle.done()

@@ -78,7 +78,7 @@ def test_widget_view_draws_progress_plot_ranks_and_final_state():
     assert "step 40/100" in view.progress.value and "ETA" in view.progress.value
     assert "loss 0.05" in view.metrics.value and "1,000 samples/s" in view.metrics.value
     assert "310.0 MiB" in view.ranks.value and "490" in view.ranks.value
-    assert view.image.value.startswith(PNG_MAGIC)
+    assert bytes(view.image.value).startswith(PNG_MAGIC)
     run.history.add("val", {"epoch": 0, "step": 40, "val_loss": 0.3, "val_acc": 0.9})
     for step in range(41, 101):
         run.log(step, epoch=1)
@@ -305,7 +305,6 @@ def test_handle_wait_returns_history_and_a_later_fit_works(workers, digits):
 def test_stop_from_another_thread_like_the_button(workers, digits):
     """The Stop button calls run.request_stop() from the kernel's IO loop while the notebook is free."""
     (x, y), _ = digits
-    view = Recorder()
     handle = nbddp.dist_fit(Tiny(), (x, y), epochs=20, batch_size=8, log_every=5, step_fn=_slow_step,
                             block=False, live=False)
     while len(handle.history.steps) < 1 and not handle.done():
@@ -316,4 +315,3 @@ def test_stop_from_another_thread_like_the_button(workers, digits):
     h = handle.wait(timeout=120)
     assert h.status == "interrupted"
     assert handle.status == "interrupted"
-    del view

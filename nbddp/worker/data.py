@@ -32,6 +32,11 @@ class DataSpec:
 
 
 def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
+    """The dataset of ``spec`` on this worker; datasets with a ``key`` stay resident.
+
+    The kernel decides what is resident (``Session.resident``): it ships a
+    dataset with its key once, and afterwards only the key.
+    """
     if spec.key is not None and spec.key in cache:
         return cache[spec.key]
     if spec.factory is not None:
@@ -45,15 +50,24 @@ def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
                 f"the data factory returned {type(ds).__name__}; it must return a map-style Dataset "
                 "(with __len__ and __getitem__), a DataLoader or a tuple of tensors"
             )
-    else:
+    elif spec.dataset is not None:
         ds = spec.dataset
+    else:
+        raise RuntimeError(
+            f"the kernel sent only the key of a resident dataset ({spec.key}), but this worker does not hold it; "
+            "run nbddp.restart() to start from a clean state"
+        )
     if len(ds) == 0:
         raise ValueError("the dataset built on the worker is empty (len 0)")
     if spec.key is not None:
-        if len(cache) >= 8:  # keep a few datasets resident, not every one ever seen
-            cache.pop(next(iter(cache)))
         cache[spec.key] = ds
     return ds
+
+
+def keep_only(cache: dict[str, Any], keys: list[str]) -> None:
+    """Drop resident datasets the kernel no longer tracks (it sends the list with each fit)."""
+    for key in [k for k in cache if k not in keys]:
+        del cache[key]
 
 
 class SkipSampler(Sampler):

@@ -31,7 +31,7 @@ from nbddp.options import FitConfig
 from nbddp.shipping import unpack
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker.batches import move, run_batch
-from nbddp.worker.data import SkipSampler, materialise, train_loader, val_loader
+from nbddp.worker.data import SkipSampler, keep_only, materialise, train_loader, val_loader
 from nbddp.worker.report import Reporter, rss_bytes
 from nbddp.worker.state import STATE
 
@@ -137,6 +137,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         if cfg.sync_batchnorm:
             model = sync_batchnorm(model, device)
         data_spec, val_spec = parts["data"], parts.get("val_data")
+        keep_only(STATE.dataset_cache, parts.get("resident", []))
         train_ds = materialise(data_spec, STATE.dataset_cache)
         loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
         vloader = None
