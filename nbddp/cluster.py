@@ -23,6 +23,8 @@ from urllib.parse import urlparse
 from nbddp.errors import NbddpError
 
 START_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 10.0  # ipyparallel's own default for reaching a controller
+HEARTBEAT_MS = 1000
 
 
 class ClusterError(NbddpError):
@@ -44,6 +46,7 @@ class Workers:
         self.can_add_engines = can_add_engines
         self.reaper: subprocess.Popen | None = None
         self.pidfile: str | None = None
+        self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
 
     # ---- construction ---------------------------------------------------
     @classmethod
@@ -53,7 +56,10 @@ class Workers:
 
         own = cluster is None
         if own:
-            cluster = ipp.Cluster(n=n, delay=0, log_level=logging.WARNING, shutdown_atexit=True)
+            # A 1 s heartbeat (ipyparallel's default is 3 s) makes engines count as registered ~2 s sooner;
+            # 10 missed beats (10 s) are still allowed before an engine is declared dead.
+            cluster = ipp.Cluster(n=n, delay=0, log_level=logging.ERROR, shutdown_atexit=True,
+                                  controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"])
         running = cluster.controller is not None  # a Cluster object the person started already
         if not own:
             n = cluster.n or n
@@ -81,25 +87,41 @@ class Workers:
 
     @classmethod
     def attach(cls, profile: str | None, cluster_id: str | None, n: int | None, timeout: float = 30.0) -> "Workers":
-        """Attach to a cluster started by ``ipcluster start`` (never stopped by nbddp)."""
+        """Attach to a running cluster (never stopped by nbddp).
+
+        ``profile`` is a profile name (``ipcluster start --profile=NAME``), the
+        path of a profile directory (``--profile-dir=PATH``), or the path of a
+        client connection file (``ipcontroller-<id>-client.json``). A cluster
+        started by ``ipcluster start`` is found by its cluster file; one whose
+        controller was started alone (``ipcontroller``, engines started with
+        ``ipengine`` on other hosts) by its client connection file.
+        """
         import ipyparallel as ipp
 
-        kwargs = {k: v for k, v in {"profile": profile, "cluster_id": cluster_id}.items() if v is not None}
+        profile_dir, client_file, cluster_file = _attach_files(profile, cluster_id)
+        where = f"profile={profile!r}, cluster_id={cluster_id!r}"
+        cluster = None
         try:
-            cluster = ipp.Cluster.from_file(**kwargs)
-            client = cluster.connect_client_sync()
+            if cluster_file is not None:
+                cluster = ipp.Cluster.from_file(cluster_file)
+                client = cluster.connect_client_sync()
+            else:
+                client = ipp.Client(client_file, timeout=CONNECT_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
-            where = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "the default profile"
             raise ClusterError(
-                f"could not attach to a running ipcluster with {where}: {type(exc).__name__}: {exc}. "
-                "Start one with `ipcluster start -n N` (add --profile/--cluster-id to match), or call nbddp.start(n=N) "
-                "to let nbddp start local workers."
+                f"could not attach to a running cluster with {where} (file {cluster_file or client_file}): "
+                f"{type(exc).__name__}: {exc}. Is its controller still running? Start one with `ipcluster start -n N` "
+                "(add --profile/--cluster-id to match), or call nbddp.start(n=N) to let nbddp start local workers."
             ) from exc
         workers = cls(cluster, client, owned=False, can_add_engines=False)
         if n:
             workers.wait_for(n, timeout)
         elif not client.ids:
-            raise ClusterError("the attached cluster has no engines registered; start some with `ipcluster engines -n N`")
+            client.close()
+            raise ClusterError(
+                f"the attached cluster ({where}) has no engines registered; start some with "
+                "`ipcluster engines -n N` or `ipengine --file=<ipcontroller-...-engine.json>` on each host"
+            )
         return workers
 
     # ---- queries ---------------------------------------------------------
@@ -125,27 +147,29 @@ class Workers:
     def launcher_pids(self) -> dict[int, Any]:
         """pid -> launcher object, for engines this cluster object launched."""
         found: dict[int, Any] = {}
-        for engine_set in (self.cluster.engines or {}).values():
+        engines = getattr(self.cluster, "engines", None) or {}  # None: attached by connection file alone
+        for engine_set in engines.values():
             for launcher in getattr(engine_set, "launchers", {}).values():
                 pid = getattr(launcher, "pid", None)
                 if pid:
                     found[pid] = launcher
+        self._launched.update(found)
         return found
 
     def how_died(self, pid: int) -> tuple[str, str]:
         """(how the engine with ``pid`` died, the tail of its log) as far as known."""
-        launcher = self.launcher_pids().get(pid)
+        launcher = self.launcher_pids().get(pid) or self._launched.get(pid)
         how, tail = "died (exit status unknown: the engine was not started by this session)", ""
         if launcher is not None:
-            deadline = time.monotonic() + 2.0
-            proc = getattr(launcher, "_popen_process", None)
-            code = None
-            while proc is not None and code is None and time.monotonic() < deadline:
-                code = proc.poll()
-                time.sleep(0.02)
+            code = exit_code(launcher, wait_s=2.0)
+            if code is None:  # ipyparallel may have noticed the exit first
+                code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
             how = describe_exit(code)
             path = getattr(launcher, "output_file", "")
             tail = read_tail(path) if path else ""
+            if not tail:  # ipyparallel removes the log of a stopped engine, keeping its text
+                kept = getattr(launcher, "_output", None) or ""
+                tail = "\n".join(kept.splitlines()[-20:])
         return how, tail
 
     # ---- actions ---------------------------------------------------------
@@ -251,6 +275,43 @@ class Workers:
             self.reaper = None
 
 
+def _attach_files(profile: str | None, cluster_id: str | None) -> tuple[str, str, str | None]:
+    """(profile directory, client connection file, cluster file or None) for ``attach``."""
+    if profile is not None and not isinstance(profile, (str, os.PathLike)):
+        raise TypeError(f"start(profile=...) must be a profile name or a path, got {type(profile).__name__} {profile!r}")
+    if cluster_id is not None and not isinstance(cluster_id, str):
+        raise TypeError(f"start(cluster_id=...) must be a str, got {type(cluster_id).__name__} {cluster_id!r}")
+    cid = cluster_id or ""
+    raw = os.fspath(profile) if profile is not None else "default"
+    expanded = os.path.abspath(os.path.expanduser(raw))
+    if raw.endswith(".json"):
+        if not os.path.isfile(expanded):
+            raise ClusterError(f"start(profile={raw!r}): no such connection file. Pass the path of the "
+                               "ipcontroller-<cluster_id>-client.json file the controller wrote in <profile>/security/.")
+        return os.path.dirname(os.path.dirname(expanded)), expanded, None
+    if os.sep in raw or raw.startswith("~") or os.path.isdir(expanded):
+        profile_dir = expanded
+    else:
+        from IPython.paths import get_ipython_dir
+
+        profile_dir = os.path.join(get_ipython_dir(), f"profile_{raw}")
+    security = os.path.join(profile_dir, "security")
+    cluster_file = os.path.join(security, f"cluster-{cid}.json")
+    client_file = os.path.join(security, f"ipcontroller-{cid}-client.json" if cid else "ipcontroller-client.json")
+    if os.path.isfile(cluster_file):
+        return profile_dir, client_file, cluster_file
+    if os.path.isfile(client_file):
+        return profile_dir, client_file, None
+    found = sorted(name[len("ipcontroller-"):-len("-client.json")] or "''"
+                   for name in (os.listdir(security) if os.path.isdir(security) else [])
+                   if name.startswith("ipcontroller-") and name.endswith("-client.json"))
+    hint = (f"cluster ids found there: {', '.join(found)}; pass cluster_id=..." if found
+            else "no cluster was started with this profile; start one with `ipcluster start -n N` "
+                 f"(--profile-dir={profile_dir!r}), or check the path")
+    raise ClusterError(f"cannot attach with profile={raw!r}, cluster_id={cluster_id!r}: neither {cluster_file} "
+                       f"nor {client_file} exists ({hint}).")
+
+
 def _kill_tree(pid: int) -> None:
     import psutil
 
@@ -265,6 +326,39 @@ def _kill_tree(pid: int) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=3)
+
+
+def exit_code(launcher: Any, wait_s: float = 2.0) -> int | None:
+    """The exit status of a launched engine (negative: killed by that signal), or None.
+
+    ipyparallel's launcher reaps its process in a thread through
+    ``psutil.Process.wait``, which caches the status; ``Popen.poll`` would
+    then report a wrong ``0``. So read psutil's status, waiting briefly for
+    the reaper thread, and reap it ourselves if that thread is not running.
+    """
+    import psutil
+
+    proc = getattr(launcher, "process", None)
+    if proc is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        code = getattr(proc, "_exitcode", None)
+        if isinstance(code, int):
+            return int(code)
+        thread = getattr(launcher, "_wait_thread", None)
+        if thread is None or not thread.is_alive():
+            try:
+                code = proc.wait(timeout=0.05)
+            except psutil.TimeoutExpired:
+                code = None
+            except psutil.Error:
+                return None
+            if isinstance(code, int):
+                return int(code)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
 
 
 def describe_exit(code: int | None) -> str:

@@ -102,6 +102,13 @@ class WorkerDied(WorkerError):
         self.log_tail = log_tail
         super().__init__(failure, others, note)
 
+    def _summary(self) -> str:
+        text = super()._summary()
+        tail = [line for line in self.log_tail.splitlines() if line.strip()][-5:]
+        if tail:
+            text += f"\nlast lines of rank {self.rank}'s engine log:\n" + "\n".join(f"  {line}" for line in tail)
+        return text
+
     def _render_traceback_(self) -> list[str]:
         out = super()._render_traceback_()
         if self.log_tail:

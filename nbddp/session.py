@@ -60,7 +60,7 @@ def validate_start(n: Any, backend: Any, timeout: Any, threads: Any, gpus: int, 
         raise ValueError(f"start(n=...) must be >= 1, got {n}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"start(backend=...) must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
         raise ValueError(f"start(timeout=...) is the process-group timeout in seconds and must be > 0, got {timeout!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"start(threads=...) must be a positive int (CPU threads per worker), got {threads!r}")
@@ -100,6 +100,16 @@ class Session:
         self._token_path = os.path.join(shm_dir(), f"nbddp-probe-{os.getpid()}-{self.token[:8]}")
         self._store_paths: list[str] = []
         self.last_start_s = 0.0
+        self.resident: dict[str, None] = {}  # dataset keys the workers hold, oldest first
+        self.master = ""  # the process group's init_method: file://... on one host, tcp://addr:port across hosts
+
+    def mark_resident(self, keys: list[str], limit: int) -> None:
+        """Datasets the workers now hold (their next fit gets the key instead of the data)."""
+        for key in keys:
+            self.resident.pop(key, None)
+            self.resident[key] = None
+        while len(self.resident) > limit:
+            self.resident.pop(next(iter(self.resident)))
 
     # ---- lifecycle -------------------------------------------------------
     @property
@@ -107,7 +117,7 @@ class Session:
         return self.workers is not None
 
     def start(self, n: int | None = None, *, backend: str | None = None, cluster: Any = None,
-              profile: str | None = None, cluster_id: str | None = None, timeout: float = DEFAULT_PG_TIMEOUT_S,
+              profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
               threads: int | None = None, interface: str | None = None) -> "Session":
         attach = profile is not None or cluster_id is not None
         if attach and cluster is not None:
@@ -118,13 +128,16 @@ class Session:
             if self.started:
                 same = self.options and (n in (None, self.world_size)) and (backend in (None, self.backend))
                 if same and not attach and cluster is None:
+                    if timeout is not None and float(timeout) != self.options.timeout:
+                        self._regroup(float(timeout))
                     return self  # already running as asked: %ddp start twice is harmless
                 raise ClusterError(
                     f"workers are already running ({self.world_size} x {self.backend}); "
                     "call nbddp.stop() first, or nbddp.restart() to rebuild them"
                 )
             t0 = time.perf_counter()
-            self.options = StartOptions(n, backend, cluster, profile, cluster_id, float(timeout), threads, interface)
+            timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else float(timeout)
+            self.options = StartOptions(n, backend, cluster, profile, cluster_id, timeout, threads, interface)
             if attach:
                 self.workers = Workers.attach(profile, cluster_id, n)
             else:
@@ -144,6 +157,7 @@ class Session:
             self._join_heal(raise_error=False)
             if self.running is not None and not self.running.finished:
                 self.running.hard_stop(reason="nbddp.stop() was called")
+                self._join_heal(raise_error=False)  # the kill above starts a heal; let it end first
             if self.workers is not None:
                 if not self.workers.owned:
                     self._leave_group()
@@ -162,6 +176,22 @@ class Session:
         return self.start(opts.n, backend=opts.backend, cluster=opts.cluster,
                           profile=opts.profile, cluster_id=opts.cluster_id, timeout=opts.timeout,
                           threads=opts.threads, interface=opts.interface)
+
+    def _regroup(self, timeout: float) -> None:
+        """Form the process group again (same engines) with a new collective timeout."""
+        self._join_heal(raise_error=True)
+        if self.running is not None and not self.running.finished:
+            raise FitRunningError(
+                f"cannot change the process-group timeout while {self.running.describe()} runs; "
+                "wait for it or stop it first"
+            )
+        old = self.options.timeout
+        self.options.timeout = timeout
+        try:
+            self._setup_group(reprobe=False)
+        except BaseException:
+            self.options.timeout = old
+            raise
 
     def ensure_started(self) -> None:
         """``dist_fit`` starts default workers once; after ``stop()`` it says so instead."""
@@ -203,7 +233,9 @@ class Session:
         import socket
 
         ids = self.workers.ids
-        ars = {eid: self.client[eid].apply_async(probe, host, self._token_path, self.token, os.getpid(), socket.gethostname())
+        # engines of an attached cluster must outlive this kernel: only our own engines watch it
+        kernel_pid = os.getpid() if self.workers.owned else 0
+        ars = {eid: self.client[eid].apply_async(probe, host, self._token_path, self.token, kernel_pid, socket.gethostname())
                for eid in ids}
         probes = []
         for eid, ar in ars.items():
@@ -211,12 +243,17 @@ class Session:
             probes.append(topology.Probe(engine_id=eid, **info))
         return probes
 
-    def _setup_group(self) -> None:
-        """Probe engines, assign ranks, (re)join the process group as a new generation."""
+    def _setup_group(self, reprobe: bool = True) -> None:
+        """Probe engines, assign ranks, (re)join the process group as a new generation.
+
+        ``reprobe=False`` reuses the last probes when the engines are the same
+        ones (a rebuild after a failure or a new timeout).
+        """
         from nbddp.worker.probe import join_process_group
 
         opts = self.options
-        self.probes = self._probe()
+        if reprobe or not self.probes or sorted(p.engine_id for p in self.probes) != self.workers.ids:
+            self.probes = self._probe()
         backend = opts.backend
         if backend is None:  # attached clusters: decide from what the engines see
             backend = "nccl" if all(p.cuda_devices for p in self.probes) else "gloo"
@@ -232,25 +269,31 @@ class Session:
             ar.get(timeout=max(1.0, deadline - time.monotonic()))
         self.backend = backend
         self.placements = placements
+        self.resident = {}  # join_process_group emptied the workers' caches
 
     def _rendezvous(self, placements: list[topology.Placement]) -> tuple[str, dict[int, str | None]]:
+        """Where the ranks meet: (init_method, rank -> socket interface).
+
+        One host that shares the kernel's file system: a file store in
+        ``/dev/shm``, no TCP listener. Several hosts (host names differ):
+        rank 0's controller-facing address on a port free there, with each
+        rank's gloo/NCCL traffic on the interface carrying its address (or
+        ``start(interface=...)``). The torch store listens on rank 0 only.
+        """
         single_host = len({p.host for p in placements}) == 1 and all(p.local for p in placements)
         if single_host:
             path = os.path.join(shm_dir(), f"nbddp-pg-{os.getpid()}-{self.token[:8]}-{self.generation}")
             self._store_paths.append(path)
-            return f"file://{path}", {p.rank: "lo" for p in placements}
+            self.master = f"file://{path}"
+            ifname = self.options.interface or "lo"
+            return self.master, {p.rank: ifname for p in placements}
         from nbddp.worker.probe import free_port
 
         master = topology.master_address(placements)
+        ifnames = topology.socket_interfaces(placements, self.probes, self.options.interface)
         port = self.client[placements[0].engine_id].apply_sync(free_port, master)
-        by_engine = {pr.engine_id: pr for pr in self.probes}
-        ifnames = {}
-        for p in placements:
-            if self.options.interface:
-                ifnames[p.rank] = self.options.interface
-            else:
-                ifnames[p.rank] = topology.interface_for(p.address, by_engine[p.engine_id].interfaces)
-        return f"tcp://{master}:{port}", ifnames
+        self.master = f"tcp://{master}:{port}"
+        return self.master, ifnames
 
     def _leave_group(self) -> None:
         from nbddp.worker.probe import leave_process_group
@@ -282,34 +325,40 @@ class Session:
         self._heal.start()
 
     def heal(self, killed: list[int]) -> None:
+        """Replace ``killed`` engines and dead or unresponsive ones; rebuild the group.
+
+        Runs in the ``nbddp-heal`` thread WITHOUT ``self.lock``: every caller that
+        uses the workers joins the heal first (``ensure_ready``, ``stop``), and a
+        caller holding the lock while joining would otherwise deadlock.
+        """
         from nbddp.worker.entry import ping
 
-        with self.lock:
-            want = len(self.placements) or (self.options.n or 2)
-            workers = self.workers
-            workers.forget_dead(killed)
+        want = len(self.placements) or (self.options.n or 2)
+        workers = self.workers
+        workers.forget_dead(killed)
+        if killed:
             time.sleep(0.3)  # a peer of a killed rank may go down with it; let that show first
-            ars = {eid: self.client[eid].apply_async(ping) for eid in workers.ids}
-            deadline = time.monotonic() + 5.0
-            alive, unresponsive = [], []
-            for eid, ar in ars.items():
-                try:
-                    ar.get(timeout=max(0.1, deadline - time.monotonic()))
-                    alive.append(eid)
-                except Exception:  # noqa: BLE001 - dead or stuck: replaced
-                    unresponsive.append(eid)
-            if unresponsive:
-                pids = {p.engine_id: p.pid for p in self.probes}
-                workers.kill(unresponsive, pids)
-                workers.forget_dead(unresponsive)
-            if len(alive) > want:  # keep the world size stable
-                extra = sorted(alive)[want:]
-                workers.kill(extra, {p.engine_id: p.pid for p in self.probes})
-                workers.forget_dead(extra)
-            missing = want - len(workers.ids)
-            if missing > 0:
-                workers.add_engines(missing, want)
-            self._setup_group()
+        ars = {eid: self.client[eid].apply_async(ping) for eid in workers.ids}
+        deadline = time.monotonic() + 5.0
+        alive, unresponsive = [], []
+        for eid, ar in ars.items():
+            try:
+                ar.get(timeout=max(0.1, deadline - time.monotonic()))
+                alive.append(eid)
+            except Exception:  # noqa: BLE001 - dead or stuck: replaced
+                unresponsive.append(eid)
+        if unresponsive:
+            pids = {p.engine_id: p.pid for p in self.probes}
+            workers.kill(unresponsive, pids)
+            workers.forget_dead(unresponsive)
+        if len(alive) > want:  # keep the world size stable
+            extra = sorted(alive)[want:]
+            workers.kill(extra, {p.engine_id: p.pid for p in self.probes})
+            workers.forget_dead(extra)
+        missing = want - len(workers.ids)
+        if missing > 0:
+            workers.add_engines(missing, want)
+        self._setup_group(reprobe=bool(killed or unresponsive or missing))
 
     def _join_heal(self, raise_error: bool) -> None:
         heal = self._heal

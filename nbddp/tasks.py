@@ -46,7 +46,7 @@ class RankTasks:
             try:
                 self.results[rank] = ar.get(timeout=0)
             except BaseException as exc:  # noqa: BLE001 - classified below
-                self.failures[rank] = (time.monotonic(), exc)
+                self.failures[rank] = (_finished_at(ar), exc)
                 if self.first_failure_at is None:
                     self.first_failure_at = time.monotonic()
         if not self.pending:
@@ -82,13 +82,12 @@ class RankTasks:
         stuck = self.pending
         placements = {p.rank: p for p in self.session.placements}
         killed: list[int] = [placements[r].engine_id for r in stuck]
-        broken_group = bool(stuck)
         workers = self.session.workers
         if stuck:  # first, so they stop burning CPU while we build the report
             workers.kill(killed, {p.engine_id: p.pid for p in placements.values()})
-        failures = []
+        ranked = []
         died: dict[int, tuple[str, str]] = {}
-        for rank, (at, exc) in sorted(self.failures.items(), key=lambda kv: kv[1][0]):
+        for rank, (at, exc) in self.failures.items():
             p = placements[rank]
             failure, dead = classify(rank, exc, p)
             if dead:
@@ -96,30 +95,60 @@ class RankTasks:
                 failure.message = f"the worker process (pid {p.pid}) {how}"
                 died[rank] = (how, tail)
                 killed.append(p.engine_id)
-                broken_group = True
-            failures.append(failure)
+            # the headline is the cause: a death before any raise, an own error before
+            # a peer's broken connection, then the earliest on the workers' clock
+            ranked.append(((not dead, _is_consequence(failure), at), failure))
+        failures = [f for _, f in sorted(ranked, key=lambda kv: kv[0])]
         own = [f for f in failures if f.exc_type != PEER_FAILED] or failures
         head, others = own[0], [f for f in failures if f is not own[0] and f.exc_type != PEER_FAILED]
         note = ""
         if stuck:
             note = (f"rank(s) {', '.join(map(str, stuck))} were stuck in a collective and were killed; "
                     "replacement workers are starting, the next call waits for them")
-        if broken_group:
-            self.session.heal_async(killed)
+        if died and not workers.can_add_engines:
+            note = "\n".join(x for x in (note, (
+                f"nbddp cannot start engines on this attached cluster: start {len(killed)} more with "
+                f"`ipcluster engines -n {len(killed)}` (same --profile/--cluster-id), then call nbddp.restart()")) if x)
+        elif died and not stuck:
+            note = "a replacement worker is starting; the next call waits for it"
+        # Any failure may leave a rank's process group unusable (a collective that
+        # timed out or was cut short cannot be resumed), and the kernel cannot tell
+        # which: rebuild the group as a new generation, replacing killed engines.
+        self.session.heal_async(killed)
         if head.rank in died:
             how, tail = died[head.rank]
             return WorkerDied(head, how, tail, others, note)
         return WorkerError(head, others, note)
 
 
+def _finished_at(ar: Any) -> float:
+    """When the task ended on the engine (wall clock), else now."""
+    try:
+        done = ar.metadata.get("completed")
+        if done is not None:
+            return float(done.timestamp())
+    except Exception:  # noqa: BLE001 - metadata is best effort
+        pass
+    return time.time()
+
+
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _is_consequence(failure: RankFailure) -> bool:
+    """A failure caused by another rank's failure (its own work was fine)."""
+    return failure.exc_type == PEER_FAILED or any(c in failure.message for c in _CONSEQUENCES)
+
+
 def classify(rank: int, exc: BaseException, placement: Any) -> tuple[RankFailure, bool]:
     """(failure record, whether the engine process died)."""
     from ipyparallel.error import EngineError, RemoteError
 
+    if isinstance(exc, EngineError) or (isinstance(exc, RemoteError) and exc.ename == "EngineError"):
+        # the controller reports a dead engine as a RemoteError named EngineError
+        return RankFailure(rank, "WorkerDied", f"the worker process (pid {placement.pid}) died", "",
+                           placement.pid, placement.host), True
     if isinstance(exc, RemoteError):
         tb = exc.traceback if isinstance(exc.traceback, str) else "".join(exc.traceback or [])
         return RankFailure(rank, exc.ename, str(exc.evalue), tb, placement.pid, placement.host), False
-    if isinstance(exc, EngineError):
-        return RankFailure(rank, "WorkerDied", f"the worker process (pid {placement.pid}) died", "",
-                           placement.pid, placement.host), True
     return RankFailure(rank, type(exc).__name__, str(exc), "", placement.pid, placement.host), False

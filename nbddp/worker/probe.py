@@ -119,11 +119,13 @@ def join_process_group(
     import torch.distributed as dist
 
     t0 = time.perf_counter()
+    _drop_dead_references()  # a failed fit's traceback keeps its DDP module and the old group alive
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; we replace it anyway
             pass
+    _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
         os.environ["NCCL_SOCKET_IFNAME"] = ifname
@@ -154,6 +156,16 @@ def join_process_group(
         device=torch.device(placement.device),
     )
     return {"rank": placement.rank, "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
+
+
+def _drop_dead_references() -> None:
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
+    import gc
+
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
 
 
 def leave_process_group() -> None:

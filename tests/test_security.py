@@ -1,0 +1,96 @@
+"""Security defaults (issue 4, row 7) on one machine.
+
+Nothing nbddp started listens on a non-loopback address (controller,
+engines, their nannies, the reaper, the process group's store and gloo
+pairs, read while a fit runs), and the connection files are 0600.
+"""
+
+from __future__ import annotations
+
+import glob
+import ipaddress
+import os
+import stat
+import threading
+
+import psutil
+import pytest
+
+import nbddp
+from faultkit import Net, regression_data
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _nbddp_processes(session) -> list[psutil.Process]:
+    pids = set(session.workers.all_pids()) | {p.pid for p in session.placements}
+    if session.workers.reaper is not None:
+        pids.add(session.workers.reaper.pid)
+    procs = {}
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        for q in [p, *p.children(recursive=True)]:
+            procs[q.pid] = q
+    return list(procs.values())
+
+
+def _listening(procs: list[psutil.Process]) -> list[tuple[int, str, int]]:
+    found = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN or (c.type.name == "SOCK_DGRAM" and not c.raddr):
+                found.append((p.pid, c.laddr.ip, c.laddr.port))
+    return found
+
+
+def test_nothing_listens_beyond_loopback(workers):
+    seen: list[list[tuple[int, str, int]]] = []
+    procs: list[psutil.Process] = []
+    done = threading.Event()
+
+    def _sample() -> None:  # read the sockets while the fit (and its process group) runs
+        while not done.is_set():
+            seen.append(_listening(_nbddp_processes(workers)))
+            done.wait(0.3)
+
+    sampler = threading.Thread(target=_sample, daemon=True)
+    sampler.start()
+    try:
+        h = nbddp.dist_fit(Net(delay=0.02), regression_data(), batch_size=16, epochs=1, live=False)
+    finally:
+        done.set()
+        sampler.join()
+    assert h.status == "completed"
+    procs = _nbddp_processes(workers)
+    seen.append(_listening(procs))
+    kinds = {" ".join(p.cmdline()[1:3]) for p in procs if p.is_running()}
+    assert any("ipyparallel.controller" in k for k in kinds) and any("ipyparallel.engine" in k for k in kinds), kinds
+    sockets = {s for sample in seen for s in sample}
+    assert sockets, "no listening socket seen at all: the check looks at the wrong processes"
+    exposed = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
+    assert not exposed, f"listening on non-loopback addresses (pid, address, port): {sorted(exposed)}"
+
+
+def test_connection_files_are_private(workers):
+    cluster = workers.workers.cluster
+    security = os.path.join(cluster.profile_dir, "security")
+    files = glob.glob(os.path.join(security, f"ipcontroller-{cluster.cluster_id}-*.json"))
+    assert files, f"no connection files for cluster {cluster.cluster_id} in {security}"
+    for path in files:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode == 0o600, f"{path} has mode {oct(mode)}, want 0o600"
+
+
+def test_process_group_store_is_a_private_file(workers):
+    """On one host the rendezvous is a file store (no TCP listener), never a TCP store."""
+    placements = workers.placements
+    init_method, ifnames = workers._rendezvous(placements)
+    assert init_method.startswith("file:///"), init_method
+    assert set(ifnames.values()) == {"lo"}
