@@ -6,7 +6,10 @@ is a stack of Linear(1024, 1024) layers.
 
 GB/s each way = model bytes / ``hist.timings['ship_s']`` (kernel -> workers)
 and / ``hist.timings['return_s']`` (workers -> kernel) when nbddp reports those
-keys. Otherwise only the round trip can be measured: ``(wall - train_s)`` holds
+keys. Note nbddp's ``return_s`` is kernel-side only (unpack + load_state_dict);
+the workers' packing of the weights and the reply message land in no key and
+are reported as ``unattributed_s`` = total_s - (ship+setup+train+return).
+Without those keys only the round trip can be measured: ``(wall - train_s)`` holds
 both directions (plus setup), and we report ``bytes / ((wall - train_s) / 2)``
 as ``each_way_gbps_est``. Sizes alternate in one run.
 """
@@ -44,6 +47,9 @@ def _fit_once(n_params: int, world: int) -> dict:
     gb = nbytes / 1e9
     res["ship_gbps"] = gb / t["ship_s"] if t.get("ship_s") else None
     res["return_gbps"] = gb / t["return_s"] if t.get("return_s") else None
+    # what no timing key covers: worker-side packing of the returned weights, messages, waits
+    known = sum(t.get(k) or 0.0 for k in ("ship_s", "setup_s", "train_s", "return_s"))
+    res["unattributed_s"] = t["total_s"] - known if t.get("total_s") is not None else None
     non_train = res["wall_s"] - (res["train_s"] or 0.0)
     res["non_train_s"] = non_train
     res["each_way_gbps_est"] = gb / (non_train / 2) if non_train > 0 else None
@@ -77,7 +83,8 @@ def main(quick: bool = False, sizes: tuple[int, ...] | None = None, reps: int | 
             "n_params": good[0]["n_params"] if good else None,
             "bytes": good[0]["bytes"] if good else None,
             **{k: common.summarize(common.field_values(results, k)) for k in
-               ("ship_gbps", "return_gbps", "each_way_gbps_est", "wall_s", "train_s", "non_train_s")},
+               ("ship_gbps", "return_gbps", "each_way_gbps_est", "wall_s", "train_s", "non_train_s", "unattributed_s")},
+            "setup_s": common.summarize(r["timings"].get("setup_s") for r in good),
             "ship_s": common.summarize(r["timings"].get("ship_s") for r in good),
             "return_s": common.summarize(r["timings"].get("return_s") for r in good),
             "weights_unchanged": all(r.get("weights_unchanged") for r in good) if good else None,
@@ -95,7 +102,9 @@ def main(quick: bool = False, sizes: tuple[int, ...] | None = None, reps: int | 
             "return s": s["return_s"]["median"],
             "return GB/s": s["return_gbps"]["median"],
             "wall s": s["wall_s"]["median"],
+            "setup s": s["setup_s"]["median"],
             "train s": s["train_s"]["median"],
+            "unattributed s": s["unattributed_s"]["median"],
             "est GB/s each way": s["each_way_gbps_est"]["median"],
             "unchanged": s["weights_unchanged"],
             "errors": len(s["errors"]),

@@ -179,6 +179,23 @@ def field_values(results: list[Any], key: str) -> list[float]:
     return vals
 
 
+def paired_ratios(num: list[Any], den: list[Any], key_num: str, key_den: str | None = None) -> dict[str, Any]:
+    """Per-repetition ratios num[i][key] / den[i][key] (same rep = same machine state).
+
+    On a noisy machine the median of these paired ratios is steadier than the
+    ratio of the two medians; both are reported.
+    """
+    key_den = key_den or key_num
+    vals = []
+    for a, b in zip(num, den):
+        if not (isinstance(a, dict) and isinstance(b, dict)) or "error" in a or "error" in b:
+            continue
+        r = ratio(a.get(key_num), b.get(key_den))
+        if r is not None:
+            vals.append(r)
+    return summarize(vals)
+
+
 def errors_of(results: list[Any]) -> list[str]:
     return [r["error"] for r in results if isinstance(r, dict) and "error" in r]
 
@@ -349,6 +366,8 @@ def nbddp_start(n: int = 2, **kw: Any) -> float:
     import nbddp
 
     os.environ["OMP_NUM_THREADS"] = str(CPU_THREADS_PER_RANK)  # inherited by engines we start
+    if not cuda_available():
+        kw.setdefault("threads", CPU_THREADS_PER_RANK)  # as torchrun_train.py: 1 torch thread per CPU rank
     t0 = time.perf_counter()
     nbddp.start(n=n, **kw)
     return time.perf_counter() - t0

@@ -85,6 +85,7 @@ def run_ddp(cfg: dict) -> dict:
     t0 = time.perf_counter()
     step = 0
     samples = 0
+    first_step_s = None
     last_loss = None
     done = False
     for epoch in range(epochs):
@@ -98,6 +99,8 @@ def run_ddp(cfg: dict) -> dict:
             opt.step()
             step += 1
             samples += xb.shape[0]
+            if step == 1:
+                first_step_s = time.perf_counter() - t0
             if log_every and step % log_every == 0:
                 last_loss = loss.item()
             if max_steps and step >= max_steps:
@@ -122,6 +125,7 @@ def run_ddp(cfg: dict) -> dict:
         "samples": total,
         "loop_s": loop_s,
         "samples_per_s": total / loop_s if loop_s > 0 else None,
+        "first_step_s": first_step_s,  # diagnostic: a fresh process's first step (also inside loop_s)
         "init_s": t_init - t_setup0,
         "setup_s": t0 - t_setup0,
         "final_loss": loss.item() if step else None,
