@@ -1,0 +1,140 @@
+"""Every notebook in notebooks/ runs end to end in a real Jupyter kernel (nbclient).
+
+Each notebook starts its own workers (``%ddp start -n 2``) and stops them
+(``%ddp stop``), so these tests are ``fresh_workers``. Notebooks that another
+test already executes with its own checks are not run twice; a new notebook
+is picked up automatically. The notebooks run in a temporary directory (the
+files they write land there), and after each one no worker process it
+started may be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import time
+
+import nbformat
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "notebooks")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from run_notebook import execute  # noqa: E402
+
+EXECUTED_ELSEWHERE = {
+    "custom_loop": "tests/test_notebooks_magics.py",
+    "live_fit": "tests/test_live_notebook.py",
+}
+
+# what each notebook must print (text outputs, in order of appearance)
+EXPECTED = {
+    "quickstart": ["nbddp: 2 worker(s), backend gloo", "validation accuracy in the notebook", "workers stopped"],
+    "nonblocking_stop": [
+        "still running: True, status 'training'",
+        "step records so far",
+        "interrupted at step",
+        "tensors changed",
+        "('completed', 30)",
+        "workers stopped",
+    ],
+    "finetune_hf_style": [
+        "'attention_mask': tensor(",
+        "nbddp fit done: step 48/48 · epoch 3/3",
+        "pre-training loss:",
+        "newly initialised (to be trained): ['classifier.weight', 'classifier.bias']",
+        "nbddp fit done: step 60/60 · epoch 5/5",
+        "'val_acc':",
+        "validation accuracy:",
+        "workers stopped",
+    ],
+    "checkpoint_resume": [
+        "nbddp fit interrupted",
+        "interrupted at step",
+        "-> ['batch_size', 'batches_done', 'epoch', 'epoch_sums', 'model', 'optimizer'",
+        "checkpoint weights == the weights that came back into `model`: True",
+        "nbddp fit done: step 189/189 · epoch 3/3",  # the dashboard is displayed before the cell prints
+        "resumed: first record at step",
+        "'step-00000189.pt'",
+        "workers stopped",
+    ],
+}
+MAX_SECONDS = 180  # "under two minutes" on an idle machine; this one is shared
+
+
+def _names() -> list[str]:
+    return sorted(n[:-len(".ipynb")] for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
+
+
+def _texts(nb: nbformat.NotebookNode) -> str:
+    out = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for o in cell.outputs:
+            if o.output_type == "stream":
+                out.append(o.text)
+            elif "data" in o:
+                out.append(o.data.get("text/plain", ""))
+    return "\n".join(out)
+
+
+def _workers_started_in(directory: str) -> list[psutil.Process]:
+    """ipyparallel processes whose working directory is ``directory`` (the notebook's)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ipyparallel" in " ".join(p.info["cmdline"] or []) and p.cwd() == directory:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.fresh_workers
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", [n for n in _names() if n not in EXECUTED_ELSEWHERE])
+def test_notebook_runs_and_shows_its_results(name, tmp_path):
+    t0 = time.monotonic()
+    nb = execute(os.path.join(NOTEBOOKS, f"{name}.ipynb"), out=str(tmp_path / "executed.ipynb"), timeout=240,
+                 cwd=str(tmp_path))
+    took = time.monotonic() - t0
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    text = _texts(nb)
+    pos = 0
+    for expected in EXPECTED.get(name, []):
+        found = text.find(expected, pos)
+        assert found >= 0, f"{name}: expected {expected!r} (after position {pos}) in the outputs:\n{text[-4000:]}"
+        pos = found + len(expected)
+    assert took < MAX_SECONDS, f"{name} took {took:.0f} s"
+    deadline = time.monotonic() + 15
+    while (left := _workers_started_in(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in left:
+        p.kill()
+    assert not left, f"{name} left worker processes behind: {[p.pid for p in left]}"
+
+
+def test_every_notebook_is_executed_by_some_test():
+    for name, test in EXECUTED_ELSEWHERE.items():
+        with open(os.path.join(ROOT, test), encoding="utf-8") as f:
+            assert f"{name}.ipynb" in f.read(), f"{test} no longer executes {name}.ipynb; drop it from EXECUTED_ELSEWHERE"
+    assert set(EXPECTED) <= set(_names()), f"EXPECTED names notebooks that do not exist: {set(EXPECTED) - set(_names())}"
+
+
+@pytest.mark.parametrize("name", [n for n in _names() if os.path.exists(os.path.join(ROOT, "scripts", f"make_{n}.py"))])
+def test_notebook_matches_its_generator_script(name, tmp_path, monkeypatch):
+    """Notebooks with a ``scripts/make_<name>.py`` are edited there, not by hand."""
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path)  # the scripts write notebooks/<name>.ipynb relative to the working directory
+    runpy.run_path(os.path.join(ROOT, "scripts", f"make_{name}.py"), run_name="__main__")
+    generated = nbformat.read(tmp_path / "notebooks" / f"{name}.ipynb", as_version=4)
+    committed = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+    assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in generated.cells], (
+        f"notebooks/{name}.ipynb differs from what scripts/make_{name}.py writes: edit the script and run "
+        f"`python scripts/make_{name}.py` from the repository root"
+    )
