@@ -1,9 +1,10 @@
-"""``python -m nbddp._reaper KERNEL_PID PIDFILE``: no worker outlives its kernel.
+"""``python -m nbddp._reaper KERNEL_PID PIDFILE [FILE_PREFIX]``: no worker outlives its kernel.
 
 Started by ``cluster.Workers`` in its own session (so a signal to the
 kernel's process group does not reach it). Every half second it checks the
 kernel; when the kernel is gone (even SIGKILLed) it kills every pid listed
-in PIDFILE, and their children. When PIDFILE disappears (a clean
+in PIDFILE, and their children, and removes the session's shared-memory
+files (``/dev/shm/FILE_PREFIX*``). When PIDFILE disappears (a clean
 ``nbddp.stop()``), it simply exits.
 """
 
@@ -38,7 +39,7 @@ def _pids(pidfile: str) -> list[int] | None:
         return []
 
 
-def main(kernel_pid: int, pidfile: str, interval: float = 0.5) -> int:
+def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float = 0.5) -> int:
     import psutil
 
     last: list[int] = []
@@ -72,8 +73,12 @@ def main(kernel_pid: int, pidfile: str, interval: float = 0.5) -> int:
         os.unlink(pidfile)
     except OSError:
         pass
+    if file_prefix:
+        from nbddp.shipping import remove_files
+
+        remove_files(file_prefix)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), sys.argv[2]))
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""))

@@ -50,7 +50,7 @@ class Workers:
 
     # ---- construction ---------------------------------------------------
     @classmethod
-    def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S) -> "Workers":
+    def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "") -> "Workers":
         """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``."""
         import ipyparallel as ipp
 
@@ -82,7 +82,7 @@ class Workers:
             workers.stop()
             raise
         if workers.owned:
-            workers.start_reaper()
+            workers.start_reaper(file_prefix)
         return workers
 
     @classmethod
@@ -236,7 +236,7 @@ class Workers:
             pids.append(controller.pid)
         return pids
 
-    def start_reaper(self) -> None:
+    def start_reaper(self, file_prefix: str = "") -> None:
         """A tiny process that kills our engines and controller if the kernel dies.
 
         Engines also watch the kernel themselves (``worker.probe``); the
@@ -248,7 +248,7 @@ class Workers:
         os.close(fd)
         self.update_reaper()
         self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "nbddp._reaper", str(os.getpid()), self.pidfile],
+            [sys.executable, "-m", "nbddp._reaper", str(os.getpid()), self.pidfile, file_prefix],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )

@@ -27,7 +27,13 @@ class History:
             ``val_loss`` and ``val_<metric>``.
         validations: every validation pass, including those run every
             ``val_every`` steps inside an epoch.
-        timings: seconds spent shipping, training and returning weights.
+        timings: seconds: ``ship_s`` (pickling and writing the arguments),
+            ``setup_s`` (rank 0 building model, data and DDP), ``train_s`` (the
+            training loop on rank 0), ``return_s`` (last step to weights in the
+            notebook's model; of it ``pack_s`` on rank 0 and ``load_s`` in the kernel),
+            ``total_s`` (the whole call), ``overhead_s``
+            (``total_s - train_s``), ``watch_cpu_s`` (the kernel's watcher thread).
+        transfers: bytes shipped to each rank and returned by rank 0.
         world_size: how many ranks trained.
     """
 
@@ -36,6 +42,7 @@ class History:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     validations: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    transfers: dict[str, int] = field(default_factory=dict)
     world_size: int = 0
     model: Any = field(default=None, repr=False)
 

@@ -24,7 +24,7 @@ from typing import Any
 from nbddp import topology
 from nbddp.cluster import ClusterError, Workers
 from nbddp.errors import FitRunningError, NotStartedError
-from nbddp.shipping import shm_dir
+from nbddp.shipping import BufferPool, remove_files, shm_dir
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl")
@@ -97,8 +97,11 @@ class Session:
         self._heal: threading.Thread | None = None
         self._heal_error: BaseException | None = None
         self.token = secrets.token_hex(16)
-        self._token_path = os.path.join(shm_dir(), f"nbddp-probe-{os.getpid()}-{self.token[:8]}")
-        self._store_paths: list[str] = []
+        # every shared-memory file of this session (kernel's and workers') starts with this prefix,
+        # so stop() and the reaper can remove them all, even those of a killed worker
+        self.file_prefix = f"nbddp-{self.token[:12]}"
+        self._token_path = os.path.join(shm_dir(), f"{self.file_prefix}-probe")
+        self.send_pool = BufferPool(prefix=f"{self.file_prefix}-k")
         self.last_start_s = 0.0
         self.resident: dict[str, None] = {}  # dataset keys the workers hold, oldest first
         self.master = ""  # the process group's init_method: file://... on one host, tcp://addr:port across hosts
@@ -141,7 +144,7 @@ class Session:
             if attach:
                 self.workers = Workers.attach(profile, cluster_id, n)
             else:
-                self.workers = Workers.start(n or 2, cluster)
+                self.workers = Workers.start(n or 2, cluster, file_prefix=self.file_prefix)
             try:
                 self._setup_group()
             except BaseException:
@@ -262,7 +265,8 @@ class Session:
         init_method, ifnames = self._rendezvous(placements)
         threads = opts.threads or _default_threads(placements)
         ars = {p.engine_id: self.client[p.engine_id].apply_async(
-            join_process_group, p, backend, init_method, self.generation, opts.timeout, threads, ifnames[p.rank])
+            join_process_group, p, backend, init_method, self.generation, opts.timeout, threads, ifnames[p.rank],
+            self.file_prefix)
             for p in placements}
         deadline = time.monotonic() + 120
         for eid, ar in ars.items():
@@ -282,8 +286,7 @@ class Session:
         """
         single_host = len({p.host for p in placements}) == 1 and all(p.local for p in placements)
         if single_host:
-            path = os.path.join(shm_dir(), f"nbddp-pg-{os.getpid()}-{self.token[:8]}-{self.generation}")
-            self._store_paths.append(path)
+            path = os.path.join(shm_dir(), f"{self.file_prefix}-pg-{self.generation}")
             self.master = f"file://{path}"
             ifname = self.options.interface or "lo"
             return self.master, {p.rank: ifname for p in placements}
@@ -304,12 +307,8 @@ class Session:
             pass
 
     def _cleanup_files(self) -> None:
-        for path in [self._token_path, *self._store_paths]:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._store_paths.clear()
+        self.send_pool.close()
+        remove_files(self.file_prefix)
 
     # ---- healing -----------------------------------------------------------
     def heal_async(self, killed: list[int]) -> None:

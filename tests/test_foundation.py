@@ -170,7 +170,13 @@ def test_stop_leaves_no_process_and_start_after_stop_works(workers):
         except psutil.Error:
             pass
     reaper = workers.workers.reaper
+    prefix = workers.file_prefix
     nbddp.stop()
+    import glob
+
+    from nbddp.shipping import shm_dir
+
+    assert not glob.glob(os.path.join(shm_dir(), prefix + "*")), "stop() must remove the session's shared-memory files"
     assert nbddp.status()["running"] is False
     gone, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive, f"processes left after stop(): {[p.pid for p in alive]}"

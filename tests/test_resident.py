@@ -26,14 +26,14 @@ def test_same_data_is_not_shipped_twice_and_changes_are_seen(workers):
     x, y = torch.randn(4096, 256, generator=g), torch.randn(4096, 1, generator=g)
     first = nbddp.dist_fit(nn.Linear(256, 1), (x, y), epochs=1, batch_size=512, live=False, lr=0.0)
     second = nbddp.dist_fit(nn.Linear(256, 1), (x, y), epochs=1, batch_size=512, live=False, lr=0.0)
-    assert first.timings["shipped_bytes"] > x.nbytes
-    assert second.timings["shipped_bytes"] < x.nbytes / 10, "the resident dataset must not travel again"
+    assert first.transfers["shipped_bytes"] > x.nbytes
+    assert second.transfers["shipped_bytes"] < x.nbytes / 10, "the resident dataset must not travel again"
     # the same zero-lr model on the same data reports the same loss: the workers used the resident copy
     model = nn.Linear(256, 1)
     a = nbddp.dist_fit(model, (x, y), epochs=1, batch_size=512, live=False, lr=0.0, shuffle=False)
     y.mul_(2.0)  # changed in place: must be shipped again and used
     b = nbddp.dist_fit(model, (x, y), epochs=1, batch_size=512, live=False, lr=0.0, shuffle=False)
-    assert b.timings["shipped_bytes"] > y.nbytes
+    assert b.transfers["shipped_bytes"] > y.nbytes
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(model(x), y).item()
     assert b.epochs[-1]["loss"] == pytest.approx(expected, rel=1e-5)

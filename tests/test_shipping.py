@@ -101,10 +101,10 @@ def test_unpicklable_attribute_is_named_with_a_fix():
             self.fc = nn.Linear(2, 2)
             self.lock = threading.Lock()
 
-    with pytest.raises(shipping.ShippingError, match=r"model cannot be sent.*model\.lock.*zero-argument function"):
-        shipping.pack(Holder(), what="model")
-    with pytest.raises(shipping.ShippingError, match=r"data cannot be sent.*data\[1\]"):
-        shipping.dumps([1, (x for x in range(3))], what="data")
+    with pytest.raises(shipping.ShippingError, match=r"the model cannot be sent.*`model\.lock` \(lock\).*`model=lambda: \.\.\.`"):
+        shipping.pack(Holder(), what="the model", label="model")
+    with pytest.raises(shipping.ShippingError, match=r"data cannot be sent.*`data\[1\]` \(generator\)"):
+        shipping.dumps([1, (x for x in range(3))], what="data", label="data")
 
 
 def test_no_file_left_when_pickling_fails():
@@ -113,3 +113,50 @@ def test_no_file_left_when_pickling_fails():
         shipping.pack({"w": torch.ones(3), "bad": threading.Lock()})
     leftover = {f for f in set(os.listdir(shipping.shm_dir())) - before if f.startswith(f"nbddp-{os.getpid()}-")}
     assert not leftover
+
+
+def test_pool_reuses_its_files_and_keeps_only_a_few():
+    pool = shipping.BufferPool(prefix=f"nbddp-test-{os.getpid()}-pool", keep=1)
+    try:
+        first = shipping.pack({"w": torch.randn(1000)}, pool=pool)
+        assert first.pooled and first.path.startswith(os.path.join(shipping.shm_dir(), pool.prefix))
+        first.discard()  # back to the pool, not removed
+        assert os.path.exists(first.path)
+        second = shipping.pack({"w": torch.ones(2000)}, pool=pool)  # larger: the same file grows
+        assert second.path == first.path
+        third = shipping.pack({"w": torch.zeros(10)}, pool=pool)  # the first is busy: a second file
+        assert third.path != second.path
+        assert torch.equal(shipping.unpack(second)["w"], torch.ones(2000))
+        second.discard()
+        third.discard()  # keep=1: one of the two files is removed
+        left = [p for p in (second.path, third.path) if os.path.exists(p)]
+        assert len(left) == 1
+    finally:
+        pool.close()
+    assert not any(os.path.exists(p) for p in (first.path, third.path))
+
+
+def test_a_reader_never_removes_a_pooled_file():
+    pool = shipping.BufferPool(prefix=f"nbddp-test-{os.getpid()}-reader")
+    try:
+        parcel = shipping.pack(torch.ones(3), pool=pool)
+        received = shipping.Parcel(parcel.data, parcel.path, parcel.tensors, pooled=True)  # as another process sees it
+        shipping._POOL_OF.pop(parcel.path)  # that process has no pool for it
+        received.discard()
+        assert os.path.exists(parcel.path)
+    finally:
+        pool.close()
+        shipping.remove_files(pool.prefix)
+    assert not os.path.exists(parcel.path)
+
+
+def test_remove_files_takes_every_file_of_a_prefix_only():
+    prefix = f"nbddp-test-{os.getpid()}-rm"
+    mine = [shipping.pack(torch.ones(2), prefix=prefix) for _ in range(3)]
+    other = shipping.pack(torch.ones(2), prefix=f"{prefix}x"[::-1])
+    try:
+        assert shipping.remove_files(prefix) == 3
+        assert not any(os.path.exists(p.path) for p in mine)
+        assert os.path.exists(other.path)
+    finally:
+        other.discard()

@@ -75,7 +75,7 @@ def pull(names: list[str]) -> dict[str, Any]:
     missing = [n for n in names if n not in ns]
     if missing:
         return {"missing": missing, "available": user_names()}
-    parcel = shipping.pack({n: ns[n] for n in names}, what=f"%ddp pull {' '.join(names)}",
+    parcel = shipping.pack({n: ns[n] for n in names}, what=f"%ddp pull {' '.join(names)}", prefix=STATE.file_prefix or None,
                            local=STATE.placement.local)
     return {"parcel": parcel}
 

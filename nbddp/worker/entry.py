@@ -7,6 +7,7 @@ canning (which breaks notebook classes; see the facts file).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from nbddp import shipping
@@ -26,10 +27,17 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, meta: dict[str, Any]) -> dict[st
     _check_generation(meta)
     with stop_on_sigint():
         result = loop.fit(parcel, cfg, meta)
+    result["timings"]["end_wall"] = time.time()
     module = result.pop("module", None)
     if module is not None:
+        t0 = time.perf_counter()
         obj = module.state_dict() if meta.get("return") == "state_dict" else module.cpu()
-        result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local)
+        pool = STATE.return_pool
+        if pool is not None:
+            pool.reclaim()  # the kernel loaded the previous fit's weights before that fit ended
+        result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local,
+                                          pool=pool, prefix=STATE.file_prefix or None)
+        result["timings"]["pack_s"] = time.perf_counter() - t0
     return result
 
 
@@ -39,7 +47,7 @@ def call_task(parcel: shipping.Parcel, meta: dict[str, Any]) -> shipping.Parcel:
     fn, args, kwargs = shipping.unpack(parcel)
     result = fn(*args, **kwargs)
     return shipping.pack(result, what=f"the result of {getattr(fn, '__name__', 'the function')}",
-                         local=STATE.placement.local)
+                         local=STATE.placement.local, prefix=STATE.file_prefix or None)
 
 
 def _check_generation(meta: dict[str, Any]) -> None:

@@ -168,7 +168,11 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
         error = exc
     agree(error, device, "setup")
 
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Every rank loaded the same shipped weights (or the same checkpoint): DDP's initial broadcast of
+    # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since
+    # its construction may draw on randomness nbddp does not control.
+    identical = isinstance(parts["model"], nn.Module) or restored is not None
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, init_sync=not identical)
     module = ddp.module
     loss_fn, step_fn, metrics = parts.get("loss_fn"), parts.get("step_fn"), parts.get("metrics") or {}
     accum = cfg.grad_accum

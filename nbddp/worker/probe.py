@@ -108,8 +108,12 @@ def join_process_group(
     timeout_s: float,
     threads: int,
     ifname: str | None,
+    file_prefix: str = "",
 ) -> dict[str, Any]:
     """(Re)join the process group as ``placement.rank`` of generation ``generation``.
+
+    ``file_prefix`` names this worker's shared-memory files after the kernel's
+    session, so the kernel can remove them even if this process is killed.
 
     A failed process group cannot be reused (see the facts file), so every
     new generation destroys the old group first, then joins on a fresh
@@ -149,6 +153,13 @@ def join_process_group(
     STATE.backend = backend
     STATE.generation = generation
     STATE.dataset_cache.clear()  # the kernel starts each generation with nothing resident
+    if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
+        from nbddp.shipping import BufferPool
+
+        if STATE.return_pool is not None:
+            STATE.return_pool.close()
+        STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
+        STATE.return_pool = BufferPool(prefix=f"{STATE.file_prefix}-r", keep=1)
     STATE.namespace.update(
         rank=placement.rank,
         local_rank=placement.local_rank,

@@ -25,6 +25,8 @@ class WorkerState:
     namespace: dict[str, Any] = field(default_factory=dict)  # %%ddp cells' names
     dataset_cache: dict[str, Any] = field(default_factory=dict)
     watchdog: threading.Thread | None = None
+    file_prefix: str = ""  # names of this worker's shared-memory files (set by the kernel's session)
+    return_pool: Any = None  # shipping.BufferPool for the trained weights sent back each fit
 
 
 STATE = WorkerState()
