@@ -14,19 +14,7 @@ import os
 import sys
 import time
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+from nbddp._proc import pid_alive
 
 
 def _pids(pidfile: str) -> list[int] | None:
@@ -48,7 +36,7 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
         if pids is None:
             return 0
         last = pids or last
-        if not _alive(kernel_pid):
+        if not pid_alive(kernel_pid):
             break
         time.sleep(interval)
     procs = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -205,8 +207,22 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     return run_.result()
 
 
+def _is_interrupt(exc: BaseException) -> bool:
+    """Kernel > Interrupt, as whatever SIGINT handler the kernel has raises it.
+
+    Usually ``KeyboardInterrupt``; but once torch's elastic launcher has run in
+    this process (``accelerate.notebook_launcher``, ``torch.distributed.run``
+    used in-process), SIGINT raises its ``SignalException`` instead.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    signal_exc = getattr(elastic, "SignalException", None)
+    return signal_exc is not None and isinstance(exc, signal_exc) and getattr(exc, "sigval", None) == signal.SIGINT
+
+
 def _wait_interruptibly(run_: Any, timeout: float | None) -> bool:
-    """Wait for a fit; the first Ctrl-C/Interrupt stops it cleanly, the second kills it."""
+    """Wait for a fit; the first interrupt stops it cleanly, the second kills it."""
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupts = 0
     while True:
@@ -215,7 +231,9 @@ def _wait_interruptibly(run_: Any, timeout: float | None) -> bool:
                 if deadline is not None and time.monotonic() > deadline:
                     return False
             return True
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            if not _is_interrupt(exc):
+                raise
             interrupts += 1
             if interrupts == 1:
                 run_.request_stop()

@@ -44,14 +44,20 @@ class Workers:
         self.client = client
         self.owned = owned
         self.can_add_engines = can_add_engines
+        self.engine_env: dict[str, str] = {}  # given to every engine this session launches
         self.reaper: subprocess.Popen | None = None
         self.pidfile: str | None = None
         self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
 
     # ---- construction ---------------------------------------------------
     @classmethod
-    def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "") -> "Workers":
-        """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``."""
+    def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
+              engine_env: dict[str, str] | None = None) -> "Workers":
+        """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``.
+
+        ``engine_env`` is added to the engines' environment at launch (thread
+        counts must be set before torch is imported to take full effect).
+        """
         import ipyparallel as ipp
 
         own = cluster is None
@@ -66,7 +72,7 @@ class Workers:
         try:
             if not running:
                 cluster.start_controller_sync()
-                cluster.start_engines_sync(n)
+                cluster.start_engines_sync(n, environment=dict(engine_env or {}))
             client = cluster.connect_client_sync()
         except Exception as exc:  # noqa: BLE001 - re-raised with what to try
             if not running:
@@ -76,6 +82,7 @@ class Workers:
                     pass
             raise ClusterError(f"could not start {n} engine(s): {type(exc).__name__}: {exc}") from exc
         workers = cls(cluster, client, owned=not running, can_add_engines=True)
+        workers.engine_env = dict(engine_env or {})
         try:
             workers.wait_for(n, timeout)
         except BaseException:
@@ -203,7 +210,7 @@ class Workers:
                 f"Start {count} more with `ipengine --profile=...` (or `ipcluster engines -n {count}`) on the cluster, "
                 "then call nbddp.restart()."
             )
-        self.cluster.start_engines_sync(count)
+        self.cluster.start_engines_sync(count, environment=dict(self.engine_env))
         self.wait_for(total, timeout)
         self.update_reaper()
 

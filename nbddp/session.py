@@ -14,6 +14,7 @@ hosts it is rank 0's address on a port free there.
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import threading
@@ -144,7 +145,12 @@ class Session:
             if attach:
                 self.workers = Workers.attach(profile, cluster_id, n)
             else:
-                self.workers = Workers.start(n or 2, cluster, file_prefix=self.file_prefix)
+                n_local = n or 2
+                # CPU threads per worker, fixed in the environment before torch is imported (as torchrun
+                # does); join_process_group sets the same number again once ranks are known
+                per_worker = threads or (max(1, (os.cpu_count() or 1) // n_local) if cluster is None else None)
+                env = {"OMP_NUM_THREADS": str(per_worker), "MKL_NUM_THREADS": str(per_worker)} if per_worker else {}
+                self.workers = Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env)
             try:
                 self._setup_group()
             except BaseException:
@@ -274,6 +280,10 @@ class Session:
         self.backend = backend
         self.placements = placements
         self.resident = {}  # join_process_group emptied the workers' caches
+        # the previous generation's file store is dead now that every rank joined the new one
+        for old in glob.glob(os.path.join(shm_dir(), glob.escape(f"{self.file_prefix}-pg-") + "*")):
+            if not old.endswith(f"-pg-{self.generation}"):
+                os.unlink(old)
 
     def _rendezvous(self, placements: list[topology.Placement]) -> tuple[str, dict[int, str | None]]:
         """Where the ranks meet: (init_method, rank -> socket interface).

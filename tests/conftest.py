@@ -129,6 +129,23 @@ def workers(_suite_session):
     return s
 
 
+@pytest.fixture(scope="session")
+def ipython_shell():
+    """The one IPython shell of the test process (IPython allows a single global one).
+
+    ``start_ipython()`` builds it on its first call only and returns None after,
+    so every test module asks for it here.
+    """
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    if shell is None:
+        from IPython.terminal.interactiveshell import TerminalInteractiveShell
+
+        shell = TerminalInteractiveShell.instance()
+    return shell
+
+
 @pytest.fixture
 def digits():
     """scikit-learn's digits, as float features and integer labels (no download)."""

@@ -99,10 +99,8 @@ def test_index_links_every_guide_and_every_link_resolves():
 
 
 @pytest.fixture(scope="module")
-def shell():
-    from IPython.testing.globalipapp import start_ipython
-
-    return start_ipython()
+def shell(ipython_shell):
+    return ipython_shell
 
 
 def _fresh_namespace(shell, load: bool) -> None:

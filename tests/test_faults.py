@@ -186,6 +186,23 @@ def test_interrupt_stops_every_rank_at_the_same_step(workers, tmp_path):
     record_time("interrupt", stop_s=stopped, next_fit_s=next_fit, step=counts[0])
 
 
+def test_interrupt_also_stops_under_torch_elastics_sigint_handler(workers, tmp_path):
+    """After accelerate's notebook_launcher ran in the kernel, SIGINT raises elastic's SignalException."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    old = signal.signal(signal.SIGINT, _terminate_process_handler)
+    try:
+        times: list[float] = []
+        _interrupt_main_when(str(tmp_path), 5, times)
+        h = nbddp.dist_fit(Net(), regression_data(), batch_size=16, epochs=20, shuffle=False,
+                           step_fn=CountingStep(str(tmp_path), delay=0.05), live=False)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert h.status == "interrupted"
+    counts = [int(read_mark(str(tmp_path / f"rank{r}"))) for r in (0, 1)]
+    assert counts[0] == counts[1] == h.steps[-1]["step"]
+
+
 def test_second_interrupt_hard_stops_and_replaces_workers(workers, tmp_path):
     model = Net()
     before = copy.deepcopy(model.state_dict())

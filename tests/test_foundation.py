@@ -198,3 +198,17 @@ def test_stop_right_after_a_non_blocking_start_is_a_clean_stop(workers):
     assert history.status == "interrupted"
     assert 0 < history.steps[-1]["step"] < 50 * 256
     assert handle.done()
+
+
+def test_only_the_current_process_group_store_file_exists(workers):
+    """Rebuilding the group (a new generation) removes the old generation's file store."""
+    import glob
+
+    from nbddp.shipping import shm_dir
+
+    nbddp.start(n=2, timeout=250)  # a new timeout re-forms the group on the same engines
+    try:
+        stores = glob.glob(os.path.join(shm_dir(), f"{workers.file_prefix}-pg-*"))
+        assert stores == [os.path.join(shm_dir(), f"{workers.file_prefix}-pg-{workers.generation}")]
+    finally:
+        nbddp.start(n=2, timeout=None)

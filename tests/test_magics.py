@@ -17,10 +17,8 @@ from nbddp.errors import FitRunningError
 
 
 @pytest.fixture(scope="module")
-def ip():
-    from IPython.testing.globalipapp import start_ipython
-
-    shell = start_ipython()
+def ip(ipython_shell):
+    shell = ipython_shell
     shell.run_line_magic("load_ext", "nbddp")
     yield shell
     shell.run_line_magic("unload_ext", "nbddp")

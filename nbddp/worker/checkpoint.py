@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from nbddp._proc import pid_alive
+
 KEEP = 3
 _NAME = re.compile(r"step-(\d+)\.pt$")
 _TMP = re.compile(r"step-\d+\.pt\.tmp-(\d+)$")
@@ -87,22 +89,12 @@ def _remove_stale_temporaries(directory: str) -> None:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def is_complete(path: str) -> bool:

@@ -7,6 +7,7 @@ canning (which breaks notebook classes; see the facts file).
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -25,8 +26,11 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, meta: dict[str, Any]) -> dict[st
     from nbddp.worker import loop
 
     _check_generation(meta)
-    with stop_on_sigint():
-        result = loop.fit(parcel, cfg, meta)
+    try:
+        with stop_on_sigint():
+            result = loop.fit(parcel, cfg, meta)
+    finally:
+        gc.unfreeze()  # loop.fit froze the engine's long-lived objects for the training loop
     result["timings"]["end_wall"] = time.time()
     module = result.pop("module", None)
     if module is not None:

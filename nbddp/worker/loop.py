@@ -18,6 +18,7 @@ Shape of one fit:
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from typing import Any
@@ -195,6 +196,10 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
 
     # ---- 2. train ------------------------------------------------------
     step, status, non_blocking = start_step, "completed", device.type == "cuda"
+    # An engine holds ~300k long-lived Python objects (IPython, zmq, ipyparallel) that a torchrun
+    # process does not; every full collection during training would scan them all. Freezing them
+    # keeps the collector to what training allocates (entry.fit_task unfreezes, whatever happens).
+    gc.freeze()
     t_train = time.perf_counter()
     epoch = start_epoch
     stopped = step >= total_steps

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from nbddp._proc import pid_alive
 from nbddp.worker.state import STATE
 
 
@@ -79,25 +80,11 @@ def _watch_kernel(kernel_pid: int, interval: float = 0.5) -> None:
     def _watch() -> None:
         while True:
             time.sleep(interval)
-            if not _alive(kernel_pid):
+            if not pid_alive(kernel_pid):
                 os._exit(0)
 
     STATE.watchdog = threading.Thread(target=_watch, name="nbddp-kernel-watchdog", daemon=True)
     STATE.watchdog.start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie kernel is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def join_process_group(

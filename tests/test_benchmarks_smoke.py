@@ -1,0 +1,45 @@
+"""The benchmark suite runs (tiny sizes, one repetition) and reports ratios.
+
+No timing is asserted here: the machines are noisy, so speed goals live in
+``benchmarks/`` as same-run ratios (``docs/performance.md``). This only
+guarantees that the benchmark code keeps working as nbddp changes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.fresh_workers
+@pytest.mark.slow
+def test_quick_benchmarks_run_and_report_ratios(_suite_session):
+    import nbddp
+
+    nbddp.stop()  # each benchmark starts and stops its own workers, as a person running it would
+    sys.path.insert(0, ROOT)
+    sigint = signal.getsignal(signal.SIGINT)  # accelerate's launcher installs torch elastic's handler
+    try:
+        from benchmarks import run_all
+
+        results = run_all.run(quick=True)
+    finally:
+        sys.path.remove(ROOT)
+        signal.signal(signal.SIGINT, sigint)
+    failed = {name: r["error"] for name, r in results["benchmarks"].items() if "error" in r}
+    assert not failed, f"benchmarks crashed: {failed}"
+    rows = results["summary_rows"]
+    ratios = {(r["bench"], r["competitor"], r["metric"]): r.get("ratio") for r in rows}
+    for bench in ("throughput/mlp", "throughput/cnn"):
+        got = [v for (b, c, m), v in ratios.items() if b == bench and c.startswith("nbddp") and m == "samples/s"]
+        assert got and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in got), (bench, got)
+    latency = [v for (b, c, _), v in ratios.items() if b.startswith("latency") and c != "nbddp_warm"]
+    assert latency and all(isinstance(v, float) and v > 0 for v in latency), latency
+    weights = results["benchmarks"]["weights"]
+    assert weights["summary"], "the weights benchmark reported no sizes"
