@@ -4,7 +4,7 @@
 Runs ``notebooks/live_fit.ipynb``, samples the progress bar while training
 runs (it must move at least twice before the end), waits for the plot image
 and the final state, and saves screenshots under the test's output folder
-(``tests/artifacts/``, also copied to ``docs/img/dashboard.png``).
+(``tests/artifacts/``; with ``NBDDP_UPDATE_DOCS_IMG=1`` also copied to ``docs/img/dashboard.png``).
 
 CI needs: ``apt-get install -y chromium-headless-shell`` and
 ``pip install -c constraints-dev.txt jupyterlab playwright`` (``playwright
@@ -179,7 +179,8 @@ def test_dashboard_advances_in_jupyterlab(lab, tmp_path):
             text = page.locator(".nbddp-dashboard").inner_text()
             assert "step 96/96" in text and "val_acc" in text and "peak memory" in text
             final = out_dir / "dashboard.png"
-            page.locator(".nbddp-dashboard").screenshot(path=str(final))
+            # the whole output area, so the status line above the dashboard box is in the picture too
+            page.locator(".jp-OutputArea-output", has=page.locator(".nbddp-dashboard")).first.screenshot(path=str(final))
             page.screenshot(path=str(out_dir / "jupyterlab.png"), full_page=True)
         finally:
             browser.close()
@@ -187,5 +188,6 @@ def test_dashboard_advances_in_jupyterlab(lab, tmp_path):
     os.makedirs(ARTIFACTS, exist_ok=True)
     for shot in out_dir.iterdir():
         shutil.copy(shot, os.path.join(ARTIFACTS, shot.name))
-    os.makedirs(os.path.dirname(DOCS_IMG), exist_ok=True)
-    shutil.copy(final, DOCS_IMG)
+    if os.environ.get("NBDDP_UPDATE_DOCS_IMG") == "1":  # refresh the README's picture on purpose only
+        os.makedirs(os.path.dirname(DOCS_IMG), exist_ok=True)
+        shutil.copy(final, DOCS_IMG)
