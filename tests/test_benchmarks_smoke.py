@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.fresh_workers
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2 min on a quiet machine; each benchmark starts its own workers and torchrun jobs
 def test_quick_benchmarks_run_and_report_ratios(_suite_session):
     import nbddp
 
