@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 import time
 
@@ -68,6 +69,28 @@ def accelerate_fit(cfg: dict, nproc: int = 2) -> dict:
     return res
 
 
+def accelerate_three(cfg: dict, nproc: int = 2) -> dict:
+    """Three notebook_launcher calls in a fresh Python process, as an accelerate user's kernel.
+
+    notebook_launcher forks the calling process. Forking this benchmark process,
+    which also holds nbddp's client threads (ipyparallel's IO thread, the fit
+    watcher), can deadlock the children on a lock some thread held at fork time
+    (seen here: both forks hung). A kernel that only uses accelerate has no
+    such threads, so the competitor runs in a clean process; each call's wall
+    time is still measured around the notebook_launcher call itself.
+    """
+    root = str(_Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [_sys.executable, "-m", "benchmarks.bench_latency", "--accelerate-child", json.dumps(cfg), str(nproc)],
+        cwd=root, capture_output=True, text=True, timeout=900,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"accelerate child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    calls = common.parse_bench_json(proc.stdout)["calls"]
+    return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
+            "wall_s": [c.get("wall_s") for c in calls]}
+
+
 def _three(call) -> dict:
     calls = [call() for _ in range(CALLS)]
     return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
@@ -103,7 +126,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     try:
         import accelerate  # noqa: F401
 
-        comps["accelerate"] = lambda: _three(lambda: accelerate_fit(cfg, nproc=world))
+        comps["accelerate"] = lambda: accelerate_three(cfg, nproc=world)
     except ImportError:
         out["accelerate"] = "not installed (pip install accelerate -c constraints-dev.txt)"
     comps["torchrun"] = lambda: _three(lambda: common.run_torchrun(cfg, nproc=world))
@@ -158,4 +181,9 @@ def summary_rows(res: dict) -> list[dict]:
 
 
 if __name__ == "__main__":
-    common.cli(main, NAME)
+    if len(_sys.argv) > 1 and _sys.argv[1] == "--accelerate-child":
+        child_cfg, child_nproc = json.loads(_sys.argv[2]), int(_sys.argv[3])
+        result = {"calls": [accelerate_fit(child_cfg, nproc=child_nproc) for _ in range(CALLS)]}
+        print(common.JSON_MARKER + json.dumps(result), flush=True)
+    else:
+        common.cli(main, NAME)

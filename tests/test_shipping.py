@@ -160,3 +160,21 @@ def test_remove_files_takes_every_file_of_a_prefix_only():
         assert os.path.exists(other.path)
     finally:
         other.discard()
+
+
+def test_a_foreign_persistent_id_is_refused():
+    import io
+    import pickle
+
+    class Foreign(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("someone-else", 0) if obj == "x" else None
+
+    buf = io.BytesIO()
+    Foreign(buf).dump(["x"])
+    parcel = shipping.Parcel(buf.getvalue(), path=shipping.pack({"t": torch.ones(1)}).path)
+    try:
+        with pytest.raises(pickle.UnpicklingError, match=r"unknown persistent id \('someone-else', 0\)"):
+            shipping.unpack(parcel)
+    finally:
+        parcel.discard()

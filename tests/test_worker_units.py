@@ -112,3 +112,14 @@ def test_feature_options_are_checked_in_the_kernel_with_the_fix_named(tmp_path):
         make_config(checkpoint_dir=3)
     cfg = make_config(checkpoint_dir=tmp_path, resume=tmp_path / "step-00000001.pt", val_every="epoch")
     assert cfg.checkpoint_dir == str(tmp_path) and cfg.resume.endswith("step-00000001.pt") and cfg.val_every is None
+
+
+def test_a_key_the_worker_does_not_hold_is_a_clear_error():
+    from nbddp.worker.data import DataSpec, keep_only, materialise
+
+    cache = {"a": "dataset-a", "b": "dataset-b"}
+    keep_only(cache, ["b"])
+    assert cache == {"b": "dataset-b"}
+    assert materialise(DataSpec(key="b"), cache) == "dataset-b"
+    with pytest.raises(RuntimeError, match=r"only the key of a resident dataset \(a\).*nbddp.restart\(\)"):
+        materialise(DataSpec(key="a"), cache)
