@@ -1,0 +1,71 @@
+"""Kernel-side argument checks, each with its message: no workers needed (a fake session)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nbddp import fitting
+from nbddp.topology import Placement
+
+
+def fake_session(device: str = "cpu", world: int = 2):
+    placements = [Placement(rank=r, local_rank=r, world_size=world, local_world_size=world, engine_id=r, host="h",
+                            pid=r, device=device, address="127.0.0.1", local=True) for r in range(world)]
+    return SimpleNamespace(placements=placements, world_size=world, resident={})
+
+
+DATA = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+CASES = [
+    ("empty val_data", dict(val_data=(torch.empty(0, 4), torch.empty(0, dtype=torch.long))),
+     ValueError, r"dist_fit\(val_data=\.\.\.\) is empty \(len 0\); pass None"),
+    ("metrics not a dict", dict(val_data=DATA, metrics=[len]), TypeError, r"metrics=\.\.\.\) must be a dict of name -> fn"),
+    ("metrics without val_data", dict(metrics={"acc": len}), ValueError, r"metrics=\.\.\.\) are computed on validation data"),
+    ("metrics with step_fn", dict(val_data=DATA, metrics={"acc": len}, step_fn=lambda m, b: 0),
+     ValueError, r"metrics=\.\.\.\) cannot see outputs inside a step_fn"),
+    ("16-mixed on CPU", dict(precision="16-mixed"), ValueError, r"precision='16-mixed'\) needs CUDA GPUs"),
+    ("sync_batchnorm on CPU", dict(sync_batchnorm=True), ValueError, r"sync_batchnorm=True\) needs CUDA GPUs"),
+    ("batch larger than the shard", dict(batch_size=33), ValueError, r"batch_size=33\) is larger than each rank's shard: 64 samples over 2"),
+    ("checkpoint_every without dir", dict(checkpoint_every=5), ValueError, r"checkpoint_every=\.\.\.\) needs checkpoint_dir"),
+    ("resume=True without dir", dict(resume=True), ValueError, r"resume=True\) resumes from checkpoint_dir"),
+    ("tuple of non-tensors", dict(data=(torch.ones(2), [1, 2])), TypeError, r"a tuple must hold tensors \(x, y, \.\.\.\), got \(Tensor, list\)"),
+]
+
+
+@pytest.mark.parametrize("kind, kwargs, exc, match", CASES, ids=[c[0] for c in CASES])
+def test_prepare_refuses_before_any_worker_is_asked(kind, kwargs, exc, match):
+    kwargs = dict(kwargs)
+    data = kwargs.pop("data", DATA)
+    with pytest.raises(exc, match=match):
+        fitting.prepare(fake_session(), nn.Linear(4, 2), data, **kwargs)
+
+
+def test_live_must_be_a_known_mode():
+    from nbddp.live import choose_view
+
+    with pytest.raises(ValueError, match=r"live=\.\.\.\) must be True, False, None \(automatic\), 'widget' or 'text'; got 'fancy'"):
+        choose_view("fancy")
+
+
+def test_block_must_be_a_bool():
+    import nbddp
+
+    with pytest.raises(TypeError, match=r"dist_fit\(block=\.\.\.\) must be True or False, got 'yes'"):
+        nbddp.dist_fit(nn.Linear(4, 2), DATA, block="yes")
+
+
+def test_start_takes_a_cluster_or_an_attachment_not_both():
+    from nbddp.session import Session
+
+    with pytest.raises(ValueError, match=r"start\(\) takes either cluster=\.\.\. or profile=/cluster_id=\.\.\., not both"):
+        Session().start(cluster=object(), profile="default")
+
+
+def test_an_optimizer_factory_must_return_an_optimizer():
+    from nbddp.worker.loop import make_optimizer
+
+    with pytest.raises(TypeError, match=r"optimizer=\.\.\. must be an Optimizer class or a factory of params"):
+        make_optimizer(lambda params: "sgd", nn.Linear(2, 2).parameters(), 0.1)
