@@ -148,7 +148,7 @@ class Session:
                 n_local = n or 2
                 # CPU threads per worker, fixed in the environment before torch is imported (as torchrun
                 # does); join_process_group sets the same number again once ranks are known
-                per_worker = threads or (max(1, (os.cpu_count() or 1) // n_local) if cluster is None else None)
+                per_worker = threads or (_threads_per_worker(n_local) if cluster is None else None)
                 env = {"OMP_NUM_THREADS": str(per_worker), "MKL_NUM_THREADS": str(per_worker)} if per_worker else {}
                 self.workers = Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env)
             try:
@@ -383,10 +383,13 @@ class Session:
                     ) from error
 
 
+def _threads_per_worker(workers_on_host: int) -> int:
+    """CPU threads per worker: the host's cores shared among its workers (torchrun uses 1)."""
+    return max(1, (os.cpu_count() or 1) // workers_on_host)
+
+
 def _default_threads(placements: list[topology.Placement]) -> int:
-    """CPU threads per worker: the host's cores shared among its ranks (torchrun uses 1)."""
-    per_host = max(p.local_world_size for p in placements)
-    return max(1, (os.cpu_count() or 1) // per_host)
+    return _threads_per_worker(max(p.local_world_size for p in placements))
 
 
 _SESSION: Session | None = None
