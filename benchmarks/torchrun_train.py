@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -82,6 +83,7 @@ def run_ddp(cfg: dict) -> dict:
     log_every = int(cfg.get("log_every") or 0)
 
     dist.barrier()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     step = 0
     samples = 0
@@ -112,6 +114,7 @@ def run_ddp(cfg: dict) -> dict:
         torch.cuda.synchronize()
     dist.barrier()
     loop_s = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
 
     total_samples = torch.tensor([samples], dtype=torch.long, device=device)
     dist.all_reduce(total_samples)
@@ -124,6 +127,10 @@ def run_ddp(cfg: dict) -> dict:
         "steps": step,
         "samples": total,
         "loop_s": loop_s,
+        # diagnostic: this rank's CPU seconds, page faults and context switches during the loop
+        "loop_ru": {k: round(getattr(ru1, f) - getattr(ru0, f), 4) for k, f in
+                    (("ut", "ru_utime"), ("st", "ru_stime"), ("minflt", "ru_minflt"),
+                     ("nvcsw", "ru_nvcsw"), ("nivcsw", "ru_nivcsw"))},
         "samples_per_s": total / loop_s if loop_s > 0 else None,
         "first_step_s": first_step_s,  # diagnostic: a fresh process's first step (also inside loop_s)
         "init_s": t_init - t_setup0,

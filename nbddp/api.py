@@ -72,6 +72,7 @@ def status() -> dict[str, Any]:
         "owned": s.workers.owned,
         "hosts": sorted({p.host for p in s.placements}),
         "master": s.master,
+        "allocator": s.allocator,  # worker/memory.py: "tuned", or "default (why)"
         "ranks": topology.describe(s.placements),
         "fit_running": s.running is not None and not s.running.finished,
     }

@@ -105,6 +105,7 @@ class Session:
         self.send_pool = BufferPool(prefix=f"{self.file_prefix}-k")
         self.last_start_s = 0.0
         self.resident: dict[str, None] = {}  # dataset keys the workers hold, oldest first
+        self.allocator: list[str] = []  # what each worker's C allocator runs with (worker/memory.py)
         self.master = ""  # the process group's init_method: file://... on one host, tcp://addr:port across hosts
 
     def mark_resident(self, keys: list[str], limit: int) -> None:
@@ -275,8 +276,8 @@ class Session:
             self.file_prefix)
             for p in placements}
         deadline = time.monotonic() + 120
-        for eid, ar in ars.items():
-            ar.get(timeout=max(1.0, deadline - time.monotonic()))
+        joined = [ar.get(timeout=max(1.0, deadline - time.monotonic())) for ar in ars.values()]
+        self.allocator = sorted({j.get("allocator", "?") for j in joined})
         self.backend = backend
         self.placements = placements
         self.resident = {}  # join_process_group emptied the workers' caches

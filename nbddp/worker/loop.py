@@ -227,7 +227,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
             with sync_ctx:
                 with autocast():
                     loss, n, extras, _, _ = run_batch(ddp, batch, loss_fn, step_fn)
-                scaled = loss.float() / window
+                scaled = loss.float() if window == 1 else loss.float() / window  # no extra autograd node per step
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             rep.add(loss, n, extras)
             if not last_micro:

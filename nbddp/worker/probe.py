@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from nbddp._proc import pid_alive
+from nbddp.worker.memory import tune_allocator
 from nbddp.worker.state import STATE
 
 
@@ -123,6 +124,7 @@ def join_process_group(
     if threads > 0:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    allocator = tune_allocator()
     if placement.device.startswith("cuda"):
         torch.cuda.set_device(placement.local_rank)
     kwargs: dict[str, Any] = {}
@@ -153,7 +155,8 @@ def join_process_group(
         world_size=placement.world_size,
         device=torch.device(placement.device),
     )
-    return {"rank": placement.rank, "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
+    return {"rank": placement.rank, "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads(),
+            "allocator": allocator}
 
 
 def _drop_dead_references() -> None:

@@ -70,7 +70,7 @@ class Reporter:
 
     # -- per step (no synchronisation) ----------------------------------
     def add(self, loss: torch.Tensor, n: int, extras: dict[str, Any]) -> None:
-        self.loss_sum += loss.detach().to(torch.float64) * n
+        self.loss_sum.add_(loss.detach(), alpha=n)  # one kernel: promoted into the float64 sum in place
         self.n += n
         for k, v in extras.items():
             v = v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64, device=self.device)
