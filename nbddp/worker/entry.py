@@ -8,8 +8,10 @@ canning (which breaks notebook classes; see the facts file).
 from __future__ import annotations
 
 import gc
+import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from nbddp import shipping
 from nbddp.worker.state import STATE, stop_on_sigint
@@ -39,10 +41,33 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, meta: dict[str, Any]) -> dict[st
         pool = STATE.return_pool
         if pool is not None:
             pool.reclaim()  # the kernel loaded the previous fit's weights before that fit ended
-        result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local,
-                                          pool=pool, prefix=STATE.file_prefix or None)
+        with _host_cores():
+            result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local,
+                                              pool=pool, prefix=STATE.file_prefix or None)
         result["timings"]["pack_s"] = time.perf_counter() - t0
     return result
+
+
+@contextmanager
+def _host_cores() -> Iterator[None]:
+    """Let torch copy with every core this process may use, then go back to the training setting.
+
+    Packing the weights happens after every rank has left the training loop,
+    so the cores the other ranks trained on are idle; a 400 MB copy runs
+    ~1.7x faster on two threads than on one here.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or before
+    torch.set_num_threads(max(before, cores))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def call_task(parcel: shipping.Parcel, meta: dict[str, Any]) -> shipping.Parcel:
