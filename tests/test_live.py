@@ -22,6 +22,7 @@ from nbddp.errors import FitRunningError
 from nbddp.history import History
 from nbddp.live import NullView, choose_view
 from nbddp.live.text import TextView, progress_line
+from nbddp.live import widget
 from nbddp.live.widget import WIDGET_VIEW, WidgetView, summary_text
 from nbddp.worker.report import WINDOW
 
@@ -67,7 +68,7 @@ def test_choose_view_picks_one_place():
 
 def test_widget_view_draws_progress_plot_ranks_and_final_state():
     run = FakeRun(total=100)
-    view = WidgetView(every=0.0, plot_every=0.0)
+    view = WidgetView(every=0.0, plot_every=0.0, plot_cpu_share=None)
     view.start(run)
     assert "starting" in view.status.value and "node-a" in view.ranks.value
     for step in range(1, 41):
@@ -99,7 +100,7 @@ def test_widget_view_draws_progress_plot_ranks_and_final_state():
 
 def test_widget_view_throttles_the_plot():
     run = FakeRun(total=10_000)
-    view = WidgetView(every=0.0, plot_every=60.0)
+    view = WidgetView(every=0.0, plot_every=60.0, plot_cpu_share=None)
     view.start(run)
     for step in range(1, 200):
         run.log(step)
@@ -108,6 +109,54 @@ def test_widget_view_throttles_the_plot():
     run.finished = True
     view.finish(run)
     assert view.redraws == 2  # the final state is always drawn
+    view.finish(run)
+    assert view.redraws == 2  # ...but not again when nothing changed
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_widget_plot_stays_within_its_cpu_budget():
+    """A redraw is allowed once the plot's CPU so far plus the last redraw's cost fit in 2 % of the elapsed time."""
+    run = FakeRun(total=10_000)
+    view = WidgetView(every=0.0, plot_every=0.0)
+    view.clock = clock = FakeClock()
+    view.start(run)
+    run.log(1)
+    view.update(run)
+    assert view.redraws == 0  # a short fit draws nothing until its end
+    clock.now += widget.FIRST_PLOT_COST_S / widget.PLOT_CPU_SHARE  # 1.5 s of budget for the assumed first cost
+    run.log(2)
+    view.update(run)
+    assert view.redraws == 1
+    view._plot_cost = 0.1  # say a redraw now costs 0.1 s: the budget needs (spent + 0.1) / 0.02 s of fit
+    need = (view.plot_cpu_s + 0.1) / widget.PLOT_CPU_SHARE - (clock.now - view._t_start)
+    assert need > widget.MAX_PLOT_INTERVAL
+    clock.now += widget.MAX_PLOT_INTERVAL - 0.1
+    run.log(3)
+    view.update(run)
+    assert view.redraws == 1  # over budget and not yet the 3 s floor
+    clock.now += 0.2
+    run.log(4)
+    view.update(run)
+    assert view.redraws == 2  # the floor: at least every 3 s, however slow drawing is
+
+
+def test_a_fit_of_a_second_draws_its_plot_once_at_the_end():
+    run = FakeRun(total=100)
+    view = WidgetView(every=0.0)
+    view.start(run)
+    for step in range(1, 101):
+        run.log(step)
+        view.update(run)
+    run.finished = True
+    view.finish(run)
+    assert view.redraws == 1 and bytes(view.image.value).startswith(PNG_MAGIC)
 
 
 def test_widget_view_shows_a_failure():

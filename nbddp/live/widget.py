@@ -11,9 +11,13 @@ Layout::
 
 Everything is drawn from the fit's watcher thread: trait changes from a
 thread reach the browser even while the cell blocks (``ipyparallel-facts.md``).
-Text and progress are refreshed at most ``every`` seconds, the plot at most
-every ``plot_every`` seconds, and less often when drawing is slow so that
-it costs at most ~2 % of a core (but at least every 3 s).
+Text and progress are refreshed at most ``every`` seconds. The plot is the
+expensive part (~30 ms of CPU per Agg render here), so it runs on a CPU
+budget: a redraw happens only when the plot's CPU so far, plus what the last
+redraw cost, stays within 2 % of the fit's elapsed time (and at most every
+``plot_every`` seconds; at least every 3 s however slow drawing is). A fit of
+a second or two therefore draws once, at the end; a long one about every
+1.5 s. One figure is kept for the whole kernel (fits never overlap).
 
 The output is one display (``display_id``). When the fit ends, that display
 is updated with the final widget AND a static PNG + text summary in the same
@@ -38,6 +42,8 @@ STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#946
 BAR_STYLES = {"done": "success", "interrupted": "warning", "failed": "danger"}
 PLOT_CPU_SHARE = 0.02  # the plot may use at most this share of one core
 MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
+FIRST_PLOT_COST_S = 0.03  # what a redraw is assumed to cost before one was measured
+_SHARED_PLOT: list[LossPlot] = []  # one figure per kernel: building one costs more than a redraw
 
 
 def _num(v: Any) -> str:
@@ -118,15 +124,25 @@ def summary_text(run: Any) -> str:
     return "\n".join(lines)
 
 
+def _shared_plot() -> LossPlot:
+    if not _SHARED_PLOT:
+        _SHARED_PLOT.append(LossPlot())
+    return _SHARED_PLOT[0]
+
+
 class WidgetView:
     """The live dashboard (see the module docstring)."""
 
-    def __init__(self, every: float = 0.5, plot_every: float = 1.0):
+    def __init__(self, every: float = 0.5, plot_every: float = 1.0, plot_cpu_share: float | None = PLOT_CPU_SHARE):
+        """``plot_cpu_share=None`` redraws every ``plot_every`` seconds whatever it costs (tests)."""
         self.every = every
         self.plot_every = plot_every
+        self.plot_cpu_share = plot_cpu_share
+        self.clock = time.monotonic
+        self._t_start = self.clock()
         self._last_text = 0.0
         self._last_plot = 0.0
-        self._plot_interval = plot_every
+        self._plot_cost = FIRST_PLOT_COST_S
         self._plotted = (-1, -1)  # (steps, validations) drawn last
         self._plot: LossPlot | None = None
         self._handle: Any = None
@@ -177,20 +193,30 @@ class WidgetView:
         from IPython.display import display
 
         self._run = run
+        self._t_start = self.clock()
         if self._plot is None:  # import matplotlib and build the figure here, while the workers set up
-            self._plot = LossPlot()
+            self._plot = _shared_plot()
         self.status.value = status_html(run, "starting")
         self.ranks.value = rank_table_html(rank_rows(run))
         self._handle = display(self._bundle(run, final=False), raw=True, display_id=True)
 
     def update(self, run: Any) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_text < self.every:
             return
         self._last_text = now
         self._draw_text(run, run.live_state.get("status", "training"))
-        if now - self._last_plot >= self._plot_interval:
+        if self.plot_due(now):
             self._draw_plot(run)
+
+    def plot_due(self, now: float) -> bool:
+        """May the plot be redrawn now? (the CPU budget of the module docstring)"""
+        if now - self._last_plot < self.plot_every:
+            return False
+        if self.plot_cpu_share is None:
+            return True
+        within_budget = self.plot_cpu_s + self._plot_cost <= self.plot_cpu_share * (now - self._t_start)
+        return within_budget or now - max(self._last_plot, self._t_start) >= MAX_PLOT_INTERVAL
 
     def finish(self, run: Any) -> None:
         """The final state, whatever ended the fit; then the static fallback in the same display."""
@@ -199,7 +225,7 @@ class WidgetView:
         if run.error is not None and status not in ("failed", "interrupted"):
             status = "failed"
         self._draw_text(run, status)
-        self._draw_plot(run, force=True)
+        self._draw_plot(run)  # unless the last redraw already shows every record
         self.bar.bar_style = BAR_STYLES.get(status, "info")
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
@@ -218,25 +244,25 @@ class WidgetView:
         self.metrics.value = html.escape(metrics_text(f))
         self.ranks.value = rank_table_html(rank_rows(run))
 
-    def _draw_plot(self, run: Any, force: bool = False) -> None:
+    def _draw_plot(self, run: Any) -> None:
         hist = run.history
         drawn = (len(hist.steps), len(hist.validations))
-        if drawn == self._plotted and not force:
+        if drawn == self._plotted:
             return
         if not hist.steps and not hist.validations:
             return
         if self._plot is None:
-            self._plot = LossPlot()
-        first = self.redraws == 0
+            self._plot = _shared_plot()
+        warm = self._plot.renders > 0  # a figure's first render loads fonts and caches: not what the next cost
         t0 = time.thread_time()  # CPU, not wall time: on a busy machine wall time counts other processes
         self.image.value = self._plot.png(hist.steps, hist.validations)
         cost = time.thread_time() - t0
         self.plot_cpu_s += cost
         self._plotted = drawn
         self.redraws += 1
-        self._last_plot = time.monotonic()
-        if not first:  # the first draw loads fonts and caches: not what the next ones cost
-            self._plot_interval = min(MAX_PLOT_INTERVAL, max(self.plot_every, cost / PLOT_CPU_SHARE))
+        self._last_plot = self.clock()
+        if warm:
+            self._plot_cost = cost
 
     def _bundle(self, run: Any, final: bool) -> dict[str, Any]:
         """The display's mime bundle; the final one adds the static fallback."""
