@@ -26,6 +26,7 @@ from nbddp import topology
 from nbddp.cluster import ClusterError, Workers
 from nbddp.errors import FitRunningError, NotStartedError
 from nbddp.shipping import BufferPool, remove_files, shm_dir
+from nbddp.worker.memory import reason_to_leave_alone
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl")
@@ -129,6 +130,8 @@ class Session:
             raise ValueError("start() takes either cluster=... or profile=/cluster_id=..., not both")
         gpus = 0 if attach or cluster is not None else local_gpu_count()
         n, backend = validate_start(n, backend, timeout, threads, gpus, attach or cluster is not None)
+        if not attach:  # engines started from here inherit this environment: a bad value fails now, not in 7 s
+            reason_to_leave_alone(os.environ)
         with self.lock:
             if self.started:
                 same = self.options and (n in (None, self.world_size)) and (backend in (None, self.backend))

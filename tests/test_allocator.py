@@ -78,3 +78,9 @@ def test_an_unknown_setting_is_an_error_that_names_the_value():
 @glibc_only
 def test_workers_report_a_tuned_allocator(workers):
     assert nbddp.status()["allocator"] == ["tuned"]
+
+
+def test_start_refuses_an_unknown_setting_before_starting_anything(monkeypatch):
+    monkeypatch.setenv("NBDDP_MALLOC", "fast")
+    with pytest.raises(ValueError, match=r"NBDDP_MALLOC='fast' is not understood"):
+        nbddp.start(n=2)

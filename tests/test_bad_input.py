@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import nbddp
 from faultkit import D, Net, regression_data
@@ -100,6 +100,8 @@ CASES = [
     ("empty val_data", lambda: dict(val_data=TensorDataset(torch.empty(0, D))), ValueError, r"val_data=\.\.\.\) is empty .*pass None", "kernel"),
     ("shard smaller than a batch", lambda: dict(data=xy(20), batch_size=16), ValueError, r"batch_size=16\) is larger than each rank's shard: 20 samples over 2 ranks gives 10 .*batch_size<=10", "kernel"),
     ("IterableDataset", lambda: dict(data=Stream()), TypeError, r"IterableDataset cannot be sharded", "kernel"),
+    ("DataLoader over an IterableDataset", lambda: dict(data=DataLoader(Stream())), TypeError,
+     r"dist_fit\(data=\.\.\.\): a DataLoader over an IterableDataset cannot be sharded by rank", "kernel"),
     ("epochs=0", lambda: dict(epochs=0), ValueError, r"epochs=\.\.\.\) must be >= 1, got 0", "kernel"),
     ("epochs is a string", lambda: dict(epochs="3"), TypeError, r"epochs=\.\.\.\) must be an int, got str '3'", "kernel"),
     ("lr is a string", lambda: dict(lr="fast"), TypeError, r"lr=\.\.\.\) must be a number, got str 'fast'", "kernel"),
@@ -128,6 +130,11 @@ CASES = [
     ("NaN loss", lambda: dict(data=nan_data()), WorkerError, r"FloatingPointError: the loss is nan at step 1 \(epoch 0\)", "worker"),
     ("model factory returns no module", lambda: dict(model=lambda: 42), WorkerError, r"the model factory returned int, not a torch\.nn\.Module", "worker"),
     ("data factory returns no dataset", lambda: dict(data=lambda: 42), WorkerError, r"the data factory returned int; it must return a map-style Dataset", "worker"),
+    ("data factory returns an empty dataset", lambda: dict(data=lambda: TensorDataset(*xy(0))), WorkerError,
+     r"the dataset built on the worker is empty \(len 0\)", "worker"),
+    # one sample over two ranks with drop_last: each shard holds 0 samples (the kernel cannot see a factory's size)
+    ("no full batch on a rank", lambda: dict(data=lambda: TensorDataset(*xy(1)), batch_size=1, drop_last=True), WorkerError,
+     r"rank \d has no full batch to train on: its shard holds 0 samples and drop_last=True with batch_size=1", "worker"),
 ]
 
 
