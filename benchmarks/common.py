@@ -317,8 +317,17 @@ def run_torchrun(cfg: dict[str, Any], nproc: int = 2, timeout: float = 900, retr
     ``wall_s`` is the wall time of the whole ``python -m torch.distributed.run``
     subprocess as seen from here (interpreter start, imports, rendezvous,
     training, teardown).
+
+    torch 2.13's gloo sometimes aborts a rank on this VM ("terminate called
+    without an active exception": three of about a dozen jobs across two runs
+    of the full test suite, none in a quiet loop of twelve). Rank 0
+    prints its result before tearing the group down, so a crash after that
+    still leaves a complete measurement (kept, with ``teardown_error``); a job
+    that failed earlier is run again up to ``retries`` times, and the errors
+    are kept in ``retried``. Nothing is hidden: both keys land in the JSON.
     """
     last_err = None
+    retried: list[str] = []
     for _ in range(retries + 1):
         port = free_port()
         cmd = [
@@ -333,14 +342,22 @@ def run_torchrun(cfg: dict[str, Any], nproc: int = 2, timeout: float = 900, retr
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=timeout, cwd=str(REPO_ROOT))
         wall = time.perf_counter() - t0
-        if proc.returncode == 0:
+        err = proc.stderr
+        measured = JSON_MARKER in proc.stdout
+        if proc.returncode == 0 or measured:
             res = parse_bench_json(proc.stdout)
             res["wall_s"] = wall
             res["overhead_s"] = wall - res["loop_s"]
+            if proc.returncode != 0:
+                res["teardown_error"] = f"exit {proc.returncode}: {err.strip().splitlines()[0] if err.strip() else ''}"
+            if retried:
+                res["retried"] = retried
             return res
-        last_err = f"torchrun exit {proc.returncode}: {proc.stderr[-2000:]}"
-        if "address already in use" not in proc.stderr.lower() and "EADDRINUSE" not in proc.stderr:
-            break
+        # the failing rank's own message comes first; torch elastic's summary of it comes last
+        shown = err if len(err) <= 4000 else f"{err[:2500]}\n...\n{err[-1500:]}"
+        last_err = f"torchrun exit {proc.returncode}: {shown}"
+        retried.append(last_err[:300])
+        log(f"torchrun job failed ({last_err.splitlines()[0][:160]}); running it again")
     raise RuntimeError(last_err)
 
 

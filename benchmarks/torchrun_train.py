@@ -39,8 +39,12 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the repo root i
 from benchmarks import common  # noqa: E402
 
 
-def run_ddp(cfg: dict) -> dict:
-    """One DDP training job in this process (env:// rendezvous). Returns results."""
+def run_ddp(cfg: dict, destroy: bool = True) -> dict:
+    """One DDP training job in this process (env:// rendezvous). Returns results.
+
+    ``destroy=False`` leaves the process group up, so the caller can report
+    the results before tearing it down (see ``main``).
+    """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -139,7 +143,8 @@ def run_ddp(cfg: dict) -> dict:
         "logged_loss": last_loss,
         "cfg": cfg,
     }
-    dist.destroy_process_group()
+    if destroy:
+        dist.destroy_process_group()
     return res
 
 
@@ -160,11 +165,14 @@ def parse_args(argv=None) -> dict:
 
 
 def main(argv=None) -> None:
+    import torch.distributed as dist
+
     cfg = parse_args(argv)
-    res = run_ddp(cfg)
+    res = run_ddp(cfg, destroy=False)
     res["import_s"] = time.perf_counter() - _T_IMPORT0
-    if res["rank"] == 0:
+    if res["rank"] == 0:  # before the teardown: a crash there must not lose a finished measurement
         print(common.JSON_MARKER + json.dumps(res), flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
