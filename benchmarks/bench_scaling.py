@@ -1,11 +1,14 @@
-"""GPU scaling: samples/s at 1, 2, 4, 8 GPUs (those available), torchrun vs nbddp.
-
-GPU only: without CUDA it prints a message and returns ``{"skipped": ...}``.
+"""Scaling: samples/s at 1, 2, 4, 8 GPUs (those available), torchrun vs nbddp.
 
 Workload: the CNN of bench_throughput with batch 256 per rank on a fixed
 dataset (65536 samples, 8192 with --quick), 1 epoch, nccl. For each GPU count
 torchrun (fresh job) and nbddp (workers restarted with ``start(n=k)``)
-alternate. Efficiency = samples/s at k GPUs / (k * samples/s at 1 GPU).
+alternate. Efficiency = samples/s at k workers / (k * samples/s at 1 worker).
+
+Without CUDA the same code runs on CPU workers instead (gloo, one thread per
+rank, 1 and 2 workers up to the machine's cores, 16384 samples, 2048 with
+--quick), so every part of it but nccl runs wherever the suite runs; the rows
+then say ``cpu`` and measure CPU scaling, which is not the GPU figure.
 """
 
 from __future__ import annotations
@@ -21,18 +24,28 @@ from benchmarks import common  # noqa: E402
 NAME = "scaling"
 
 
+def plan(n_gpu: int, cores: int, quick: bool) -> tuple[str, list[int], dict]:
+    """(unit, worker counts, workload cfg) for this machine."""
+    if n_gpu:
+        counts = [k for k in (1, 2, 4, 8) if k <= n_gpu]
+        cfg = common.workload_cfg("cnn", quick, n_samples=8192 if quick else 65536, batch_size=256, epochs=1)
+        return "gpu", counts, cfg
+    counts = [k for k in (1, 2) if k <= max(1, cores)]
+    cfg = common.workload_cfg("cnn", quick, n_samples=2048 if quick else 16384, batch_size=256, epochs=1)
+    return "cpu", counts, cfg
+
+
 def main(quick: bool = False, reps: int | None = None) -> dict:
+    import os
+
     n_gpu = common.cuda_count()
+    unit, counts, cfg = plan(n_gpu, os.cpu_count() or 1, quick)
     if not n_gpu:
-        msg = "no CUDA GPUs: bench_scaling runs only on GPU machines"
-        print(f"[scaling] skipped: {msg}", flush=True)
-        return {"skipped": msg}
+        print("[scaling] no CUDA GPUs: measuring CPU workers (gloo) instead; not the GPU figure", flush=True)
     reps = reps or (1 if quick else 3)
-    counts = [k for k in (1, 2, 4, 8) if k <= n_gpu]
-    cfg = common.workload_cfg("cnn", quick, n_samples=8192 if quick else 65536, batch_size=256, epochs=1)
     data = common.make_data("cnn", cfg["n_samples"], seed=cfg["seed"])
     ok, reason = common.nbddp_status()
-    out: dict = {"gpus": n_gpu, "counts": counts, "cfg": cfg, "reps": reps, "nbddp": reason, "by_count": {}}
+    out: dict = {"unit": unit, "gpus": n_gpu, "counts": counts, "cfg": cfg, "reps": reps, "nbddp": reason, "by_count": {}}
     for k in counts:
         comps = {"torchrun": lambda k=k: common.run_torchrun(cfg, nproc=k)}
         started = False
@@ -44,7 +57,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             except Exception as exc:
                 out["by_count"].setdefault(k, {})["nbddp_start_error"] = f"{type(exc).__name__}: {exc}"
         try:
-            raw = common.alternate(comps, reps=reps, warmup=0 if quick else 1, label=f"scaling/{k}gpu")
+            raw = common.alternate(comps, reps=reps, warmup=0 if quick else 1, label=f"scaling/{k}{unit}")
         finally:
             if started:
                 common.nbddp_stop()
@@ -64,23 +77,27 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             m = s["samples_per_s"]["median"]
             s["efficiency"] = common.ratio(m, k * base) if base and m else None
             tr = out["by_count"][k].get("torchrun", {}).get("samples_per_s", {}).get("median")
-            rows.append({"competitor": name, "gpus": k, "samples/s": m, "efficiency": s["efficiency"],
+            rows.append({"competitor": name, unit + "s": k, "samples/s": m, "efficiency": s["efficiency"],
                          "vs torchrun": common.ratio(m, tr), "errors": len(s["errors"])})
-    common.print_table(rows, title="\n== scaling: CNN samples/s by GPU count ==")
+    common.print_table(rows, title=f"\n== scaling: CNN samples/s by {unit.upper()} worker count ==")
     return out
 
 
 def summary_rows(res: dict) -> list[dict]:
-    if "skipped" in res:
+    if "skipped" in res:  # results written before CPU workers were measured
         return [{"bench": "scaling", "competitor": "-", "metric": "skipped (no GPU)", "median": None}]
+    unit = res.get("unit", "gpu")
     rows = []
     for k, byc in res["by_count"].items():
         tr = byc.get("torchrun", {}).get("samples_per_s", {}).get("median")
         for name in ("torchrun", "nbddp"):
             if name in byc:
                 m = byc[name]["samples_per_s"]["median"]
-                rows.append({"bench": f"scaling/{k}gpu", "competitor": name, "metric": "samples/s", "median": m,
+                rows.append({"bench": f"scaling/{k}{unit}", "competitor": name, "metric": "samples/s", "median": m,
                              "ratio": common.ratio(m, tr), "ratio_of": "x torchrun"})
+                if byc[name].get("efficiency") is not None:
+                    rows.append({"bench": f"scaling/{k}{unit}", "competitor": name, "metric": "efficiency",
+                                 "median": byc[name]["efficiency"], "ratio_of": f"samples/s / ({k} x 1 {unit})"})
     return rows
 
 

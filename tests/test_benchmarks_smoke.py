@@ -44,3 +44,7 @@ def test_quick_benchmarks_run_and_report_ratios(_suite_session):
     assert latency and all(isinstance(v, float) and v > 0 for v in latency), latency
     weights = results["benchmarks"]["weights"]
     assert weights["summary"], "the weights benchmark reported no sizes"
+    # scaling runs on whatever workers this machine has (CPU workers without CUDA): 1 worker and more
+    scaling = [r for r in rows if r["bench"].startswith("scaling/") and r["competitor"] == "nbddp"]
+    efficiency = [r["median"] for r in scaling if r["metric"] == "efficiency"]
+    assert len(efficiency) >= 2 and all(isinstance(v, float) and v > 0 for v in efficiency), scaling
