@@ -48,9 +48,10 @@ def test_tuned_allocator_reuses_freed_memory_where_the_default_faults_it_in_agai
     default = _probe({memory.OPT_OUT: "default"})
     assert tuned["done"] == "tuned"
     assert default["done"] == f"default ({memory.OPT_OUT}=default)"
-    # 100 MiB is 25,600 pages of 4 KiB: the default run faults most of them again, the tuned one almost none
-    assert default["faults"] > 10_000, default
-    assert tuned["faults"] < 2_000, tuned
+    # 100 MiB is 25,600 pages of 4 KiB: the default run faults them all in again (25,594 here); the tuned
+    # one reuses them (256-2,048 faults here, from the interpreter's own allocations around the loop)
+    assert default["faults"] > 20_000, default
+    assert tuned["faults"] < default["faults"] / 5, (tuned, default)
 
 
 @pytest.mark.parametrize("env, why", [
