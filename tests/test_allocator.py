@@ -85,3 +85,15 @@ def test_start_refuses_an_unknown_setting_before_starting_anything(monkeypatch):
     monkeypatch.setenv("NBDDP_MALLOC", "fast")
     with pytest.raises(ValueError, match=r"NBDDP_MALLOC='fast' is not understood"):
         nbddp.start(n=2)
+
+
+@glibc_only
+@pytest.mark.fresh_workers
+def test_workers_started_under_nbddp_malloc_default_keep_glibc_defaults(_suite_session, monkeypatch):
+    nbddp.stop()
+    monkeypatch.setenv("NBDDP_MALLOC", "default")  # engines started from this kernel inherit its environment
+    try:
+        nbddp.start(n=2, backend="gloo")
+        assert nbddp.status()["allocator"] == ["default (NBDDP_MALLOC=default)"]
+    finally:
+        nbddp.stop()  # the next test that needs workers starts tuned ones
