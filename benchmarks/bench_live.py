@@ -13,7 +13,12 @@ Alternating fits of the same MLP workload as bench_throughput. For each fit:
 * per-thread CPU from psutil, sampled every 0.2 s by a monitor thread, split
   into the calling (main) thread, threads that already existed, and threads
   born during the call (a live/poller thread shows up there). The monitor's
-  own thread is excluded; it runs in both modes alike.
+  own thread is excluded; it runs in both modes alike;
+* ``publish_share``: rank 0's ``timings['publish_s']`` / ``train_s``, the
+  time the loop spends streaming records to the kernel. Workers stream the
+  same way whether ``live`` is on or off (``History`` is built from those
+  records), so this is everything the live view can cost the workers; the
+  rest of its cost is the kernel CPU above.
 
 Reported: medians, live/off ratios and live - off CPU seconds, also per second
 of training.
@@ -96,10 +101,14 @@ def fit_measured(kind: str, data, cfg: dict, live, world: int) -> dict:
         res = common.nbddp_fit(model, data, cfg, live=live, world=world)
     res.update(mon.result(baseline))
     res["kernel_cpu_per_train_s"] = res["kernel_cpu_s"] / res["train_s"] if res.get("train_s") else None
+    # rank 0's time streaming records to the kernel, as a share of its loop: the workers do this whether
+    # live is on or off (History needs the records), so it is the whole worker-side cost of streaming
+    publish = res["timings"].get("publish_s")
+    res["publish_share"] = publish / res["train_s"] if publish is not None and res.get("train_s") else None
     return res
 
 
-KEYS = ("samples_per_s", "wall_s", "train_s", "kernel_cpu_s", "kernel_cpu_per_train_s",
+KEYS = ("samples_per_s", "wall_s", "train_s", "kernel_cpu_s", "kernel_cpu_per_train_s", "publish_share",
         "main_thread_cpu_s", "other_existing_threads_cpu_s", "new_threads_cpu_s", "new_threads")
 
 
@@ -163,6 +172,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             "main thr CPU": med(s, "main_thread_cpu_s"),
             "new thr CPU": med(s, "new_threads_cpu_s"),
             "old thr CPU": med(s, "other_existing_threads_cpu_s"),
+            "publish/train": med(s, "publish_share"),
             "errors": len(s["errors"]),
         }
         for name, s in summary.items()
@@ -187,6 +197,8 @@ def summary_rows(res: dict) -> list[dict]:
          "ratio": c["widget_throughput_/off_paired"], "ratio_of": "x live_off (paired)"},
         {"bench": "live", "competitor": "live_widget", "metric": "kernel CPU s", "median": s["live_widget"]["kernel_cpu_s"]["median"],
          "ratio": c["widget_kernel_cpu_/off_paired"], "ratio_of": "x live_off (paired)"},
+        {"bench": "live", "competitor": "all modes", "metric": "rank 0 publish / loop time",
+         "median": common.median(r.get("publish_share") for n in res["raw"] for r in res["raw"][n] if isinstance(r, dict))},
     ]
 
 

@@ -366,6 +366,7 @@ class FitRun:
             "ship_s": self.plan.ship_s,
             "setup_s": worker["setup_s"],
             "train_s": worker["train_s"],
+            "publish_s": worker.get("publish_s", 0.0),  # of train_s: rank 0 streaming records to the kernel
             # from rank 0's last step to the weights in the notebook's model: same clock on one host
             "return_s": (time.time() - worker["end_wall"]) if local else worker.get("pack_s", 0.0) + loaded - t0,
             "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out

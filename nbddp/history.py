@@ -29,7 +29,8 @@ class History:
             ``val_every`` steps inside an epoch.
         timings: seconds: ``ship_s`` (pickling and writing the arguments),
             ``setup_s`` (rank 0 building model, data and DDP), ``train_s`` (the
-            training loop on rank 0), ``return_s`` (last step to weights in the
+            training loop on rank 0; of it ``publish_s`` sending records to the
+            kernel, the same whether ``live`` is on or off), ``return_s`` (last step to weights in the
             notebook's model; of it ``pack_s`` on rank 0 and ``load_s`` in the kernel),
             ``total_s`` (the whole call), ``overhead_s``
             (``total_s - train_s``), ``watch_cpu_s`` (the kernel's watcher thread).

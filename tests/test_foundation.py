@@ -93,6 +93,20 @@ def test_second_fit_reuses_engines_and_process_group(workers, digits):
     assert [r[0] for r in ranks] == [0, 1] and [r[1] for r in ranks] == pids
 
 
+def test_timings_account_for_the_call(workers, digits):
+    """The benchmarks read these keys: each is present and they add up (no speed is asserted)."""
+    (xt, yt), _ = digits
+    h = nbddp.dist_fit(Net(), (xt, yt), epochs=2, batch_size=32, live=False)
+    t = h.timings
+    for key in ("ship_s", "setup_s", "train_s", "publish_s", "return_s", "pack_s", "load_s", "total_s", "overhead_s",
+                "watch_cpu_s"):
+        assert key in t and t[key] >= 0, (key, t)
+    assert 0 < t["publish_s"] < t["train_s"], t  # rank 0 published its records inside the loop
+    assert t["train_s"] < t["total_s"] and t["overhead_s"] == pytest.approx(t["total_s"] - t["train_s"])
+    assert t["return_s"] >= t["load_s"], t  # from rank 0's last step to the weights in the model
+    assert h.transfers["returned_bytes"] >= sum(p.numel() * 4 for p in Net().parameters())
+
+
 def _rank_and_pid():
     import torch.distributed as dist
 

@@ -277,7 +277,7 @@ def fit(parcel: Any, cfg: FitConfig, meta: dict[str, Any]) -> dict[str, Any]:
     rep.status = "interrupted" if status == "interrupted" else "done"
     rep.publish(force=True)
     result: dict[str, Any] = {"rank": rank, "step": step, "status": status,
-                              "timings": {"setup_s": setup_s, "train_s": train_s}}
+                              "timings": {"setup_s": setup_s, "train_s": train_s, "publish_s": rep.publish_s}}
     if rank == 0:
         result["records"] = rep.records
         result["ranks"] = rep.ranks
