@@ -12,12 +12,15 @@ Layout::
 Everything is drawn from the fit's watcher thread: trait changes from a
 thread reach the browser even while the cell blocks (``ipyparallel-facts.md``).
 Text and progress are refreshed at most ``every`` seconds. The plot is the
-expensive part (~30 ms of CPU per Agg render here), so it runs on a CPU
+expensive part (20-45 ms of CPU per Agg render here), so it runs on a CPU
 budget: a redraw happens only when the plot's CPU so far, plus what the last
-redraw cost, stays within 2 % of the fit's elapsed time (and at most every
+redraw cost, stays within 1 % of the fit's elapsed time (and at most every
 ``plot_every`` seconds; at least every 3 s however slow drawing is). A fit of
-a second or two therefore draws once, at the end; a long one about every
-1.5 s. One figure is kept for the whole kernel (fits never overlap).
+under 2-3 s therefore draws once, at the end; a long one every 2-3 s. With
+CPU workers the kernel's CPU is taken from training: on 2 cores a 2 % budget
+cost the MLP benchmark 6-7 % of its throughput (a preempted rank holds up
+the other at the next all-reduce), 1 % costs 1.5-2 %, as much as the text
+view. One figure is kept for the whole kernel (fits never overlap).
 
 The output is one display (``display_id``). When the fit ends, that display
 is updated with the final widget AND a static PNG + text summary in the same
@@ -40,7 +43,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
                   "done": "#2ca02c", "interrupted": "#ff7f0e", "failed": "#d62728"}
 BAR_STYLES = {"done": "success", "interrupted": "warning", "failed": "danger"}
-PLOT_CPU_SHARE = 0.02  # the plot may use at most this share of one core
+PLOT_CPU_SHARE = 0.01  # the plot may use at most this share of one core (on CPU workers, it is taken from them)
 MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
 FIRST_PLOT_COST_S = 0.03  # what a redraw is assumed to cost before one was measured
 _SHARED_PLOT: list[LossPlot] = []  # one figure per kernel: building one costs more than a redraw
