@@ -32,6 +32,7 @@ final plot and numbers instead of a frozen "0 %" bar.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import time
 from typing import Any
@@ -46,7 +47,6 @@ BAR_STYLES = {"done": "success", "interrupted": "warning", "failed": "danger"}
 PLOT_CPU_SHARE = 0.01  # the plot may use at most this share of one core (on CPU workers, it is taken from them)
 MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
 FIRST_PLOT_COST_S = 0.03  # what a redraw is assumed to cost before one was measured
-_SHARED_PLOT: list[LossPlot] = []  # one figure per kernel: building one costs more than a redraw
 
 
 def _num(v: Any) -> str:
@@ -127,10 +127,10 @@ def summary_text(run: Any) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
 def _shared_plot() -> LossPlot:
-    if not _SHARED_PLOT:
-        _SHARED_PLOT.append(LossPlot())
-    return _SHARED_PLOT[0]
+    """One figure per kernel: building one costs more than a redraw."""
+    return LossPlot()
 
 
 class WidgetView:
@@ -147,7 +147,6 @@ class WidgetView:
         self._last_plot = 0.0
         self._plot_cost = FIRST_PLOT_COST_S
         self._plotted = (-1, -1)  # (steps, validations) drawn last
-        self._plot: LossPlot | None = None
         self._handle: Any = None
         self._run: Any = None
         self.redraws = 0
@@ -197,8 +196,7 @@ class WidgetView:
 
         self._run = run
         self._t_start = self.clock()
-        if self._plot is None:  # import matplotlib and build the figure here, while the workers set up
-            self._plot = _shared_plot()
+        _shared_plot()  # import matplotlib and build the figure now, while the workers set up
         self.status.value = status_html(run, "starting")
         self.ranks.value = rank_table_html(rank_rows(run))
         self._handle = display(self._bundle(run, final=False), raw=True, display_id=True)
@@ -254,11 +252,10 @@ class WidgetView:
             return
         if not hist.steps and not hist.validations:
             return
-        if self._plot is None:
-            self._plot = _shared_plot()
-        warm = self._plot.renders > 0  # a figure's first render loads fonts and caches: not what the next cost
+        plot = _shared_plot()
+        warm = plot.renders > 0  # a figure's first render loads fonts and caches: not what the next cost
         t0 = time.thread_time()  # CPU, not wall time: on a busy machine wall time counts other processes
-        self.image.value = self._plot.png(hist.steps, hist.validations)
+        self.image.value = plot.png(hist.steps, hist.validations)
         cost = time.thread_time() - t0
         self.plot_cpu_s += cost
         self._plotted = drawn
