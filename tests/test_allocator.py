@@ -97,3 +97,13 @@ def test_workers_started_under_nbddp_malloc_default_keep_glibc_defaults(_suite_s
         assert nbddp.status()["allocator"] == ["default (NBDDP_MALLOC=default)"]
     finally:
         nbddp.stop()  # the next test that needs workers starts tuned ones
+
+
+@glibc_only
+def test_a_refused_mallopt_is_reported_not_hidden(monkeypatch):
+    class _Libc:
+        def mallopt(self, param, value):
+            return 0  # glibc's answer to a value out of range
+
+    monkeypatch.setattr(memory.ctypes, "CDLL", lambda *a, **k: _Libc())
+    assert memory.tune_allocator({}) == "default (mallopt refused the values)"
