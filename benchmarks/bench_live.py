@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys as _sys
 import threading
-import time
 from pathlib import Path as _Path
 
 if __package__ in (None, ""):  # run as a file: make the repo root importable

@@ -22,8 +22,16 @@ __all__ = [
     "restart",
     "run",
     "dist_fit",
+    "run_cell",
+    "push",
+    "pull",
     "History",
     "FitHandle",
+    "NbddpError",
+    "NotStartedError",
+    "FitRunningError",
+    "ClusterError",
+    "ShippingError",
     "WorkerError",
     "WorkerDied",
     "__version__",
@@ -39,15 +47,25 @@ _LAZY = {
     "restart": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
+    "run_cell": "nbddp.cells",
+    "push": "nbddp.cells",
+    "pull": "nbddp.cells",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
+    "NbddpError": "nbddp.errors",
+    "NotStartedError": "nbddp.errors",
+    "FitRunningError": "nbddp.errors",
+    "ClusterError": "nbddp.errors",
+    "ShippingError": "nbddp.errors",
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, restart, run, start, status, stop
-    from nbddp.errors import WorkerDied, WorkerError
+    from nbddp.cells import pull, push, run_cell
+    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
+                              WorkerError)
     from nbddp.handle import FitHandle
     from nbddp.history import History
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import signal
-import sys
-import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from nbddp.handle import FitHandle
 from nbddp.history import History
 from nbddp.session import get_session
+from nbddp.waiting import wait_interruptibly
 
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
           cluster_id: str | None = None, timeout: float | None = None, threads: int | None = None,
-          interface: str | None = None) -> dict[str, Any]:
+          interface: str | None = None, stall_timeout: float | None = None) -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
     Args:
@@ -38,11 +36,15 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Any = No
             ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` on every rank (default:
             on each host, the interface carrying the address that reaches the
             controller; loopback on one host). Every host must have it.
+        stall_timeout: the default ``dist_fit(stall_timeout=...)``: seconds a
+            rank may go without progress before the fit fails with
+            ``WorkerStalled`` (default None: stalls are shown, never fatal).
 
-    Calling it again with the same settings while workers run does nothing.
+    Calling it again with the same settings while workers run does nothing
+    (a new ``timeout`` or ``stall_timeout`` is applied).
     """
     get_session().start(n, backend=backend, cluster=cluster, profile=profile, cluster_id=cluster_id,
-                        timeout=timeout, threads=threads, interface=interface)
+                        timeout=timeout, threads=threads, interface=interface, stall_timeout=stall_timeout)
     return status()
 
 
@@ -58,65 +60,30 @@ def restart() -> dict[str, Any]:
 
 
 def status() -> dict[str, Any]:
-    """A snapshot: running, backend, world size, and one row per rank."""
-    from nbddp import topology
-
-    s = get_session()
-    if not s.started:
-        return {"running": False, "backend": None, "world_size": 0, "ranks": [], "fit_running": False}
-    return {
-        "running": True,
-        "backend": s.backend,
-        "world_size": s.world_size,
-        "generation": s.generation,
-        "owned": s.workers.owned,
-        "hosts": sorted({p.host for p in s.placements}),
-        "master": s.master,
-        "allocator": s.allocator,  # worker/memory.py: "tuned", or "default (why)"
-        "ranks": topology.describe(s.placements),
-        "fit_running": s.running is not None and not s.running.finished,
-    }
+    """A snapshot: running, backend, world size, and one row per rank (of one process-group generation)."""
+    return get_session().snapshot()
 
 
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
 
     ``fn`` may be defined in the notebook: it travels by value. Inside it,
-    ``torch.distributed`` is initialised (``dist.get_rank()`` works).
+    ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
+    prints is shown labelled ``[rank N]``.
     """
-    from nbddp import shipping
-    from nbddp.tasks import RankTasks
-    from nbddp.worker.entry import call_task
+    from nbddp.calls import call_everywhere
 
     if not callable(fn):
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
                         f"HINT: pass the function itself, run(f, x), not its result, run(f(x))")
-    s = get_session()
-    s.ensure_started()
-    name = getattr(fn, "__name__", "the function")
-    parcels = {local: shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=local)
-               for local in {p.local for p in s.placements}}
-    meta = {"generation": s.generation}
-    try:
-        ars = {p.rank: s.client[p.engine_id].apply_async(call_task, parcels[p.local], meta) for p in s.placements}
-        results = RankTasks(s, ars, f"nbddp.run({name})").wait()
-    finally:
-        for parcel in parcels.values():
-            parcel.discard()
-    out = []
-    for rank in sorted(results):
-        parcel = results[rank]
-        try:
-            out.append(shipping.unpack(parcel))
-        finally:
-            parcel.discard()
-    return out
+    return call_everywhere(get_session(), fn, args, kwargs)
 
 
 def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | None = None,
-             loss_fn: Callable | None = None, optimizer: Any = None, lr: float = 1e-3, scheduler: Callable | None = None,
+             loss_fn: Callable | None = None, optimizer: Any = None, lr: float | None = None,
+             scheduler: Callable | None = None, scheduler_interval: str = "step",
              metrics: Mapping[str, Callable] | None = None, step_fn: Callable | None = None, max_steps: int | None = None,
-             shuffle: bool = True, seed: int = 0, precision: str = "32", grad_accum: int = 1,
+             shuffle: bool = True, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
              clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
              val_every: int | str | None = None, block: bool = True, live: bool | str | None = None,
@@ -142,16 +109,21 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             batches run ``model(**batch)`` and use the output's loss.
         optimizer: an optimizer class (built with ``lr``) or a factory
             ``params -> Optimizer``. Default: AdamW.
-        lr: learning rate for the default optimizer or an optimizer class.
-        scheduler: a factory ``optimizer -> LR scheduler``, stepped after every
-            optimizer step; ``History.steps`` records ``lr``.
+        lr: learning rate for the default optimizer or an optimizer class
+            (default 1e-3). A factory sets its own: giving ``lr`` with one is
+            an error, so it can never be silently ignored.
+        scheduler: a factory ``optimizer -> LR scheduler``; ``History.steps``
+            records ``lr``.
+        scheduler_interval: ``"step"`` (default: after every optimizer step)
+            or ``"epoch"`` (after every epoch, as ``StepLR`` expects).
         metrics: ``{"acc": fn(output, target)}`` computed on validation data,
             sample-weighted over all ranks, recorded as ``val_acc``.
         step_fn: ``step_fn(model, batch) -> loss or {"loss": ..., ...}``: full
             control of a step; extra dict entries are recorded like metrics.
         shuffle, seed: sampling order; the same seed gives the same History.
-        precision: ``"32"``, ``"bf16"`` (autocast, CPU and GPU) or
-            ``"16-mixed"`` (fp16 with a gradient scaler, GPU only).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (bf16 autocast, CPU and
+            GPU) or ``"16-mixed"`` (fp16 with a gradient scaler, GPU only);
+            ``"32"`` and ``"bf16"`` are accepted as aliases.
         grad_accum: micro-batches per optimizer step (gradients synchronised
             only on the last one).
         clip_grad_norm: clip the global gradient norm to this value.
@@ -179,8 +151,9 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         WorkerError: a rank failed (``.rank``, ``.remote_traceback``).
         WorkerDied: a worker process died (pid, signal, log tail).
     """
-    from nbddp.fitting import FitRun, prepare
+    from nbddp.fitting import FitRun
     from nbddp.live import choose_view
+    from nbddp.preflight import prepare
 
     if not isinstance(block, bool):
         raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
@@ -190,7 +163,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                   log_every=log_every, val_every=val_every, **advanced)
+                   log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
@@ -204,42 +177,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             raise
     if not block:
         return FitHandle(run_)
-    _wait_interruptibly(run_, None)
+    wait_interruptibly(run_)
     return run_.result()
-
-
-def _is_interrupt(exc: BaseException) -> bool:
-    """Kernel > Interrupt, as whatever SIGINT handler the kernel has raises it.
-
-    Usually ``KeyboardInterrupt``; but once torch's elastic launcher has run in
-    this process (``accelerate.notebook_launcher``, ``torch.distributed.run``
-    used in-process), SIGINT raises its ``SignalException`` instead.
-    """
-    if isinstance(exc, KeyboardInterrupt):
-        return True
-    elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
-    signal_exc = getattr(elastic, "SignalException", None)
-    return signal_exc is not None and isinstance(exc, signal_exc) and getattr(exc, "sigval", None) == signal.SIGINT
-
-
-def _wait_interruptibly(run_: Any, timeout: float | None) -> bool:
-    """Wait for a fit; the first interrupt stops it cleanly, the second kills it."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    interrupts = 0
-    while True:
-        try:
-            while not run_.done_event.wait(0.1):
-                if deadline is not None and time.monotonic() > deadline:
-                    return False
-            return True
-        except BaseException as exc:
-            if not _is_interrupt(exc):
-                raise
-            interrupts += 1
-            if interrupts == 1:
-                run_.request_stop()
-            else:
-                run_.hard_stop()
 
 
 __all__ = ["start", "stop", "status", "restart", "run", "dist_fit"]

@@ -11,24 +11,25 @@ beside the survivors; engine ids change, so nothing here assumes ``range(n)``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
-import subprocess
-import sys
+import socket
 import time
 from typing import Any
-from urllib.parse import urlparse
 
-from nbddp.errors import NbddpError
+from nbddp.reaper import Reaper
+from nbddp.attach import attach_files
+from nbddp.errors import ClusterError
+from nbddp.exits import describe_exit, exit_code, read_tail
 
 START_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # ipyparallel's own default for reaching a controller
 HEARTBEAT_MS = 1000
+CONTROLLER_CHECK_TIMEOUT_S = 2.0
 
-
-class ClusterError(NbddpError):
-    """Engines could not be started, reached or replaced."""
+__all__ = ["ClusterError", "Workers"]
 
 
 class Workers:
@@ -39,14 +40,15 @@ class Workers:
     a ``cluster=`` object already running) are never stopped by nbddp.
     """
 
-    def __init__(self, cluster: Any, client: Any, owned: bool, can_add_engines: bool):
+    def __init__(self, cluster: Any, client: Any, owned: bool, can_add_engines: bool, connection_file: str = ""):
         self.cluster = cluster
         self.client = client
         self.owned = owned
         self.can_add_engines = can_add_engines
+        self.connection_file = connection_file  # the controller's client connection file (its address)
         self.engine_env: dict[str, str] = {}  # given to every engine this session launches
-        self.reaper: subprocess.Popen | None = None
-        self.pidfile: str | None = None
+        self.pids: dict[int, int] = {}  # engine id -> pid, as the engines reported it (session's probes)
+        self.reaper = Reaper()
         self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
 
     # ---- construction ---------------------------------------------------
@@ -81,7 +83,8 @@ class Workers:
                 except Exception:  # noqa: BLE001
                     pass
             raise ClusterError(f"could not start {n} engine(s): {type(exc).__name__}: {exc}") from exc
-        workers = cls(cluster, client, owned=not running, can_add_engines=True)
+        connection = os.path.join(cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-client.json")
+        workers = cls(cluster, client, owned=not running, can_add_engines=True, connection_file=connection)
         workers.engine_env = dict(engine_env or {})
         try:
             workers.wait_for(n, timeout)
@@ -89,7 +92,7 @@ class Workers:
             workers.stop()
             raise
         if workers.owned:
-            workers.start_reaper(file_prefix)
+            workers.reaper.start(workers.all_pids(), file_prefix)
         return workers
 
     @classmethod
@@ -105,7 +108,7 @@ class Workers:
         """
         import ipyparallel as ipp
 
-        profile_dir, client_file, cluster_file = _attach_files(profile, cluster_id)
+        profile_dir, client_file, cluster_file = attach_files(profile, cluster_id)
         where = f"profile={profile!r}, cluster_id={cluster_id!r}"
         cluster = None
         try:
@@ -120,7 +123,7 @@ class Workers:
                 f"{type(exc).__name__}: {exc}. Is its controller still running? Start one with `ipcluster start -n N` "
                 "(add --profile/--cluster-id to match), or call nbddp.start(n=N) to let nbddp start local workers."
             ) from exc
-        workers = cls(cluster, client, owned=False, can_add_engines=False)
+        workers = cls(cluster, client, owned=False, can_add_engines=False, connection_file=client_file)
         if n:
             workers.wait_for(n, timeout)
         elif not client.ids:
@@ -136,10 +139,49 @@ class Workers:
     def ids(self) -> list[int]:
         return sorted(self.client.ids)
 
+    def controller_endpoint(self) -> tuple[str, int | None]:
+        """(host, registration port) of the controller, from its client connection file."""
+        try:
+            with open(self.connection_file) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return "127.0.0.1", None
+        host = str(info.get("interface", "tcp://127.0.0.1")).split("://", 1)[-1].rsplit(":", 1)[0] or "127.0.0.1"
+        if host in ("*", "0.0.0.0"):
+            host = info.get("location") or "127.0.0.1"
+        port = info.get("registration")
+        return host, int(port) if isinstance(port, int) or str(port).isdigit() else None
+
     @property
     def controller_host(self) -> str:
-        url = self.client._config.get("registration") or self.client._config.get("interface", "tcp://127.0.0.1")
-        return urlparse(url).hostname or "127.0.0.1"
+        return self.controller_endpoint()[0]
+
+    def controller_problem(self) -> str | None:
+        """Why the controller cannot be reached now, or None (a check that costs milliseconds).
+
+        A controller this session started is checked by its pid; any
+        controller by connecting to its registration port (nothing is sent).
+        """
+        controller = getattr(self.cluster, "controller", None) if self.owned else None
+        process = getattr(controller, "process", None)
+        if process is not None:
+            import psutil
+
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    return f"the ipyparallel controller (pid {process.pid}) has exited"
+            except psutil.NoSuchProcess:
+                return f"the ipyparallel controller (pid {process.pid}) has exited"
+            except psutil.Error:
+                pass
+        host, port = self.controller_endpoint()
+        if port is None:
+            return None
+        try:
+            with socket.create_connection((host, port), timeout=CONTROLLER_CHECK_TIMEOUT_S):
+                return None
+        except OSError as exc:
+            return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
 
     def wait_for(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -180,11 +222,11 @@ class Workers:
         return how, tail
 
     # ---- actions ---------------------------------------------------------
-    def kill(self, engine_ids: list[int], pids: dict[int, int]) -> None:
+    def kill(self, engine_ids: list[int]) -> None:
         """SIGKILL engines by pid: locally when we can, else through their nanny."""
         remote = []
         for eid in engine_ids:
-            pid = pids.get(eid)
+            pid = self.pids.get(eid)
             if pid and pid in self.launcher_pids():
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -212,7 +254,7 @@ class Workers:
             )
         self.cluster.start_engines_sync(count, environment=dict(self.engine_env))
         self.wait_for(total, timeout)
-        self.update_reaper()
+        self.reaper.update(self.all_pids())
 
     def forget_dead(self, engine_ids: list[int], timeout: float = 10.0) -> None:
         """Wait until the controller has unregistered ``engine_ids``."""
@@ -233,7 +275,7 @@ class Workers:
                 pass
             for pid in self.all_pids():
                 _kill_tree(pid)
-        self.stop_reaper()
+        self.reaper.stop()
 
     # ---- no orphans --------------------------------------------------------
     def all_pids(self) -> list[int]:
@@ -242,81 +284,6 @@ class Workers:
         if controller is not None and getattr(controller, "pid", None):
             pids.append(controller.pid)
         return pids
-
-    def start_reaper(self, file_prefix: str = "") -> None:
-        """A tiny process that kills our engines and controller if the kernel dies.
-
-        Engines also watch the kernel themselves (``worker.probe``); the
-        reaper covers the controller and engines that never got that far.
-        """
-        import tempfile
-
-        fd, self.pidfile = tempfile.mkstemp(prefix="nbddp-pids-")
-        os.close(fd)
-        self.update_reaper()
-        self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "nbddp._reaper", str(os.getpid()), self.pidfile, file_prefix],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    def update_reaper(self) -> None:
-        if self.pidfile:
-            tmp = self.pidfile + ".tmp"
-            with open(tmp, "w") as f:
-                f.write("\n".join(str(p) for p in self.all_pids()))
-            os.replace(tmp, self.pidfile)
-
-    def stop_reaper(self) -> None:
-        if self.pidfile:
-            try:
-                os.unlink(self.pidfile)
-            except FileNotFoundError:
-                pass
-        if self.reaper is not None:
-            try:
-                self.reaper.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                self.reaper.kill()
-                self.reaper.wait()
-            self.reaper = None
-
-
-def _attach_files(profile: str | None, cluster_id: str | None) -> tuple[str, str, str | None]:
-    """(profile directory, client connection file, cluster file or None) for ``attach``."""
-    if profile is not None and not isinstance(profile, (str, os.PathLike)):
-        raise TypeError(f"start(profile=...) must be a profile name or a path, got {type(profile).__name__} {profile!r}")
-    if cluster_id is not None and not isinstance(cluster_id, str):
-        raise TypeError(f"start(cluster_id=...) must be a str, got {type(cluster_id).__name__} {cluster_id!r}")
-    cid = cluster_id or ""
-    raw = os.fspath(profile) if profile is not None else "default"
-    expanded = os.path.abspath(os.path.expanduser(raw))
-    if raw.endswith(".json"):
-        if not os.path.isfile(expanded):
-            raise ClusterError(f"start(profile={raw!r}): no such connection file. Pass the path of the "
-                               "ipcontroller-<cluster_id>-client.json file the controller wrote in <profile>/security/.")
-        return os.path.dirname(os.path.dirname(expanded)), expanded, None
-    if os.sep in raw or raw.startswith("~") or os.path.isdir(expanded):
-        profile_dir = expanded
-    else:
-        from IPython.paths import get_ipython_dir
-
-        profile_dir = os.path.join(get_ipython_dir(), f"profile_{raw}")
-    security = os.path.join(profile_dir, "security")
-    cluster_file = os.path.join(security, f"cluster-{cid}.json")
-    client_file = os.path.join(security, f"ipcontroller-{cid}-client.json" if cid else "ipcontroller-client.json")
-    if os.path.isfile(cluster_file):
-        return profile_dir, client_file, cluster_file
-    if os.path.isfile(client_file):
-        return profile_dir, client_file, None
-    found = sorted(name[len("ipcontroller-"):-len("-client.json")] or "''"
-                   for name in (os.listdir(security) if os.path.isdir(security) else [])
-                   if name.startswith("ipcontroller-") and name.endswith("-client.json"))
-    hint = (f"cluster ids found there: {', '.join(found)}; pass cluster_id=..." if found
-            else "no cluster was started with this profile; start one with `ipcluster start -n N` "
-                 f"(--profile-dir={profile_dir!r}), or check the path")
-    raise ClusterError(f"cannot attach with profile={raw!r}, cluster_id={cluster_id!r}: neither {cluster_file} "
-                       f"nor {client_file} exists ({hint}).")
 
 
 def _kill_tree(pid: int) -> None:
@@ -333,62 +300,3 @@ def _kill_tree(pid: int) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=3)
-
-
-def exit_code(launcher: Any, wait_s: float = 2.0) -> int | None:
-    """The exit status of a launched engine (negative: killed by that signal), or None.
-
-    ipyparallel's launcher reaps its process in a thread through
-    ``psutil.Process.wait``, which caches the status; ``Popen.poll`` would
-    then report a wrong ``0``. So read psutil's status, waiting briefly for
-    the reaper thread, and reap it ourselves if that thread is not running.
-    """
-    import psutil
-
-    proc = getattr(launcher, "process", None)
-    if proc is None:
-        return None
-    deadline = time.monotonic() + wait_s
-    while True:
-        code = getattr(proc, "_exitcode", None)
-        if isinstance(code, int):
-            return int(code)
-        thread = getattr(launcher, "_wait_thread", None)
-        if thread is None or not thread.is_alive():
-            try:
-                code = proc.wait(timeout=0.05)
-            except psutil.TimeoutExpired:
-                code = None
-            except psutil.Error:
-                return None
-            if isinstance(code, int):
-                return int(code)
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "died (still exiting, or exit status not yet known)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "?"
-        hint = {"SIGKILL": " (killed: kill -9, or the out-of-memory killer)", "SIGSEGV": " (segmentation fault)",
-                "SIGABRT": " (aborted)"}.get(name, "")
-        return f"killed by signal {-code} ({name}){hint}"
-    return f"exited with status {code}"
-
-
-def read_tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])

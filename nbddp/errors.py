@@ -8,7 +8,7 @@ uninteresting kernel-side traceback).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class NbddpError(RuntimeError):
@@ -21,6 +21,18 @@ class NotStartedError(NbddpError):
 
 class FitRunningError(NbddpError):
     """A second fit (or cell) was started while one runs on the same workers."""
+
+
+class ClusterError(NbddpError):
+    """Engines or their controller could not be started, reached or replaced."""
+
+
+class ShippingError(NbddpError, TypeError):
+    """An object could not be pickled for the workers (a ``TypeError`` too, as pickle's own errors are)."""
+
+
+class TopologyError(NbddpError, ValueError):
+    """The engines cannot form the requested process group (a ``ValueError`` too)."""
 
 
 @dataclass
@@ -37,11 +49,6 @@ class RankFailure:
     def headline(self) -> str:
         where = f"rank {self.rank}" + (f" (pid {self.pid}" + (f" on {self.host})" if self.host else ")") if self.pid else "")
         return f"{where}: {self.exc_type}: {self.message}"
-
-
-@dataclass
-class _Extra:
-    others: list[RankFailure] = field(default_factory=list)
 
 
 class WorkerError(NbddpError):
@@ -97,7 +104,8 @@ class WorkerDied(WorkerError):
         log_tail: the last lines of its engine log, when they could be read.
     """
 
-    def __init__(self, failure: RankFailure, how: str, log_tail: str = "", others=None, note: str = ""):
+    def __init__(self, failure: RankFailure, how: str, log_tail: str = "", others: list[RankFailure] | None = None,
+                 note: str = ""):
         self.how = how
         self.log_tail = log_tail
         super().__init__(failure, others, note)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nbddp.history import History
+from nbddp.waiting import wait_interruptibly
 
 
 class FitHandle:
@@ -27,9 +28,7 @@ class FitHandle:
         Kernel > Interrupt while waiting stops training at the same step on
         every rank, as in a blocking fit.
         """
-        from nbddp.api import _wait_interruptibly
-
-        if not _wait_interruptibly(self._run, timeout):
+        if not wait_interruptibly(self._run, timeout):
             raise TimeoutError(f"training still running after {timeout} s; call .wait() again or .stop()")
         return self._run.result()
 
@@ -45,7 +44,8 @@ class FitHandle:
 
     @property
     def status(self) -> str:
-        return self._run.live_state.get("status", "starting")
+        """starting, training, validating, stopping, then completed, interrupted or failed."""
+        return self._run.live_state.status
 
     def __repr__(self) -> str:
         steps = self._run.history.steps

@@ -36,6 +36,14 @@ class History:
             (``total_s - train_s``), ``watch_cpu_s`` (the kernel's watcher thread).
         transfers: bytes shipped to each rank and returned by rank 0.
         world_size: how many ranks trained.
+        batch_size: the per-rank batch size used.
+        ranks: one dict per rank: ``rank``, ``host``, ``device``,
+            ``samples_per_s``, ``peak_mem`` (bytes: the CUDA peak allocated on
+            GPU, the peak resident set on CPU, during this fit),
+            ``param_bytes`` (the parameter bytes that rank holds), and on GPU
+            ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.
+        model: the trained module when ``dist_fit`` was given a factory (the
+            given module itself otherwise).
     """
 
     status: str = "completed"
@@ -45,6 +53,8 @@ class History:
     timings: dict[str, float] = field(default_factory=dict)
     transfers: dict[str, int] = field(default_factory=dict)
     world_size: int = 0
+    batch_size: int | None = None
+    ranks: list[dict[str, Any]] = field(default_factory=list)
     model: Any = field(default=None, repr=False)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:

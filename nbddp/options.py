@@ -12,7 +12,10 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-PRECISIONS = ("32", "bf16", "16-mixed")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
+SCHEDULER_INTERVALS = ("step", "epoch")
+DEFAULT_LR = 1e-3
 
 
 @dataclass
@@ -22,10 +25,10 @@ class FitConfig:
     epochs: int = 1
     max_steps: int | None = None
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float | None = None  # None: DEFAULT_LR for the default optimizer or an optimizer class
     shuffle: bool = True
     seed: int = 0
-    precision: str = "32"
+    precision: str = "32-true"
     grad_accum: int = 1
     clip_grad_norm: float | None = None
     sync_batchnorm: bool = False
@@ -34,6 +37,8 @@ class FitConfig:
     resume: bool | str = False
     log_every: int = 20
     val_every: int | None = None
+    scheduler_interval: str = "step"
+    strategy: Any = "ddp"  # "ddp", or an nbddp.FSDP settings object
     drop_last: bool = False
     num_workers: int | None = None
     pin_memory: bool | None = None
@@ -83,13 +88,10 @@ def make_config(**options: Any) -> FitConfig:
     cfg.epochs = _int("epochs", cfg.epochs, 1)
     cfg.max_steps = _int("max_steps", cfg.max_steps, 1, allow_none=True)
     cfg.batch_size = _int("batch_size", cfg.batch_size, 1)
-    cfg.lr = _float("lr", cfg.lr, 0.0)
+    cfg.lr = _float("lr", cfg.lr, 0.0, allow_none=True)
     cfg.shuffle = _bool("shuffle", cfg.shuffle)
     cfg.seed = _int("seed", cfg.seed, 0)
-    if cfg.precision not in PRECISIONS:
-        aliases = {32: "32", "fp32": "32", "bf16-mixed": "bf16", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed"}
-        hint = f" (did you mean {aliases[cfg.precision]!r}?)" if cfg.precision in aliases else ""
-        raise ValueError(f"dist_fit(precision=...) must be one of {PRECISIONS}, got {cfg.precision!r}{hint}")
+    cfg.precision = canonical_precision(cfg.precision)
     cfg.grad_accum = _int("grad_accum", cfg.grad_accum, 1)
     cfg.clip_grad_norm = _float("clip_grad_norm", cfg.clip_grad_norm, 0.0, allow_none=True, strict=True)
     cfg.sync_batchnorm = _bool("sync_batchnorm", cfg.sync_batchnorm)
@@ -112,6 +114,9 @@ def make_config(**options: Any) -> FitConfig:
     if cfg.val_every == "epoch":
         cfg.val_every = None
     cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
+    if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
+        raise ValueError(f"dist_fit(scheduler_interval=...) must be 'step' (after every optimizer step) or 'epoch' "
+                         f"(after every epoch), got {cfg.scheduler_interval!r}")
     cfg.drop_last = _bool("drop_last", cfg.drop_last)
     cfg.num_workers = _int("num_workers", cfg.num_workers, 0, allow_none=True)
     if cfg.pin_memory is not None:
@@ -119,3 +124,32 @@ def make_config(**options: Any) -> FitConfig:
     cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
     cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
     return cfg
+
+
+def canonical_precision(value: Any) -> str:
+    """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``; ``"32"`` and ``"bf16"`` are accepted as aliases."""
+    if isinstance(value, str) and value in PRECISIONS:
+        return value
+    if isinstance(value, str) and value in PRECISION_ALIASES:
+        return PRECISION_ALIASES[value]
+    guesses = {32: "32-true", "fp32": "32-true", "16": "16-mixed", 16: "16-mixed", "fp16": "16-mixed",
+               "bf16-true": "bf16-mixed", "bfloat16": "bf16-mixed"}
+    hint = f" (did you mean {guesses[value]!r}?)" if isinstance(value, (str, int)) and value in guesses else ""
+    raise ValueError(f"dist_fit(precision=...) must be one of {PRECISIONS} (or the aliases '32', 'bf16'), "
+                     f"got {value!r}{hint}")
+
+
+def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str]) -> None:
+    """What needs CUDA, said once: checked in the kernel before a fit, and again on each rank.
+
+    Raises:
+        ValueError: ``16-mixed`` or ``sync_batchnorm`` on workers that are not all on CUDA.
+    """
+    if precision == "16-mixed" and device_types != {"cuda"}:
+        raise ValueError("dist_fit(precision='16-mixed') needs CUDA GPUs (fp16 with a gradient scaler), but the workers "
+                         f"run on {sorted(device_types)}; on CPU workers use precision='bf16-mixed'")
+    if sync_batchnorm and device_types != {"cuda"}:
+        raise ValueError(
+            f"dist_fit(sync_batchnorm=True) needs CUDA GPUs: SyncBatchNorm has no CPU kernel, and the workers run on "
+            f"{sorted(device_types)}. On CPU workers leave it off (each rank then normalises over its own batch)"
+        )

@@ -32,6 +32,8 @@ from typing import Any
 
 import cloudpickle
 
+from nbddp.errors import ShippingError
+
 _ALIGN = 64
 
 
@@ -192,10 +194,6 @@ def remove_files(prefix: str) -> int:
         _POOL_OF.pop(path, None)
         _unlink(path)
     return len(paths)
-
-
-class ShippingError(TypeError):
-    """An object could not be pickled for the workers."""
 
 
 def _torch():

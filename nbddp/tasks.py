@@ -6,10 +6,12 @@ This is the fault contract's kernel half (``design.md``):
   several engines reports a death only when all complete);
 * the first failure is remembered; ranks that can be released finish within
   a short grace (they fail too, or finish); ranks still running after it are
-  stuck in a collective that no signal can break (gloo/NCCL wait in C++),
-  so they are killed by pid and replaced in the background;
+  stuck in a collective that no signal can break (gloo/NCCL wait in C++);
 * a failure a rank raised deliberately because *another* rank failed
   (``PeerFailed``) is never the headline.
+
+``fail()`` builds the error to raise; killing the stuck ranks and replacing
+them is the supervisor's (``supervisor.Supervisor.recover``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PEER_FAILED = "PeerFailed"
 
 class RankTasks:
     def __init__(self, session: Any, ars: dict[int, Any], what: str):
+        """``ars``: rank -> the ``AsyncResult`` of that rank's task; ``what`` names the work in messages."""
         self.session = session
         self.ars = ars  # rank -> AsyncResult
         self.what = what
@@ -78,13 +81,12 @@ class RankTasks:
                 time.sleep(tick_s)
 
     def fail(self) -> WorkerError:
-        """Kill stuck ranks, start healing, and build the error to raise."""
+        """Kill stuck ranks, hand the rest to the supervisor, and build the error to raise."""
         stuck = self.pending
-        placements = {p.rank: p for p in self.session.placements}
-        killed: list[int] = [placements[r].engine_id for r in stuck]
+        placements = self.session.group.by_rank()
         workers = self.session.workers
-        if stuck:  # first, so they stop burning CPU while we build the report
-            workers.kill(killed, {p.engine_id: p.pid for p in placements.values()})
+        supervisor = self.session.supervisor
+        killed = supervisor.kill_ranks(stuck)  # first, so they stop burning CPU while we build the report
         ranked = []
         died: dict[int, tuple[str, str]] = {}
         for rank, (at, exc) in self.failures.items():
@@ -114,7 +116,7 @@ class RankTasks:
         # Any failure may leave a rank's process group unusable (a collective that
         # timed out or was cut short cannot be resumed), and the kernel cannot tell
         # which: rebuild the group as a new generation, replacing killed engines.
-        self.session.heal_async(killed)
+        supervisor.recover(killed)
         if head.rank in died:
             how, tail = died[head.rank]
             return WorkerDied(head, how, tail, others, note)

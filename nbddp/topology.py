@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbddp.errors import TopologyError
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -31,7 +33,6 @@ class Probe:
     same_host_as_kernel: bool = False
     python: str = ""
     torch_version: str = ""
-    hints: dict[str, str] = field(default_factory=dict)
     interfaces: dict[str, str] = field(default_factory=dict)  # name -> IPv4 address
 
 
@@ -49,10 +50,6 @@ class Placement:
     device: str
     address: str
     local: bool  # shares the kernel's file system (shared-memory shipping)
-
-
-class TopologyError(ValueError):
-    """The engines cannot form the requested process group."""
 
 
 def assign(probes: list[Probe], backend: str) -> list[Placement]:

@@ -2,20 +2,38 @@
 
 Starting workers costs ~7 s, so tests share the kernel's one nbddp Session
 (``workers`` fixture). A test that must break or stop the workers may do so:
-the next ``workers`` user starts or heals them. After every test, any
-ipyparallel process that is a child of this process and not owned by the
-live session is a leak: it is killed (by pid) and the test fails.
+the next ``workers`` user starts or heals them.
+
+After every test, three kinds of leak fail it:
+
+* processes: an ipyparallel engine, nanny or controller, or an nbddp reaper,
+  started by this test run and not owned by the live session. "Started by
+  this run" is an environment variable every process this run starts
+  inherits, so re-parented orphans are found too, not only descendants of
+  pytest. Leaked processes are killed by pid.
+* shared-memory files: ``/dev/shm/nbddp-*`` files of this run (the suite
+  session's, or named after one of this run's pids) that appeared during the
+  test and outlive it (the live session's own files excepted);
+* threads: ``nbddp-*`` threads of this process still alive after the test.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import secrets
 import sys
+import threading
+import time
 
 import psutil
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+RUN_MARKER = "NBDDP_TEST_RUN"
+os.environ.setdefault(RUN_MARKER, secrets.token_hex(8))
+_RUN_ID = os.environ[RUN_MARKER]
 
 
 def _gpu_count() -> int:
@@ -35,16 +53,28 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def _ipp_children() -> dict[int, psutil.Process]:
+def _run_processes() -> dict[int, psutil.Process]:
+    """nbddp's and ipyparallel's processes started by this test run, wherever they were re-parented."""
     found = {}
-    for p in psutil.Process().children(recursive=True):
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == me:
+            continue
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ipyparallel" not in cmd and "nbddp.reaper" not in cmd:
+            continue
         try:
-            cmd = " ".join(p.cmdline())
+            if p.environ().get(RUN_MARKER) == _RUN_ID:
+                found[p.pid] = p
         except psutil.Error:
             continue
-        if "ipyparallel" in cmd or "nbddp._reaper" in cmd:
-            found[p.pid] = p
     return found
+
+
+def _shm_files() -> set[str]:
+    from nbddp.shipping import shm_dir
+
+    return set(glob.glob(os.path.join(shm_dir(), "nbddp-*")))
 
 
 def owned_pids() -> set[int]:
@@ -55,7 +85,7 @@ def owned_pids() -> set[int]:
     if not s.started:
         return set()
     pids = set(s.workers.all_pids())
-    if s.workers.reaper is not None:
+    if s.workers.reaper.pid is not None:
         pids.add(s.workers.reaper.pid)
     for pid in list(pids):
         try:
@@ -82,27 +112,73 @@ def _ship_test_module_by_value(request):
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_processes(request):
-    """Fail any test that leaves an engine/controller process nobody owns."""
+def no_leaks(request):
+    """Fail any test that leaves an engine/controller process, a shared-memory file or an nbddp thread behind."""
+    shm_before = _shm_files()
     yield
     if "nbddp.session" not in sys.modules:
         return
     s = sys.modules["nbddp.session"].get_session()
-    heal = s._heal
-    if heal is not None:
-        heal.join(120)
-    leaked = {pid: p for pid, p in _ipp_children().items() if pid not in owned_pids()}
-    if leaked:
-        psutil.wait_procs(list(leaked.values()), timeout=5)
-        still = {pid: p for pid, p in leaked.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
-        if still:
-            desc = [f"{pid}: {' '.join(p.cmdline()[:4])}" for pid, p in still.items()]
-            for p in still.values():
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            pytest.fail(f"test left {len(still)} worker process(es) behind: {desc}")
+    s.wait_healed(raise_error=False)
+    problems = _leaked_processes() + _leaked_files(s, shm_before) + _leaked_threads()
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+def _leaked_processes() -> list[str]:
+    leaked = {pid: p for pid, p in _run_processes().items() if pid not in owned_pids()}
+    if not leaked:
+        return []
+    psutil.wait_procs(list(leaked.values()), timeout=5)
+    still = {pid: p for pid, p in leaked.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+    if not still:
+        return []
+    desc = [f"{pid}: {' '.join(p.cmdline()[:4])} (parent {p.ppid()})" for pid, p in still.items()]
+    for p in still.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return [f"test left {len(still)} worker process(es) behind: {desc}"]
+
+
+def _ours(path: str, session) -> bool:
+    """Whether a shared-memory file was made by this test run: the suite session's, or a pid of ours.
+
+    Other test runs on the same machine have files of their own in /dev/shm;
+    those are not this run's business.
+    """
+    name = os.path.basename(path)
+    if name.startswith(session.file_prefix):
+        return True
+    pids = {os.getpid(), *owned_pids(), *_run_processes()}
+    return any(name.startswith(f"nbddp-{pid}-") for pid in pids)
+
+
+def _leaked_files(session, before: set[str]) -> list[str]:
+    live = session.file_prefix if session.started else None
+    deadline = time.monotonic() + 5.0
+    while True:
+        new = {f for f in _shm_files() - before
+               if _ours(f, session) and not (live and os.path.basename(f).startswith(live))}
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for path in new:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return [f"test left shared-memory file(s) behind: {sorted(new)}"] if new else []
+
+
+def _leaked_threads() -> list[str]:
+    deadline = time.monotonic() + 5.0
+    while True:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("nbddp-") and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            return [f"test left nbddp thread(s) running: {alive}"] if alive else []
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +197,11 @@ def workers(_suite_session):
 
     s = get_session()
     if s.started:
-        s._join_heal(raise_error=False)
+        try:
+            s.wait_healed(raise_error=True)
+        except nbddp.ClusterError:  # a failed heal leaves no usable group: start afresh
+            nbddp.stop()
+    if s.started:
         if s.world_size != 2 or s.backend != "gloo":
             nbddp.stop()
     if not s.started:

@@ -8,14 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nbddp import fitting
+from nbddp import preflight
+from nbddp.resident import ResidentSet
 from nbddp.topology import Placement
 
 
 def fake_session(device: str = "cpu", world: int = 2):
     placements = [Placement(rank=r, local_rank=r, world_size=world, local_world_size=world, engine_id=r, host="h",
                             pid=r, device=device, address="127.0.0.1", local=True) for r in range(world)]
-    return SimpleNamespace(placements=placements, world_size=world, resident={})
+    return SimpleNamespace(placements=placements, world_size=world, resident=ResidentSet(), generation=1, send_pool=None)
 
 
 DATA = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
@@ -32,6 +33,12 @@ CASES = [
     ("checkpoint_every without dir", dict(checkpoint_every=5), ValueError, r"checkpoint_every=\.\.\.\) needs checkpoint_dir"),
     ("resume=True without dir", dict(resume=True), ValueError, r"resume=True\) resumes from checkpoint_dir"),
     ("tuple of non-tensors", dict(data=(torch.ones(2), [1, 2])), TypeError, r"a tuple must hold tensors \(x, y, \.\.\.\), got \(Tensor, list\)"),
+    ("lr with an optimizer factory", dict(lr=0.1, optimizer=lambda params: torch.optim.SGD(params, lr=0.01)),
+     ValueError, r"dist_fit\(lr=0\.1\) is only used for the default optimizer or an optimizer class; a factory sets its own"),
+    ("unknown scheduler interval", dict(scheduler_interval="batch"), ValueError,
+     r"scheduler_interval=\.\.\.\) must be 'step' \(after every optimizer step\) or 'epoch'.*got 'batch'"),
+    ("keep not an identifier", dict(keep="my model"), ValueError, r"keep=\.\.\.\) names the variable .* got 'my model'"),
+    ("return_weights not a bool", dict(return_weights="yes"), TypeError, r"return_weights=\.\.\.\) must be True or False"),
 ]
 
 
@@ -40,7 +47,7 @@ def test_prepare_refuses_before_any_worker_is_asked(kind, kwargs, exc, match):
     kwargs = dict(kwargs)
     data = kwargs.pop("data", DATA)
     with pytest.raises(exc, match=match):
-        fitting.prepare(fake_session(), nn.Linear(4, 2), data, **kwargs)
+        preflight.prepare(fake_session(), nn.Linear(4, 2), data, **kwargs)
 
 
 def test_live_must_be_a_known_mode():
@@ -65,7 +72,27 @@ def test_start_takes_a_cluster_or_an_attachment_not_both():
 
 
 def test_an_optimizer_factory_must_return_an_optimizer():
-    from nbddp.worker.loop import make_optimizer
+    from nbddp.worker.setup import make_optimizer
 
     with pytest.raises(TypeError, match=r"optimizer=\.\.\. must be an Optimizer class or a factory of params"):
         make_optimizer(lambda params: "sgd", nn.Linear(2, 2).parameters(), 0.1)
+
+
+def test_precision_names_and_their_aliases_are_one_vocabulary():
+    from nbddp.options import make_config
+
+    assert [make_config(precision=p).precision for p in ("32", "32-true", "bf16", "bf16-mixed", "16-mixed")] == [
+        "32-true", "32-true", "bf16-mixed", "bf16-mixed", "16-mixed"]
+    with pytest.raises(ValueError, match=r"must be one of \('32-true', 'bf16-mixed', '16-mixed'\) .* got 'bf16-true' "
+                                         r"\(did you mean 'bf16-mixed'\?\)"):
+        make_config(precision="bf16-true")
+
+
+def test_lr_goes_with_an_optimizer_class_and_a_factory_keeps_its_own():
+    session = fake_session()
+    plan = preflight.prepare(session, nn.Linear(4, 2), DATA, optimizer=torch.optim.SGD, lr=0.5)
+    assert plan.cfg.lr == 0.5
+    plan.discard()
+    plan = preflight.prepare(session, nn.Linear(4, 2), DATA, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.2))
+    assert plan.cfg.lr is None
+    plan.discard()

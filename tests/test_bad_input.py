@@ -157,7 +157,7 @@ def test_bad_input_raises_clearly_and_workers_stay_usable(workers, case):
         nbddp.dist_fit(kwargs.pop("model"), kwargs.pop("data"), **kwargs)
     if where == "kernel":
         assert len(workers.client.history) == sent, "a task reached the workers before the error"
-        assert workers.generation == generation and workers._heal is None
+        assert workers.generation == generation and not workers.supervisor.healing
     else:
         assert not info.value.note, f"every rank fails the same way; none is stuck: {info.value}"
     assert workers.running is None

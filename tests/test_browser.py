@@ -171,9 +171,9 @@ def test_dashboard_advances_in_jupyterlab(lab, tmp_path):
             assert [p for _, p in samples] == sorted(p for _, p in samples), f"the bar went backwards: {samples}"
             assert plot_during, "the loss plot never appeared while training ran"
 
-            # the end: done, 100 %, the plot is a real image
+            # the end: completed, 100 %, the plot is a real image
             page.wait_for_function("() => { const s = document.querySelector('.nbddp-dashboard .nbddp-status');"
-                                   " return s && s.innerText.includes('done'); }", timeout=120_000)
+                                   " return s && s.innerText.includes('completed'); }", timeout=120_000)
             page.wait_for_function(PLOT_SHOWN, timeout=60_000)
             assert _percent(page) == 100
             text = page.locator(".nbddp-dashboard").inner_text()

@@ -31,7 +31,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def _recover(session, fault: str, t_error: float, **measured: float) -> None:
     """Wait for the heal, run the next fit, record the times."""
     t0 = time.perf_counter()
-    session._join_heal(raise_error=True)
+    session.wait_healed(raise_error=True)
     healed = time.perf_counter() - t0
     h, fit_s = good_fit()
     assert session.world_size == 2 and h.world_size == 2
@@ -81,7 +81,7 @@ def test_several_ranks_fail_first_is_headline_others_listed(workers, tmp_path):
     # finishing order the kernel sees is the order the ranks raised in
     with pytest.raises(WorkerError):
         nbddp.run(_raise_everywhere)
-    workers._join_heal(raise_error=True)
+    workers.wait_healed(raise_error=True)
     with pytest.raises(WorkerError) as info:
         nbddp.dist_fit(Net(fail=((0, 1), 3, "raise", marker)), regression_data(), batch_size=16, live=False)
     t_error = time.time()

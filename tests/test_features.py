@@ -132,7 +132,7 @@ def test_bf16_on_cpu_trains_and_the_loss_decreases(workers, digits):
 def test_fp16_mixed_and_sync_batchnorm_on_cpu_are_refused_before_training(workers):
     x, y = _regression(32)
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match=r"precision='16-mixed'\) needs CUDA GPUs.*use precision='bf16'"):
+    with pytest.raises(ValueError, match=r"precision='16-mixed'\) needs CUDA GPUs.*use precision='bf16-mixed'"):
         nbddp.dist_fit(_mlp(), (x, y), precision="16-mixed", live=False)
     with pytest.raises(ValueError, match=r"sync_batchnorm=True\) needs CUDA GPUs: SyncBatchNorm has no CPU"):
         nbddp.dist_fit(_mlp(), (x, y), sync_batchnorm=True, live=False)

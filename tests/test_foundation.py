@@ -16,6 +16,11 @@ import nbddp
 from nbddp.errors import NotStartedError
 
 
+PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "History", "FitHandle",
+          "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "ShippingError", "WorkerError",
+          "WorkerDied", "__version__", "load_ipython_extension", "unload_ipython_extension"}
+
+
 class Net(nn.Module):
     """Defined in the test module (shipped by value, like a notebook class) and uses super()."""
 
@@ -48,7 +53,8 @@ def test_import_is_lazy():
     code = "import sys, nbddp; print('torch' in sys.modules, 'ipyparallel' in sys.modules, nbddp.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[:2] == ["False", "False"], "import nbddp must not import torch or ipyparallel"
-    assert set(nbddp.__all__) >= {"start", "stop", "status", "restart", "run", "dist_fit", "History", "FitHandle", "WorkerError"}
+    assert set(nbddp.__all__) == PUBLIC, "a public name was added or removed: update PUBLIC and docs/design.md"
+    assert all(hasattr(nbddp, name) for name in nbddp.__all__)
 
 
 def test_unknown_attribute_is_an_attribute_error():
@@ -130,18 +136,22 @@ def test_factory_model_comes_back_as_history_model(workers):
     assert history.model(x[:2]).shape == (2, 10)
 
 
-def test_dataloader_batch_size_and_collate_are_used(workers):
-    calls = []
+def test_dataloader_batch_size_and_collate_are_used(workers, tmp_path):
+    log = str(tmp_path / "collate")
 
-    def collate(items):
-        calls.append(len(items))
+    def collate(items):  # runs on the workers: it can only tell the test through a file
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {len(items)}\n")
         xs, ys = zip(*items)
         return torch.stack(xs), torch.stack(ys)
 
     ds = torch.utils.data.TensorDataset(torch.randn(96, 64), torch.randint(0, 10, (96,)))
     loader = torch.utils.data.DataLoader(ds, batch_size=12, collate_fn=collate)
     history = nbddp.dist_fit(Net(), loader, epochs=1, live=False)
-    assert history.steps[-1]["step"] == 96 // 2 // 12
+    assert history.steps[-1]["step"] == 96 // 2 // 12 and history.batch_size == 12
+    calls = [line.split() for line in open(log).read().splitlines()]
+    assert sorted(int(pid) for pid, _ in calls) == sorted([p.pid for p in workers.placements] * 4)
+    assert {int(n) for _, n in calls} == {12}
 
 
 def test_run_returns_results_in_rank_order_and_ships_closures(workers):
@@ -183,7 +193,7 @@ def test_stop_leaves_no_process_and_start_after_stop_works(workers):
             procs += [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
         except psutil.Error:
             pass
-    reaper = workers.workers.reaper
+    reaper = workers.workers.reaper.process
     prefix = workers.file_prefix
     nbddp.stop()
     import glob

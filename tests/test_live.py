@@ -21,6 +21,8 @@ import nbddp
 from nbddp.errors import FitRunningError
 from nbddp.history import History
 from nbddp.live import NullView, choose_view
+from nbddp.live.state import LiveState
+from nbddp.messages import FitPlanInfo, Progress, RankInfo
 from nbddp.live.text import TextView, progress_line
 from nbddp.live import widget
 from nbddp.live.widget import WIDGET_VIEW, WidgetView, summary_text
@@ -36,24 +38,24 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 class FakeRun:
     def __init__(self, total: int = 100):
         self.history = History(world_size=2)
-        self.live_state = {"status": "training", "ranks": [], "meta": {
-            "world_size": 2, "backend": "gloo", "epochs": 2, "total_steps": total, "start_step": 0,
-            "ranks": [{"rank": 0, "host": "node-a", "device": "cpu", "pid": 1},
-                      {"rank": 1, "host": "node-b", "device": "cpu", "pid": 2}]}}
+        self.live_state = LiveState(
+            status="training", world_size=2, backend="gloo", epochs=2,
+            plan=FitPlanInfo(total_steps=total, steps_per_epoch=total // 2, start_step=0, batch_size=8),
+            placements=[RankInfo(0, "node-a", "cpu", 1), RankInfo(1, "node-b", "cpu", 2)])
         self.error = None
         self.finished = False
         self.stops = 0
-        self._t0 = time.perf_counter()
+        self.started_at = time.perf_counter()
 
     def request_stop(self):
         self.stops += 1
-        self.live_state["status"] = "stopping"
+        self.live_state.status = "stopping"
 
     def log(self, step: int, epoch: int = 0):
         self.history.add("step", {"step": step, "epoch": epoch, "loss": 2.0 / step, "lr": 1e-3,
                                   "samples_per_s": 1000.0, "time": step * 0.01})
-        self.live_state["ranks"] = [{"rank": 0, "samples_per_s": 510.0, "peak_mem": 300 << 20},
-                                    {"rank": 1, "samples_per_s": 490.0, "peak_mem": 310 << 20}]
+        self.live_state.ranks = [{"rank": 0, "samples_per_s": 510.0, "peak_mem": 300 << 20, "param_bytes": 4096},
+                                 {"rank": 1, "samples_per_s": 490.0, "peak_mem": 310 << 20, "param_bytes": 4096}]
 
 
 def test_choose_view_picks_one_place():
@@ -83,7 +85,7 @@ def test_widget_view_draws_progress_plot_ranks_and_final_state():
     run.history.add("val", {"epoch": 0, "step": 40, "val_loss": 0.3, "val_acc": 0.9})
     for step in range(41, 101):
         run.log(step, epoch=1)
-    run.live_state["status"] = "done"
+    run.live_state.status = "completed"
     run.finished = True
     view.finish(run)
     assert view.bar.value == 1.0 and view.bar.bar_style == "success" and view.percent.value == "100%"
@@ -92,7 +94,7 @@ def test_widget_view_draws_progress_plot_ranks_and_final_state():
     bundle = view._bundle(run, final=True)
     assert bundle[WIDGET_VIEW]["model_id"] == view.box.model_id
     assert bundle["image/png"].startswith("iVBOR")  # base64 of the PNG magic
-    assert "nbddp fit done: step 100/100" in bundle["text/plain"]
+    assert "nbddp fit completed: step 100/100" in bundle["text/plain"]
     assert "rank 1  node-b  cpu  490 samples/s" in bundle["text/plain"]
     assert "<img src='data:image/png;base64," in bundle["text/html"]
     assert "frontend" in view._bundle(run, final=False)["text/plain"]
@@ -164,7 +166,7 @@ def test_widget_view_shows_a_failure():
     view = WidgetView()
     view.start(run)
     run.error = RuntimeError("rank 1 (pid 7): ValueError: bad batch\nmore")
-    run.live_state["status"] = "failed"
+    run.live_state.status = "failed"
     run.finished = True
     view.finish(run)
     assert view.bar.bar_style == "danger"
@@ -191,12 +193,12 @@ def test_text_view_prints_progress_and_summary():
     for step in range(1, 51):
         run.log(step)
         view.update(run)
-    run.live_state["status"] = "done"
+    run.live_state.status = "completed"
     run.finished = True
     view.finish(run)
     lines = out.getvalue().splitlines()
     assert lines[0] == "nbddp: training on 2 rank(s), backend gloo"
-    assert lines[-1].startswith("[done]  step 50/50  epoch 1/2  loss 0.04")
+    assert lines[-1].startswith("[completed]  step 50/50  epoch 1/2  loss 0.04")
     assert len(lines) == 52  # header, one line per update (no tty: no rewriting), final
     assert "ETA" not in progress_line(run)
 
@@ -208,8 +210,8 @@ def test_text_view_prints_progress_and_summary():
 def _bare_run():
     from nbddp.fitting import FitRun
 
-    session = SimpleNamespace(world_size=2)
-    plan = SimpleNamespace(ship_s=0.0)
+    session = SimpleNamespace(world_size=2, backend="gloo", placements=[])
+    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1))
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})
     run.tasks = SimpleNamespace(ars={0: ar})
@@ -218,7 +220,7 @@ def _bare_run():
 
 def _publish(ar, seqs):
     records = [(s, "step", {"step": s + 1}) for s in seqs]
-    ar.data = {"nbddp": {"seq": seqs[-1] + 1, "window": records, "status": "training", "ranks": [], "meta": {}}}
+    ar.data = {"nbddp": Progress(seq=seqs[-1] + 1, window=records, status="training", ranks=[])}
 
 
 def test_stream_takes_each_record_once_and_goes_on_after_a_gap():
@@ -232,7 +234,7 @@ def test_stream_takes_each_record_once_and_goes_on_after_a_gap():
     assert [r["step"] for r in run.history.steps] == list(range(1, 21))
     _publish(ar, list(range(40, 40 + WINDOW)))  # the poll fell behind the window: 20 records missed
     _stream()
-    assert run.live_state["missed"] == 20
+    assert run.live_state.missed == 20
     assert [r["step"] for r in run.history.steps] == list(range(1, 21)) + list(range(41, 41 + WINDOW))
     _publish(ar, list(range(60, 60 + WINDOW + 5)))
     _stream()
@@ -272,7 +274,7 @@ class Recorder(NullView):
         self.live_steps = list(run.history.steps)
 
     def finish(self, run):
-        self.finished_with = run.live_state.get("status")
+        self.finished_with = run.live_state.status
 
 
 def _fit_with(monkeypatch, view, *args, **kwargs):
@@ -286,7 +288,7 @@ def test_every_record_exactly_once_in_order(workers, digits, monkeypatch, poll_s
     view = Recorder(poll_s=poll_s)
     steps = 3 * WINDOW + 7  # more records than the publisher's window
     h = _fit_with(monkeypatch, view, Tiny(), (x, y), epochs=10, max_steps=steps, batch_size=4, log_every=1)
-    assert h.status == "completed" and view.finished_with == "done"
+    assert h.status == "completed" and view.finished_with == "completed"
     assert [r["step"] for r in h.steps] == list(range(1, steps + 1))  # every logged step, once, in order
     live = view.live_steps
     assert live, "the live side received nothing"
@@ -328,7 +330,7 @@ def test_block_false_stop_all_ranks_at_one_step(workers, digits):
     h = handle.stop()
     assert handle.done() and h.status == "interrupted"
     assert handle.wait() is h and handle.history is h
-    per_rank = {r: res["step"] for r, res in handle._run.tasks.results.items()}
+    per_rank = {r: res.step for r, res in handle._run.tasks.results.items()}
     stop_step = h.steps[-1]["step"]
     assert per_rank == {0: stop_step, 1: stop_step}, per_rank
     assert 0 < stop_step < 20 * (700 // 8)

@@ -49,7 +49,7 @@ def test_saved_notebook_shows_final_dashboard_and_static_fallback(executed):
     # the static fallback, in the same output: a PNG of the final plot and a text summary
     assert base64.b64decode(out.data["image/png"]).startswith(PNG_MAGIC)
     summary = out.data["text/plain"]
-    assert summary.startswith("nbddp fit done: step 96/96 · epoch 3/3"), summary
+    assert summary.startswith("nbddp fit completed: step 96/96 · epoch 3/3"), summary
     assert "val_acc" in summary and "rank 1" in summary
     assert "<img src='data:image/png;base64," in out.data["text/html"]
 
@@ -64,7 +64,7 @@ def test_saved_notebook_shows_final_dashboard_and_static_fallback(executed):
     assert base64.b64decode(buffers[("value",)]["data"]).startswith(PNG_MAGIC)
     html_values = [m["state"].get("value", "") for m in _models(nb, "HTMLModel").values()]
     assert any("100%" == v for v in html_values)
-    assert any("nbddp-status" in v and ">done<" in v for v in html_values)
+    assert any("nbddp-status" in v and ">completed<" in v for v in html_values)
     # the dashboard points at the saved box
     boxes = _models(nb, "VBoxModel")
     assert out.data[WIDGET_VIEW]["model_id"] in boxes

@@ -9,7 +9,6 @@ uses the shared ones.
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -19,9 +18,10 @@ import torch
 import nbddp
 from nbddp.cluster import ClusterError, Workers
 from nbddp.errors import FitRunningError, NotStartedError
-from nbddp.session import Session, validate_start
-from nbddp.worker import entry, loop
-from nbddp.worker.state import STATE
+from nbddp.session import Session
+from nbddp.start_options import validate_start
+from nbddp.worker import loop
+from nbddp.worker.state import STATE, check_generation
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,22 +79,27 @@ def test_restart_and_ready_checks_on_a_session_that_never_started():
 
 def test_a_failed_heal_is_reported_at_the_next_use():
     s = Session()
-    s.workers = SimpleNamespace()  # "started", as far as ensure_ready can tell
-    heal = threading.Thread(target=lambda: None)
-    heal.start()
-    s._heal, s._heal_error = heal, RuntimeError("engine 3 did not register")
-    with pytest.raises(ClusterError, match=r"replacing failed workers did not work: RuntimeError: engine 3 did not register\. "
-                                           r"Run nbddp\.restart\(\)") as info:
-        s.ensure_ready()
-    assert isinstance(info.value.__cause__, RuntimeError)
-    s.ensure_ready()  # reported once: the next call goes ahead
+    s.workers = SimpleNamespace(controller_problem=lambda: None)  # "started", as far as ensure_ready can tell
+    s.group = SimpleNamespace()
+
+    def failing_heal(killed):
+        raise RuntimeError("engine 3 did not register")
+
+    s.supervisor._heal = failing_heal
+    s.supervisor.recover([3])
+    with s.lock:
+        with pytest.raises(ClusterError, match=r"replacing failed workers did not work: RuntimeError: engine 3 did not "
+                                               r"register\. Run nbddp\.restart\(\)") as info:
+            s.ensure_ready()
+        assert isinstance(info.value.__cause__, RuntimeError)
+        s.ensure_ready()  # reported once: the next call goes ahead
 
 
 def test_a_task_for_another_generation_is_refused_on_the_worker(monkeypatch):
     monkeypatch.setattr(STATE, "generation", 4)
-    entry._check_generation({"generation": 4})
+    check_generation(4)
     with pytest.raises(RuntimeError, match=r"this engine joined process-group generation 4, the kernel expected 5; run nbddp\.restart\(\)"):
-        entry._check_generation({"generation": 5})
+        check_generation(5)
 
 
 def test_a_rank_whose_peer_failed_raises_peer_failed(monkeypatch):

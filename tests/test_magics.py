@@ -12,7 +12,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbddp
-from nbddp import magics
+from nbddp import health, output
 from nbddp.errors import FitRunningError
 
 
@@ -28,13 +28,13 @@ def ip(ipython_shell):
 def written(monkeypatch):
     """Every labelled line the magics print, with the time it was printed."""
     lines: list[tuple[float, str, str]] = []
-    real = magics._write
+    real = output.write
 
     def record(kind, text):
         lines.append((time.monotonic(), kind, text))
         real(kind, text)
 
-    monkeypatch.setattr(magics, "_write", record)
+    monkeypatch.setattr(output, "write", record)
     return lines
 
 
@@ -186,7 +186,7 @@ def test_push_and_pull_errors_name_the_missing_variable(ip, workers):
     ip.run_cell_magic("ddp", "", "defined_here = 1")
     with pytest.raises(NameError, match=r"rank 0 has no variable named 'nope'; the names defined there are: .*defined_here"):
         ip.run_line_magic("ddp", "pull nope")
-    with pytest.raises(UsageError, match=r"--ranks 7: no rank 7"):
+    with pytest.raises(UsageError, match=r"%ddp pull --rank 7: no rank 7; the workers have ranks 0\.\.1"):
         ip.run_line_magic("ddp", "pull defined_here --rank 7")
     ip.user_ns.pop("missing_in_kernel", None)
     with pytest.raises(NameError, match="no variable named 'missing_in_kernel' in the notebook"):
@@ -204,7 +204,7 @@ def test_status_shows_one_row_per_rank(ip, workers, capsys):
         row = next(line for line in out.splitlines() if f" {p.pid} " in line)
         assert row.split()[:2] == [str(p.rank), str(p.local_rank)]
         assert " yes " in row and " MB " in row and row.rstrip().endswith("no")
-    html = magics.status_table()._repr_html_()
+    html = health.status_table()._repr_html_()
     assert html.count("<tr>") == 3 and "<th>fit running</th>" in html
 
 

@@ -43,10 +43,10 @@ EXPECTED = {
     ],
     "finetune_hf_style": [
         "'attention_mask': tensor(",
-        "nbddp fit done: step 48/48 · epoch 3/3",
+        "nbddp fit completed: step 48/48 · epoch 3/3",
         "pre-training loss:",
         "newly initialised (to be trained): ['classifier.weight', 'classifier.bias']",
-        "nbddp fit done: step 60/60 · epoch 5/5",
+        "nbddp fit completed: step 60/60 · epoch 5/5",
         "'val_acc':",
         "validation accuracy:",
         "workers stopped",
@@ -56,7 +56,7 @@ EXPECTED = {
         "interrupted at step",
         "-> ['batch_size', 'batches_done', 'epoch', 'epoch_sums', 'model', 'optimizer'",
         "checkpoint weights == the weights that came back into `model`: True",
-        "nbddp fit done: step 189/189 · epoch 3/3",  # the dashboard is displayed before the cell prints
+        "nbddp fit completed: step 189/189 · epoch 3/3",  # the dashboard is displayed before the cell prints
         "resumed: first record at step",
         "'step-00000189.pt'",
         "workers stopped",

@@ -90,7 +90,14 @@ def test_connection_files_are_private(workers):
 
 def test_process_group_store_is_a_private_file(workers):
     """On one host the rendezvous is a file store (no TCP listener), never a TCP store."""
-    placements = workers.placements
-    init_method, ifnames = workers._rendezvous(placements)
-    assert init_method.startswith("file:///"), init_method
-    assert set(ifnames.values()) == {"lo"}
+    group = workers.group
+    assert group.init_method.startswith("file:///"), group.init_method
+    assert os.path.exists(group.init_method[len("file://"):])
+    assert nbddp.run(_socket_ifname) == ["lo", "lo"]
+    assert group.master_addr == "127.0.0.1"
+
+
+def _socket_ifname():
+    import os
+
+    return os.environ.get("GLOO_SOCKET_IFNAME")

@@ -82,7 +82,7 @@ def _one(kind: str, session, tmp: str, i: int) -> str:
         assert h.status == "interrupted"
     else:
         raise AssertionError(kind)
-    session._join_heal(raise_error=True)
+    session.wait_healed(raise_error=True)
     return kind
 
 

@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nbddp.options import make_config
-from nbddp.worker import loop
+from nbddp.worker.precision import precision_tools
+from nbddp.worker.setup import check_resumable
 from nbddp.worker.batches import BatchError, batch_size_of, run_batch
 from nbddp.worker.data import SkipSampler, StridedSampler
 
@@ -67,13 +68,17 @@ def test_default_loss_is_cross_entropy_for_labels_and_mse_for_values():
     assert loss.item() == pytest.approx(F.mse_loss(out, values).item())
 
 
-def test_fp16_on_cpu_and_sync_batchnorm_on_cpu_are_refused_on_the_worker_too():
+def test_fp16_on_cpu_and_sync_batchnorm_on_cpu_are_refused_on_the_worker_in_the_kernels_words():
+    from nbddp.options import check_device_rules
+
     cpu = torch.device("cpu")
-    with pytest.raises(RuntimeError, match="precision='16-mixed' needs CUDA GPUs; on CPU use precision='bf16'"):
-        loop.precision_tools("16-mixed", cpu)
-    with pytest.raises(RuntimeError, match="sync_batchnorm=True needs CUDA GPUs .* this rank runs on cpu"):
-        loop.sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)), cpu)
-    autocast, scaler = loop.precision_tools("bf16", cpu)
+    with pytest.raises(ValueError, match=r"precision='16-mixed'\) needs CUDA GPUs .* workers run on \['cpu'\]; "
+                                         r"on CPU workers use precision='bf16-mixed'"):
+        precision_tools("16-mixed", cpu)
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) needs CUDA GPUs: SyncBatchNorm has no CPU kernel, and "
+                                         r"the workers run on \['cpu'\]"):
+        check_device_rules("32-true", True, {"cpu"})
+    autocast, scaler = precision_tools("bf16-mixed", cpu)
     with autocast():
         assert nn.Linear(3, 3)(torch.randn(2, 3)).dtype == torch.bfloat16
     assert scaler is None
@@ -82,10 +87,10 @@ def test_fp16_on_cpu_and_sync_batchnorm_on_cpu_are_refused_on_the_worker_too():
 def test_a_mid_epoch_checkpoint_needs_the_same_world_and_batch_size():
     cfg = make_config(batch_size=8)
     saved = {"batches_done": 3, "world_size": 2, "batch_size": 8}
-    loop.check_resumable(saved, cfg, 2, "c.pt")
-    loop.check_resumable({**saved, "batches_done": 0, "world_size": 4}, cfg, 2, "c.pt")  # epoch end: anything goes
+    check_resumable(saved, cfg, 2, "c.pt")
+    check_resumable({**saved, "batches_done": 0, "world_size": 4}, cfg, 2, "c.pt")  # epoch end: anything goes
     with pytest.raises(ValueError, match="saved mid-epoch with world_size=4, batch_size=8, but this fit runs world_size=2"):
-        loop.check_resumable({**saved, "world_size": 4}, cfg, 2, "c.pt")
+        check_resumable({**saved, "world_size": 4}, cfg, 2, "c.pt")
 
 
 def test_samplers_skip_and_stride_without_padding():

@@ -15,26 +15,25 @@ def fmt_time(seconds: float) -> str:
 def progress_fields(run: Any) -> dict[str, Any]:
     """What every view shows: step/total, epoch, loss, lr, throughput, elapsed, ETA."""
     state, hist = run.live_state, run.history
-    meta = state.get("meta", {})
-    total = meta.get("total_steps") or 0
+    total = state.total_steps
     last = hist.steps[-1] if hist.steps else {}
-    step = last.get("step", meta.get("start_step", 0))
+    step = last.get("step", state.start_step)
     train_time = last.get("time", 0.0)  # seconds since training began, on the workers
-    done_from = meta.get("start_step", 0)
+    done_from = state.start_step
     rate = (step - done_from) / train_time if train_time > 0 else 0.0
     eta = (total - step) / rate if rate > 0 and total and step < total else None
     finished = getattr(run, "finished", False)
     if hist.timings.get("total_s") is not None:
         elapsed = hist.timings["total_s"]  # the whole call, shipping and returning weights included
-    elif getattr(run, "_t0", None) is not None and not finished:
-        elapsed = time.perf_counter() - run._t0
+    elif getattr(run, "started_at", None) is not None and not finished:
+        elapsed = time.perf_counter() - run.started_at
     else:
         elapsed = train_time
     if finished:
         eta = None
     val = hist.validations[-1] if hist.validations else {}
-    return {"status": state.get("status", "starting"), "step": step, "total": total,
-            "epoch": last.get("epoch", 0), "epochs": meta.get("epochs", 0), "loss": last.get("loss"),
+    return {"status": state.status, "step": step, "total": total,
+            "epoch": last.get("epoch", 0), "epochs": state.epochs, "loss": last.get("loss"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "elapsed": elapsed, "eta": eta,
             "val": {k: v for k, v in val.items() if k.startswith("val_")},
             "fraction": min(1.0, step / total) if total else 0.0}
@@ -72,8 +71,8 @@ class TextView:
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
     def start(self, run: Any) -> None:
-        meta = run.live_state.get("meta", {})
-        self.stream.write(f"nbddp: training on {meta.get('world_size', '?')} rank(s), backend {meta.get('backend', '?')}\n")
+        state = run.live_state
+        self.stream.write(f"nbddp: training on {state.world_size or '?'} rank(s), backend {state.backend or '?'}\n")
         self.stream.flush()
 
     def update(self, run: Any) -> None:

@@ -42,8 +42,8 @@ from nbddp.live.text import fmt_bytes, fmt_time, progress_fields
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
-                  "done": "#2ca02c", "interrupted": "#ff7f0e", "failed": "#d62728"}
-BAR_STYLES = {"done": "success", "interrupted": "warning", "failed": "danger"}
+                  "stalled": "#d62728", "completed": "#2ca02c", "interrupted": "#ff7f0e", "failed": "#d62728"}
+BAR_STYLES = {"completed": "success", "interrupted": "warning", "failed": "danger"}
 PLOT_CPU_SHARE = 0.01  # the plot may use at most this share of one core (on CPU workers, it is taken from them)
 MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
 FIRST_PLOT_COST_S = 0.03  # what a redraw is assumed to cost before one was measured
@@ -77,36 +77,48 @@ def progress_text(f: dict[str, Any]) -> str:
 
 
 def rank_rows(run: Any) -> list[dict[str, Any]]:
-    """One row per rank: placement from the launch metadata, figures from every rank's last report."""
-    meta = run.live_state.get("meta", {})
-    figures = {r["rank"]: r for r in run.live_state.get("ranks") or []}
+    """One row per rank: placement from the launch, figures from every rank's last report."""
+    state = run.live_state
+    figures = {r["rank"]: r for r in state.ranks or []}
+    stalled = {s["rank"]: s for s in state.stalled}
     rows = []
-    for p in meta.get("ranks", []):
-        fig = figures.get(p["rank"], {})
-        rows.append({"rank": p["rank"], "host": p.get("host", "?"), "device": p.get("device", "?"),
-                     "samples_per_s": fig.get("samples_per_s"), "peak_mem": fig.get("peak_mem")})
+    for p in state.placements:
+        fig = figures.get(p.rank, {})
+        rows.append({"rank": p.rank, "host": p.host, "device": p.device, "samples_per_s": fig.get("samples_per_s"),
+                     "peak_mem": fig.get("peak_mem"), "param_bytes": fig.get("param_bytes"),
+                     "cuda_reserved": fig.get("cuda_reserved"), "stalled": stalled.get(p.rank)})
     return rows
 
 
+RANK_COLUMNS = (("rank", "right"), ("host", "left"), ("device", "left"), ("samples/s", "right"),
+                ("peak memory", "right"), ("parameters", "right"))
+
+
 def rank_table_html(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th style='padding:0 8px;text-align:{a}'>{h}</th>" for h, a in
-                   (("rank", "right"), ("host", "left"), ("device", "left"), ("samples/s", "right"), ("peak memory", "right")))
+    cuda = any(r.get("cuda_reserved") is not None for r in rows)
+    columns = RANK_COLUMNS + ((("CUDA reserved", "right"),) if cuda else ())
+    head = "".join(f"<th style='padding:0 6px;text-align:{a};white-space:nowrap'>{h}</th>" for h, a in columns)
     body = []
     for r in rows:
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
+        if r.get("stalled"):
+            sps = f"<span style='color:#d62728'>stalled {r['stalled']['idle_s']:.0f} s</span>"
         cells = [(str(r["rank"]), "right"), (html.escape(str(r["host"])), "left"), (html.escape(str(r["device"])), "left"),
-                 (sps, "right"), (fmt_bytes(r["peak_mem"]), "right")]
-        body.append("<tr>" + "".join(f"<td style='padding:0 8px;text-align:{a}'>{c}</td>" for c, a in cells) + "</tr>")
+                 (sps, "right"), (fmt_bytes(r["peak_mem"]), "right"), (fmt_bytes(r.get("param_bytes")), "right")]
+        if cuda:
+            cells.append((fmt_bytes(r.get("cuda_reserved")), "right"))
+        body.append("<tr>" + "".join(f"<td style='padding:0 6px;text-align:{a};white-space:nowrap'>{c}</td>"
+                                     for c, a in cells) + "</tr>")
     return (f"<table class='nbddp-ranks' style='font-size:12px;border-collapse:collapse'><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>")
 
 
 def status_html(run: Any, status: str) -> str:
-    meta = run.live_state.get("meta", {})
+    state = run.live_state
     colour = STATUS_COLOURS.get(status, "#777")
     badge = (f"<span class='nbddp-status' style='background:{colour};color:white;border-radius:3px;"
              f"padding:1px 6px;font-weight:bold'>{html.escape(status)}</span>")
-    where = f"nbddp · {meta.get('world_size', '?')} rank(s) · {html.escape(str(meta.get('backend', '?')))}"
+    where = f"nbddp · {state.world_size or '?'} rank(s) · {html.escape(state.backend or '?')}"
     error = getattr(run, "error", None)
     if status == "failed" and error is not None:
         first = html.escape(str(error).splitlines()[0] if str(error) else type(error).__name__)
@@ -120,7 +132,8 @@ def summary_text(run: Any) -> str:
     lines = [f"nbddp fit {f['status']}: {progress_text(f)}", metrics_text(f)]
     for r in rank_rows(run):
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
-        lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}")
+        lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}"
+                     f"  params {fmt_bytes(r.get('param_bytes'))}")
     error = getattr(run, "error", None)
     if error is not None:
         lines.append(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
@@ -151,7 +164,6 @@ class WidgetView:
         self._run: Any = None
         self.redraws = 0
         self.plot_cpu_s = 0.0  # CPU seconds spent drawing the plot
-        self.thread_cpu_s: float | None = None  # watcher thread CPU at finish (time.thread_time)
         self._build()
 
     # -- widgets -----------------------------------------------------------
@@ -174,7 +186,8 @@ class WidgetView:
             self.status,
             w.HBox([self.bar, self.percent, self.progress]),
             self.metrics,
-            w.HBox([self.image, w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))]),
+            w.HBox([self.image, w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
+                   layout=w.Layout(flex_flow="row wrap")),
         ])
         self.box.add_class("nbddp-dashboard")
         self.percent.add_class("nbddp-percent")
@@ -206,7 +219,7 @@ class WidgetView:
         if now - self._last_text < self.every:
             return
         self._last_text = now
-        self._draw_text(run, run.live_state.get("status", "training"))
+        self._draw_text(run, run.live_state.status)
         if self.plot_due(now):
             self._draw_plot(run)
 
@@ -221,8 +234,7 @@ class WidgetView:
 
     def finish(self, run: Any) -> None:
         """The final state, whatever ended the fit; then the static fallback in the same display."""
-        self.thread_cpu_s = time.thread_time()
-        status = run.live_state.get("status", "done")
+        status = run.live_state.status
         if run.error is not None and status not in ("failed", "interrupted"):
             status = "failed"
         self._draw_text(run, status)
@@ -236,7 +248,7 @@ class WidgetView:
     # -- drawing -------------------------------------------------------------
     def _draw_text(self, run: Any, status: str) -> None:
         f = progress_fields(run)
-        if status == "done":
+        if status == "completed":
             f["fraction"] = 1.0 if f["total"] and f["step"] >= f["total"] else f["fraction"]
         self.status.value = status_html(run, status)
         self.bar.value = f["fraction"]

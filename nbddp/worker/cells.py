@@ -21,8 +21,8 @@ import sys
 from typing import Any
 
 from nbddp import shipping
-from nbddp.worker.entry import _check_generation
-from nbddp.worker.state import STATE
+from nbddp.messages import Health
+from nbddp.worker.state import STATE, check_generation
 
 CELL_FILENAME = "<%%ddp cell {n}>"
 
@@ -36,13 +36,13 @@ def _namespace() -> dict[str, Any]:
     return ns
 
 
-def run_cell(source: str, cell_number: int, meta: dict[str, Any]) -> None:
+def run_cell(source: str, cell_number: int, generation: int) -> None:
     """Execute ``source`` in this worker's namespace; print the last expression's value.
 
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
     """
-    _check_generation(meta)
+    check_generation(generation)
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     # tracebacks show the cell's lines
@@ -88,19 +88,15 @@ def user_names() -> list[str]:
                   if not k.startswith("__") and not isinstance(v, types.ModuleType))
 
 
-def health() -> dict[str, Any]:
+def health() -> Health:
     """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation."""
-    import psutil
+    from nbddp.worker.usage import cuda_memory, rss_bytes
 
-    info: dict[str, Any] = {
-        "pid": os.getpid(),
-        "rss": psutil.Process().memory_info().rss,
-        "generation": STATE.generation,
-        "busy": STATE.busy,
-        "names": len(user_names()),
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None and STATE.placement is not None and STATE.placement.device.startswith("cuda"):
-        info["cuda_allocated"] = torch.cuda.memory_allocated()
-        info["cuda_reserved"] = torch.cuda.memory_reserved()
-    return info
+    cuda: dict[str, int] = {}
+    if "torch" in sys.modules and STATE.placement is not None and STATE.placement.device.startswith("cuda"):
+        import torch
+
+        cuda = cuda_memory(torch.device(STATE.placement.device))
+    return Health(pid=os.getpid(), rss=rss_bytes(), generation=STATE.generation, busy=STATE.busy,
+                  names=len(user_names()), cuda_allocated=cuda.get("cuda_allocated"),
+                  cuda_reserved=cuda.get("cuda_reserved"))

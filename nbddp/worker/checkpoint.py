@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nbddp._proc import pid_alive
+from nbddp.proc import pid_alive
 
 KEEP = 3
 _NAME = re.compile(r"step-(\d+)\.pt$")

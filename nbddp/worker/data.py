@@ -23,10 +23,9 @@ class DataSpec:
     """How to rebuild a user's data on a worker (picklable)."""
 
     def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
-                 batch_size: int | None = None, collate_fn: Callable | None = None, key: str | None = None):
+                 collate_fn: Callable | None = None, key: str | None = None):
         self.dataset = dataset
         self.factory = factory
-        self.batch_size = batch_size
         self.collate_fn = collate_fn
         self.key = key  # cache key: the same key means the same data
 

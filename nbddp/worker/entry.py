@@ -14,37 +14,39 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from nbddp import shipping
-from nbddp.worker.state import STATE, stop_on_sigint
+from nbddp.messages import FitLaunch, FitResult
+from nbddp.worker.state import STATE, check_generation, stop_on_sigint
 
 
 def ping() -> int:
-    import os
-
     return os.getpid()
 
 
-def fit_task(parcel: shipping.Parcel, cfg: Any, meta: dict[str, Any]) -> dict[str, Any]:
+def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch) -> FitResult:
     """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights."""
     from nbddp.worker import loop
 
-    _check_generation(meta)
+    check_generation(launch.generation)
     try:
         with stop_on_sigint():
-            result = loop.fit(parcel, cfg, meta)
+            result, ts = loop.fit(parcel, cfg, launch)
+        if launch.keep:
+            STATE.namespace[launch.keep] = ts.strategy.module
+        del ts
     finally:
-        gc.unfreeze()  # loop.fit froze the engine's long-lived objects for the training loop
-    result["timings"]["end_wall"] = time.time()
-    module = result.pop("module", None)
-    if module is not None:
+        gc.unfreeze()  # loop.train froze the engine's long-lived objects for the training loop
+    result.timings["end_wall"] = time.time()
+    weights, result.weights = result.weights, None
+    if weights is not None:
         t0 = time.perf_counter()
-        obj = module.state_dict() if meta.get("return") == "state_dict" else module.cpu()
+        obj = weights.cpu() if launch.returns == "module" else weights
         pool = STATE.return_pool
         if pool is not None:
             pool.reclaim()  # the kernel loaded the previous fit's weights before that fit ended
         with _host_cores():
-            result["weights"] = shipping.pack(obj, what="the trained model", local=STATE.placement.local,
-                                              pool=pool, prefix=STATE.file_prefix or None)
-        result["timings"]["pack_s"] = time.perf_counter() - t0
+            result.weights = shipping.pack(obj, what="the trained model", local=STATE.placement.local,
+                                           pool=pool, prefix=STATE.file_prefix or None)
+        result.timings["pack_s"] = time.perf_counter() - t0
     return result
 
 
@@ -70,20 +72,10 @@ def _host_cores() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def call_task(parcel: shipping.Parcel, meta: dict[str, Any]) -> shipping.Parcel:
+def call_task(parcel: shipping.Parcel, generation: int) -> shipping.Parcel:
     """``nbddp.run``: call the shipped function with the process group ready."""
-    _check_generation(meta)
+    check_generation(generation)
     fn, args, kwargs = shipping.unpack(parcel)
     result = fn(*args, **kwargs)
     return shipping.pack(result, what=f"the result of {getattr(fn, '__name__', 'the function')}",
                          local=STATE.placement.local, prefix=STATE.file_prefix or None)
-
-
-def _check_generation(meta: dict[str, Any]) -> None:
-    want = meta.get("generation")
-    if want is not None and want != STATE.generation:
-        raise RuntimeError(
-            f"this engine joined process-group generation {STATE.generation}, the kernel expected {want}; "
-            "run nbddp.restart() to rebuild the workers"
-        )
-

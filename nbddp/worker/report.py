@@ -9,37 +9,34 @@ slot, identical on every rank, so all ranks agree on where the next
 collective is and nobody can wait for a partner that skipped it.
 
 Rank 0 publishes with ``ipyparallel.datapub.publish_data``. The client keeps
-only the latest value per key, so each message carries a sequence number
-and a window of recent records; the full list also comes back as the
-task's result, so the kernel's ``History`` never misses a record.
+only the latest value per key, so each ``Progress`` message carries a
+sequence number and a window of recent records; the full list also comes
+back as the task's result, so the kernel's ``History`` never misses a
+record. What only the workers know about the fit (total steps, ...) is
+published once, under its own key (``FitPlanInfo``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nbddp.messages import PUBLISH_KEYS, FitPlanInfo, Progress
+from nbddp.worker.usage import cuda_memory
+
 WINDOW = 64
-
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+RANK_SLOTS = ("samples_per_s", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved")
 
 
 class Reporter:
-    def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, total_steps: int, meta: dict[str, Any]):
+    def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
-        self.total_steps = total_steps
-        self.meta = meta
+        self.total_steps = plan.total_steps
+        self.param_bytes = param_bytes
         self.sync_every = 1  # the first interval is measured, then adapted
         self.records: list[tuple[int, str, dict[str, Any]]] = []
         self.ranks: list[dict[str, Any]] = []
@@ -60,6 +57,8 @@ class Reporter:
                 self._publish = publish_data
             except Exception:  # noqa: BLE001 - outside an engine (unit tests) there is nobody to publish to
                 self._publish = None
+        if self._publish is not None:
+            self._publish({PUBLISH_KEYS["plan"]: plan})
         self.publish(force=True)
 
     def reset_window(self) -> None:
@@ -95,16 +94,17 @@ class Reporter:
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
             *[self.extras.get(k, self._zero) for k in keys],
         ])
-        slots = torch.zeros(2 * w, dtype=torch.float64, device=self.device)
-        slots[self.rank] = self.n / elapsed
-        slots[w + self.rank] = float(peak_mem)
+        mine = {"samples_per_s": self.n / elapsed, "peak_mem": float(peak_mem), "param_bytes": float(self.param_bytes),
+                **cuda_memory(self.device)}
+        slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
+        for i, key in enumerate(RANK_SLOTS):
+            slots[i * w + self.rank] = float(mine.get(key, 0.0))
         vec = torch.cat([head, slots])
         dist.all_reduce(vec)
         v = vec.cpu().tolist()
         loss_sum, n, stop, elapsed0 = v[0], v[1], v[2], v[3]
         extras = dict(zip(keys, v[4 : 4 + len(keys)]))
-        per_rank_sps = v[4 + len(keys) : 4 + len(keys) + w]
-        per_rank_mem = v[4 + len(keys) + w :]
+        per_rank = v[4 + len(keys):]
         steps = max(self.steps_since, 1)
         self.sync_every = max(1, min(self.cfg.log_every, int(self.cfg.record_interval_s / (elapsed0 / steps))))
         loss = loss_sum / n if n else float("nan")
@@ -118,10 +118,20 @@ class Reporter:
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
                   "samples_per_s": n / elapsed0, "time": time.perf_counter() - self.t0}
         record.update({k: s / n for k, s in extras.items()})
-        self.ranks = [{"rank": r, "samples_per_s": per_rank_sps[r], "peak_mem": int(per_rank_mem[r])} for r in range(w)]
+        self.ranks = [self._rank_figures(r, per_rank) for r in range(w)]
         self.record("step", record)
         self.reset_window()
         return stop > 0
+
+    def _rank_figures(self, r: int, per_rank: list[float]) -> dict[str, Any]:
+        w = self.world
+        out: dict[str, Any] = {"rank": r}
+        for i, key in enumerate(RANK_SLOTS):
+            value = per_rank[i * w + r]
+            if key.startswith("cuda_") and self.device.type != "cuda":
+                continue
+            out[key] = value if key == "samples_per_s" else int(value)
+        return out
 
     def end_epoch(self, epoch: int, step: int) -> dict[str, Any]:
         loss = self.epoch_loss / self.epoch_n if self.epoch_n else float("nan")
@@ -149,11 +159,6 @@ class Reporter:
             return
         self._last_publish = now
         self._published = len(self.records)
-        self._publish({"nbddp": {
-            "seq": len(self.records),
-            "window": self.records[-WINDOW:],
-            "status": self.status,
-            "ranks": self.ranks,
-            "meta": self.meta,
-        }})
+        self._publish({PUBLISH_KEYS["progress"]: Progress(seq=len(self.records), window=self.records[-WINDOW:],
+                                                           status=self.status, ranks=self.ranks)})
         self.publish_s += time.perf_counter() - now

@@ -27,6 +27,7 @@ class WorkerState:
     watchdog: threading.Thread | None = None
     file_prefix: str = ""  # names of this worker's shared-memory files (set by the kernel's session)
     return_pool: Any = None  # shipping.BufferPool for the trained weights sent back each fit
+    master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
 
 
 STATE = WorkerState()
@@ -53,3 +54,12 @@ def stop_on_sigint() -> Iterator[WorkerState]:
     finally:
         STATE.busy = False
         signal.signal(signal.SIGINT, old)
+
+
+def check_generation(generation: int | None) -> None:
+    """Refuse a task sent for another process-group generation than the one this engine joined."""
+    if generation is not None and generation != STATE.generation:
+        raise RuntimeError(
+            f"this engine joined process-group generation {STATE.generation}, the kernel expected {generation}; "
+            "run nbddp.restart() to rebuild the workers"
+        )

@@ -1,0 +1,32 @@
+"""What a view shows of a running fit: the state the kernel's watcher keeps up to date.
+
+Plain data, written by the watcher thread (``fitting.FitRun``) and read by
+the views; a field is replaced whole, never mutated in place, so a view
+drawing from another moment sees one consistent value per field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LiveState:
+    status: str = "starting"  # starting, training, validating, stopping, completed, interrupted, failed
+    world_size: int = 0
+    backend: str = ""
+    epochs: int = 0
+    placements: list[Any] = field(default_factory=list)  # messages.RankInfo, in rank order
+    plan: Any = None  # messages.FitPlanInfo once the workers sent it
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's latest figures
+    missed: int = 0  # records the stream skipped (the final result fills them in)
+    stalled: list[dict[str, Any]] = field(default_factory=list)  # ranks that stopped advancing, with their stacks
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps if self.plan is not None else 0
+
+    @property
+    def start_step(self) -> int:
+        return self.plan.start_step if self.plan is not None else 0

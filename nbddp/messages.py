@@ -1,0 +1,142 @@
+"""The messages between the kernel and the workers, as typed records.
+
+Both sides import this module (it imports nothing heavy), so a message is
+pickled by reference and has the same fields on each side. What travels:
+
+==============  ===================  =============================================
+message         direction            when
+==============  ===================  =============================================
+``FitLaunch``   kernel -> each rank  once per fit, with the shipped arguments
+``FitPlanInfo`` rank 0 -> kernel     once, when every rank agreed on set-up
+``Progress``    rank 0 -> kernel     streamed: sequence number + recent records
+``Beat``        each rank -> kernel  streamed about once a second (heartbeat)
+``FitResult``   each rank -> kernel  the task's return value
+``JoinReply``   each rank -> kernel  after joining a process-group generation
+``Health``      each rank -> kernel  ``%ddp status``
+``StackDump``   each rank -> kernel  ``nbddp.stacks()``
+``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
+==============  ===================  =============================================
+
+Streamed messages go through ``ipyparallel.datapub.publish_data``, which
+keeps only the latest value per key; ``PUBLISH_KEYS`` names the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks"}
+
+# the phases a rank reports in its heartbeat, in the order one micro-batch goes through them
+PHASES = ("setup", "data", "forward", "backward", "optimizer", "collective", "validation", "checkpoint",
+          "finish", "cell", "script", "call")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs, as the dashboard shows it."""
+
+    rank: int
+    host: str
+    device: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class FitLaunch:
+    """What every rank is told besides the shipped arguments."""
+
+    generation: int
+    returns: str  # "state_dict": weights into the notebook's model; "module": the trained module; "none"
+    resident: tuple[str, ...] = ()  # dataset keys the kernel believes the workers hold
+    keep: str | None = None  # bind the trained module to this name in every rank's %%ddp namespace
+
+
+@dataclass(frozen=True)
+class FitPlanInfo:
+    """What only the workers know once the data is built."""
+
+    total_steps: int
+    steps_per_epoch: int
+    start_step: int
+    batch_size: int
+
+
+@dataclass
+class Progress:
+    """Rank 0's stream: ``seq`` records so far, the last ``WINDOW`` of them, status, per-rank figures."""
+
+    seq: int
+    window: list[tuple[int, str, dict[str, Any]]]
+    status: str
+    ranks: list[dict[str, Any]]
+
+
+@dataclass
+class Beat:
+    """One rank's heartbeat: where it is, and whether that changed.
+
+    ``progress`` counts every phase change of the rank's main thread; the
+    kernel marks a rank stalled when it stops changing. ``stack`` is the main
+    thread's stack, sent only while the rank is not advancing.
+    """
+
+    rank: int
+    seq: int
+    progress: int
+    phase: str
+    step: int
+    micro: int
+    step_time_s: float
+    idle_s: float  # seconds since ``progress`` last changed, on the rank's clock
+    stack: str = ""
+
+
+@dataclass
+class FitResult:
+    """A rank's return value from a fit (rank 0 carries the records and weights)."""
+
+    rank: int
+    step: int
+    status: str  # "completed" or "interrupted"
+    timings: dict[str, float]
+    records: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    weights: Any = None  # shipping.Parcel, or None
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    rank: int
+    seconds: float
+    threads: int
+    allocator: str
+
+
+@dataclass(frozen=True)
+class Health:
+    pid: int
+    rss: int
+    generation: int
+    busy: bool
+    names: int
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+
+
+@dataclass(frozen=True)
+class StackDump:
+    rank: int
+    busy: bool
+    text: str  # the main thread's Python stack, innermost frame last
+    source: str  # "traceback" (sampled by the monitor thread), "faulthandler" or "idle"
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    """One rank's end of ``run_script``: its exit status (0: success) and how long it ran."""
+
+    rank: int
+    exit_code: int
+    seconds: float

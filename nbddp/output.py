@@ -1,0 +1,83 @@
+"""Each rank's output in the notebook, line by line, labelled ``[rank N]``.
+
+Engine output reaches the kernel in batches (a 0.2 s flush interval); it is
+polled while a cell, call or script waits, and printed as complete lines.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+OUTPUT_WAIT_S = 2.0
+
+
+class RankOutput:
+    """Each rank's engine stdout/stderr, printed as complete lines with a ``[rank N]`` label.
+
+    ``live``: print as it arrives (polled at every tick); otherwise print
+    everything, grouped by rank, when the cell ends.
+    """
+
+    def __init__(self, ars: dict[int, Any], live: bool = True):
+        self.ars = ars
+        self.live = live
+        self.seen = {(r, k): 0 for r in ars for k in ("stdout", "stderr")}
+        self.partial = {key: "" for key in self.seen}
+        self.lines: list[tuple[int, str, str]] = []  # (rank, stream, line) held back when not live
+
+    def tick(self) -> None:
+        for rank, ar in self.ars.items():
+            for kind in ("stdout", "stderr"):
+                self._take(rank, kind, _metadata(ar, kind))
+
+    def _take(self, rank: int, kind: str, text: str) -> None:
+        key = (rank, kind)
+        new = text[self.seen[key]:]
+        if not new:
+            return
+        self.seen[key] = len(text)
+        *complete, rest = (self.partial[key] + new).split("\n")
+        self.partial[key] = rest
+        for line in complete:
+            self._emit(rank, kind, line)
+
+    def _emit(self, rank: int, kind: str, line: str) -> None:
+        if self.live:
+            write(kind, f"[rank {rank}] {line}\n")
+        else:
+            self.lines.append((rank, kind, line))
+
+    def finish(self, tasks: Any) -> None:
+        """Wait briefly for the last output of ranks that ended, then print the rest."""
+        deadline = time.monotonic() + OUTPUT_WAIT_S
+        for rank, ar in self.ars.items():
+            if rank in tasks.results or rank in tasks.failures:
+                try:
+                    ar.wait_for_output(max(0.01, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - output is best effort
+                    pass
+        self.tick()
+        for (rank, kind), rest in self.partial.items():
+            if rest:
+                self._emit(rank, kind, rest)
+                self.partial[(rank, kind)] = ""
+        for rank, kind, line in sorted(self.lines, key=lambda item: item[0]):
+            write(kind, f"[rank {rank}] {line}\n")
+        self.lines.clear()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _metadata(ar: Any, key: str) -> str:
+    try:
+        value = ar[key]
+    except Exception:  # noqa: BLE001 - a dead engine's task may have none
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def write(kind: str, text: str) -> None:
+    """Print ``text`` on the kernel's stdout or stderr, as the rank printed it (tests watch this)."""
+    (sys.stderr if kind == "stderr" else sys.stdout).write(text)

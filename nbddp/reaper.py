@@ -1,0 +1,125 @@
+"""``python -m nbddp.reaper KERNEL_PID PIDFILE [FILE_PREFIX]``: no worker outlives its kernel.
+
+``Reaper`` is the kernel's handle on that process. It is started by
+``cluster.Workers`` in its own session (so a signal to the
+kernel's process group does not reach it). Every half second it checks the
+kernel; when the kernel is gone (even SIGKILLed) it kills every pid listed
+in PIDFILE, and their children, and removes the session's shared-memory
+files (``/dev/shm/FILE_PREFIX*``). When PIDFILE disappears (a clean
+``nbddp.stop()``), it simply exits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from nbddp.proc import pid_alive
+
+
+class Reaper:
+    """The kernel's side: start the reaper, keep its pid file current, stop it.
+
+    Engines also watch the kernel themselves (``worker.probe``); the reaper
+    covers the controller and engines that never got that far.
+    """
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.pidfile: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self, pids: list[int], file_prefix: str = "") -> None:
+        fd, self.pidfile = tempfile.mkstemp(prefix="nbddp-pids-")
+        os.close(fd)
+        self.update(pids)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nbddp.reaper", str(os.getpid()), self.pidfile, file_prefix],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def update(self, pids: list[int]) -> None:
+        """Replace the list of pids to kill if the kernel dies."""
+        if self.pidfile:
+            tmp = self.pidfile + ".tmp"
+            with open(tmp, "w") as f:
+                f.write("\n".join(str(p) for p in pids))
+            os.replace(tmp, self.pidfile)
+
+    def stop(self) -> None:
+        """A clean stop: removing the pid file tells the reaper to exit."""
+        if self.pidfile:
+            try:
+                os.unlink(self.pidfile)
+            except FileNotFoundError:
+                pass
+            self.pidfile = None
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+
+
+def _pids(pidfile: str) -> list[int] | None:
+    try:
+        with open(pidfile) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return []
+
+
+def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float = 0.5) -> int:
+    import psutil
+
+    last: list[int] = []
+    while True:
+        pids = _pids(pidfile)
+        if pids is None:
+            return 0
+        last = pids or last
+        if not pid_alive(kernel_pid):
+            break
+        time.sleep(interval)
+    procs = []
+    for pid in last:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.unlink(pidfile)
+    except OSError:
+        pass
+    if file_prefix:
+        from nbddp.shipping import remove_files
+
+        remove_files(file_prefix)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""))

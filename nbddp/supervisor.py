@@ -1,0 +1,123 @@
+"""The one owner of killing and replacing ranks.
+
+Fits, ``%%ddp`` cells, ``run``, scripts and ``stop()`` all end broken ranks
+through here, so the rules live in one place:
+
+* ``kill(ranks)`` SIGKILLs engines by pid (no signal breaks a rank stuck in a
+  gloo/NCCL collective, so nothing gentler is tried);
+* ``recover(engine_ids)`` kills, then heals in the background: replaces the
+  dead or killed engines and forms the group again as a new generation. A
+  group that saw a failure is never reused;
+* while the session is closing (``stop()``), ``recover`` only kills: a stop
+  never starts engines, and a heal under way is cancelled at its next step.
+
+The heal runs in the ``nbddp-heal`` thread holding the session's lock, so no
+fit, cell or ``status()`` sees half a heal. Callers wait for it through the
+session's condition, which releases the lock while waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from nbddp.errors import ClusterError
+
+PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
+PING_TIMEOUT_S = 5.0
+
+
+class HealCancelled(Exception):
+    """``stop()`` was called while a heal was under way."""
+
+
+class Supervisor:
+    def __init__(self, session: Any):
+        self.session = session
+        self.closing = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def healing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- killing ------------------------------------------------------------
+    def kill_ranks(self, ranks: list[int]) -> list[int]:
+        """SIGKILL these ranks' engines now; return their engine ids."""
+        by_rank = self.session.group.by_rank() if self.session.group else {}
+        ids = [by_rank[r].engine_id for r in ranks if r in by_rank]
+        if ids:
+            self.session.workers.kill(ids)
+        return ids
+
+    def recover(self, killed: list[int]) -> None:
+        """After any failure: the engines ``killed`` are gone; heal in the background (unless closing)."""
+        if self.closing or self.session.workers is None:
+            return
+        self._error = None
+        self._thread = threading.Thread(target=self._heal_thread, args=(list(killed),), name="nbddp-heal", daemon=True)
+        self._thread.start()
+
+    # ---- healing ------------------------------------------------------------
+    def _heal_thread(self, killed: list[int]) -> None:
+        s = self.session
+        with s.lock:
+            try:
+                self._heal(killed)
+            except HealCancelled:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported at the next call
+                self._error = exc
+            finally:
+                s.cond.notify_all()
+
+    def _check_cancelled(self) -> None:
+        if self.closing:
+            raise HealCancelled()
+
+    def _heal(self, killed: list[int]) -> None:
+        """Replace ``killed`` engines and dead or unresponsive ones; form the group again."""
+        from nbddp.worker.entry import ping
+
+        s = self.session
+        workers = s.workers
+        want = s.world_size or (s.options.n or 2)
+        workers.forget_dead(killed)
+        if killed:
+            time.sleep(PEER_SETTLE_S)
+        ars = {eid: workers.client[eid].apply_async(ping) for eid in workers.ids}
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        alive, unresponsive = [], []
+        for eid, ar in ars.items():
+            try:
+                ar.get(timeout=max(0.1, deadline - time.monotonic()))
+                alive.append(eid)
+            except Exception:  # noqa: BLE001 - dead or stuck: replaced
+                unresponsive.append(eid)
+        extra = sorted(alive)[want:]  # keep the world size stable
+        if unresponsive or extra:
+            workers.kill(unresponsive + extra)
+            workers.forget_dead(unresponsive + extra)
+        self._check_cancelled()
+        missing = want - len(workers.ids)
+        if missing > 0:
+            workers.add_engines(missing, want)
+        self._check_cancelled()
+        s.form_group(reprobe=bool(killed or unresponsive or missing))
+
+    def wait(self, raise_error: bool) -> None:
+        """Wait for a heal under way (callers must not hold the session's lock)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        self.raise_if_failed(raise_error)
+
+    def raise_if_failed(self, raise_error: bool = True) -> None:
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise ClusterError(
+                f"replacing failed workers did not work: {type(error).__name__}: {error}. "
+                "Run nbddp.restart() to start a fresh set."
+            ) from error

@@ -1,0 +1,117 @@
+"""Joining (and leaving) one generation of the process group, on a worker.
+
+A failed process group cannot be reused (see the facts file), so every new
+generation destroys the old group first, then joins on a fresh store (a new
+file or port). Joining also sets what the rest of the worker reads: this
+rank's placement in ``STATE``, the names ``%%ddp`` cells see, CPU threads,
+the socket interface, and the allocator settings.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from nbddp.messages import JoinReply
+from nbddp.topology import Placement
+from nbddp.worker.memory import tune_allocator
+from nbddp.worker.state import STATE
+
+
+def join_process_group(
+    placement: Placement,
+    backend: str,
+    init_method: str,
+    generation: int,
+    timeout_s: float,
+    threads: int,
+    ifname: str | None,
+    file_prefix: str = "",
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+) -> JoinReply:
+    """(Re)join the process group as ``placement.rank`` of generation ``generation``.
+
+    ``file_prefix`` names this worker's shared-memory files after the kernel's
+    session, so the kernel can remove them even if this process is killed.
+    """
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    _leave_broken_group()
+    allocator = _configure_process(placement, threads, ifname)
+    kwargs: dict[str, Any] = {"device_id": torch.device(placement.device)} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=placement.rank, world_size=placement.world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    _adopt(placement, backend, generation, file_prefix, (master_addr, master_port))
+    return JoinReply(rank=placement.rank, seconds=time.perf_counter() - t0, threads=torch.get_num_threads(),
+                     allocator=allocator)
+
+
+def _leave_broken_group() -> None:
+    import torch.distributed as dist
+
+    _drop_dead_references()  # a failed fit's traceback keeps its DDP module and the old group alive
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to tear down; we replace it anyway
+            pass
+    _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
+
+
+def _configure_process(placement: Placement, threads: int, ifname: str | None) -> str:
+    """Socket interface, CPU threads, allocator, CUDA device; return the allocator's setting."""
+    import torch
+
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        os.environ["NCCL_SOCKET_IFNAME"] = ifname
+    if threads > 0:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    if placement.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(placement.device))
+    return tune_allocator()
+
+
+def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str, master: tuple[str, int]) -> None:
+    """Record the new generation in ``STATE`` and refresh what cells see."""
+    import torch
+
+    STATE.placement = placement
+    STATE.backend = backend
+    STATE.generation = generation
+    STATE.master = master
+    STATE.dataset_cache.clear()  # the kernel starts each generation with nothing resident
+    if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
+        from nbddp.shipping import BufferPool
+
+        if STATE.return_pool is not None:
+            STATE.return_pool.close()
+        STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
+        STATE.return_pool = BufferPool(prefix=f"{STATE.file_prefix}-r", keep=1)
+    STATE.namespace.update(rank=placement.rank, local_rank=placement.local_rank, world_size=placement.world_size,
+                           device=torch.device(placement.device))
+
+
+def _drop_dead_references() -> None:
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+
+
+def leave_process_group() -> None:
+    """Tear the group down (before the engines are stopped)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    STATE.generation = -1

@@ -1,0 +1,125 @@
+"""Set-up of one fit on one rank: model, data, optimizer, precision, resume.
+
+Two phases, each agreed by every rank (``loop.fit``) so that a failure on one
+rank raises on all instead of leaving peers waiting in a collective:
+
+1. ``build`` (local work only): unpack the arguments, build the model and the
+   data loaders, check the precision, find the checkpoint to resume from;
+2. ``wrap_and_restore``: the strategy wraps the model (DDP's shape check and
+   broadcast, or FSDP's sharding, are collective), the optimizer is built on
+   the wrapped parameters, and a checkpoint's state is loaded.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from nbddp.messages import FitLaunch
+from nbddp.options import DEFAULT_LR, FitConfig, check_device_rules
+from nbddp.shipping import Parcel, unpack
+from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.data import keep_only, materialise, train_loader, val_loader
+from nbddp.worker.precision import precision_tools
+from nbddp.worker.state import STATE
+from nbddp.worker.strategies import make_strategy
+from nbddp.worker.trainstate import TrainState
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(spec: Any, params: Any, lr: float | None) -> torch.optim.Optimizer:
+    """``None``: AdamW; a class: built with ``lr``; a factory of ``params``: called as it is."""
+    lr = DEFAULT_LR if lr is None else lr
+    if spec is None:
+        return torch.optim.AdamW(params, lr=lr)
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        return spec(params, lr=lr)
+    opt = spec(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer=... must be an Optimizer class or a factory of params returning one; it returned {type(opt).__name__}")
+    return opt
+
+
+def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: str) -> None:
+    """A mid-epoch checkpoint can only continue with the same sharding of the epoch."""
+    if not restored.get("batches_done"):
+        return
+    saved = (restored.get("world_size"), restored.get("batch_size"))
+    if saved != (world, cfg.batch_size):
+        raise ValueError(
+            f"resume={path!r}: that checkpoint was saved mid-epoch with world_size={saved[0]}, batch_size={saved[1]}, "
+            f"but this fit runs world_size={world}, batch_size={cfg.batch_size}; the rest of that epoch cannot be "
+            "found again. Resume with the same workers and batch_size, or from a checkpoint saved at an epoch end."
+        )
+
+
+def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch) -> tuple[TrainState, dict[str, Any]]:
+    """Phase 1 (local): the train state without the optimizer; also the unpacked arguments."""
+    p = STATE.placement
+    device = torch.device(p.device)
+    parts = unpack(parcel)
+    check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type})
+    strategy = make_strategy(cfg.strategy, device)
+    seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
+    model = strategy.build(parts["model"])
+    # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
+    # stream on every rank, all ranks would drop the same units, which DDP users do not expect
+    seed_everything(cfg.seed + 1_000_003 * p.rank)
+    if cfg.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    data_spec, val_spec = parts["data"], parts.get("val_data")
+    keep_only(STATE.dataset_cache, list(launch.resident))
+    train_ds = materialise(data_spec, STATE.dataset_cache)
+    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, p.rank, p.world_size, device)
+    vloader = None
+    if val_spec is not None:
+        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, p.rank, p.world_size, device)
+    if len(loader) == 0:
+        raise ValueError(
+            f"rank {p.rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
+            f"drop_last=True with batch_size={cfg.batch_size}"
+        )
+    autocast, scaler = precision_tools(cfg.precision, device)
+    ts = TrainState(cfg=cfg, rank=p.rank, world=p.world_size, device=device, strategy=strategy, model=model,
+                    loader=loader, sampler=sampler, make_loader=make_loader, vloader=vloader,
+                    loss_fn=parts.get("loss_fn"), step_fn=parts.get("step_fn"), metrics=parts.get("metrics") or {},
+                    autocast=autocast, scaler=scaler)
+    return ts, parts
+
+
+def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | None) -> None:
+    """Phase 2 (collective): wrap, build the optimizer and scheduler, load the checkpoint."""
+    identical = isinstance(parts["model"], nn.Module) or resume_path is not None
+    ts.strategy.wrap(ts.model, identical)
+    ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
+    ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
+    if resume_path:
+        restore(ts, resume_path)
+
+
+def restore(ts: TrainState, path: str) -> None:
+    extra = ts.strategy.load_checkpoint(path, ts.optimizer)
+    check_resumable(extra, ts.cfg, ts.world, path)
+    if ts.scheduler is not None and extra.get("scheduler") is not None:
+        ts.scheduler.load_state_dict(extra["scheduler"])
+    if ts.scaler is not None and extra.get("scaler") is not None:
+        ts.scaler.load_state_dict(extra["scaler"])
+    ts.step, ts.epoch, ts.skip = extra["step"], extra["epoch"], extra["batches_done"]
+    ts.start_step, ts.start_epoch = ts.step, ts.epoch
+    states = extra.get("rng_per_rank")
+    ts.rng = states[ts.rank] if states and ts.rank < len(states) else None
+    ts.restored = extra
+
+
+def resume_path(cfg: FitConfig) -> str | None:
+    """The checkpoint ``resume=`` points at, or None to start fresh."""
+    return ckpt.resolve(cfg.resume, cfg.checkpoint_dir)

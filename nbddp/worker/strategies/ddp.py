@@ -1,0 +1,46 @@
+"""Replicated training: ``DistributedDataParallel``, one full copy per rank."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
+        # Every rank loaded the same shipped weights (or the same checkpoint): DDP's initial broadcast of
+        # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since
+        # its construction may draw on randomness nbddp does not control.
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical)
+        self.module = self.wrapped.module
+        return self.wrapped
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if enabled else self.wrapped.no_sync()
+
+    def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
+        return self.module.state_dict() if rank == 0 else None
+
+    def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
+        if rank != 0:
+            return
+        ckpt.save(directory, step, {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(), **extra})
+
+    def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
+        state = ckpt.load(path)
+        self.module.load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        return state
+
+    def is_checkpoint(self, path: str) -> bool:
+        return ckpt.is_complete(path)

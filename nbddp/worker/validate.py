@@ -1,0 +1,82 @@
+"""One validation pass on every rank, reduced once: exact means over the whole set.
+
+Each rank evaluates every ``world``-th sample (no padding, so no sample is
+counted twice) and the sums are all-reduced at the end. Under a strategy
+whose forward is collective (FSDP all-gathers parameters layer by layer),
+every rank must run the same number of forwards: a rank with fewer batches
+runs extra forwards on a batch it already has, counted with weight zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from nbddp.worker.batches import move, run_batch
+from nbddp.worker.trainstate import TrainState
+
+
+def lockstep_batches(loader: Any, n_samples: int, world: int) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` pairs, the same number on every rank.
+
+    Every rank can work the count out alone: rank 0's strided shard is the
+    largest, ``ceil(n / world)`` samples.
+    """
+    batch_size = loader.batch_size
+    most = -(-(-(-n_samples // world)) // batch_size)
+    last = None
+    done = 0
+    for batch in loader:
+        last = batch
+        done += 1
+        yield batch, True
+    if last is None:
+        last = next(iter(_first_sample_loader(loader)))
+    for _ in range(most - done):
+        yield last, False
+
+
+def _first_sample_loader(loader: Any) -> Any:
+    """A loader over sample 0 alone, for a rank whose shard is empty."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(loader.dataset, batch_size=1, sampler=[0], collate_fn=loader.collate_fn)
+
+
+def validate(ts: TrainState) -> dict[str, Any]:
+    """One validation pass; every rank calls it at the same step. Records and returns ``val_*``."""
+    rep, module = ts.reporter, ts.strategy.eval_module
+    rep.status = "validating"
+    rep.publish(force=True)
+    was_training = module.training
+    module.eval()
+    loss_sum, n_sum = 0.0, 0
+    sums: dict[str, float] = {}
+    loader = ts.vloader
+    batches = (lockstep_batches(loader, len(loader.dataset), ts.world) if ts.strategy.lockstep_validation
+               else ((b, True) for b in loader))
+    with torch.no_grad():
+        for batch, counted in batches:
+            batch = move(batch, ts.device)
+            with ts.autocast():
+                loss, n, extras, output, target = run_batch(module, batch, ts.loss_fn, ts.step_fn)
+            if not counted:  # keep the same keys on every rank: the reduction below is one flat vector
+                for k in extras:
+                    sums.setdefault(k, 0.0)
+                continue
+            loss_sum += float(loss) * n
+            n_sum += n
+            for k, v in extras.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n
+            for name, fn in ts.metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(fn(output, target)) * n
+    names = sorted(set(ts.metrics) | set(sums))
+    reduced = rep.reduce_sums([loss_sum, float(n_sum), *[sums.get(k, 0.0) for k in names]])
+    total = reduced[1]
+    out = {"val_loss": reduced[0] / total if total else float("nan")}
+    out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
+    rep.record("val", {"epoch": ts.epoch, "step": ts.step, **out})
+    module.train(was_training)
+    rep.status = "training"
+    return out
