@@ -203,6 +203,7 @@ def run_plain(p: dict[str, Any], cfg: dict[str, Any], data: tuple, wrap: str | N
     n_dev = p["world_size"] if wrap == "dataparallel" else 1
     batch = int(cfg["batch_size"]) * n_dev  # DataParallel: the per-GPU batch on every GPU
     if use_cuda:
+        torch.cuda.init()  # reset_peak_memory_stats fails before CUDA is initialised in this process
         for i in range(n_dev):
             torch.cuda.reset_peak_memory_stats(i)
     model = tg.make_model(cfg).to(device)

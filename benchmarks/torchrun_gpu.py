@@ -260,6 +260,7 @@ def cuda_memory(reset: bool = False) -> dict[str, Any]:
     """
     if not torch.cuda.is_available():
         return {"device": "cpu"}
+    torch.cuda.init()  # the allocator's stats functions fail on a process that has not initialised CUDA yet
     dev = torch.cuda.current_device()
     out = {"device": f"cuda:{dev}", "cuda_peak": int(torch.cuda.max_memory_allocated(dev)),
            "cuda_allocated": int(torch.cuda.memory_allocated(dev)), "cuda_reserved": int(torch.cuda.memory_reserved(dev))}
