@@ -85,7 +85,7 @@ WANTED=$(printf '%s\n' "$PACKAGES" | sed -e 's/#.*//' -e 's/[[:space:]]//g' | gr
 mkdir -p "$DEST"
 
 norm() {  # a distribution name as wheel file names spell it: lower case, runs of -_. as _
-    printf '%s' "$1" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/_/g'
+    printf '%s' "$1" | tr '[:upper:]' '[:lower:]' | sed -E 's/[-_.]+/_/g'
 }
 
 wheel_for() {  # the wheel in $DEST for name==version, if any
