@@ -359,9 +359,14 @@ class _Workers:
             return  # e.g. the test suite's shared workers: left running at the end
         if st.get("running"):
             nbddp.stop()
-        # the workers unpickle the models by reference (benchmarks.torchrun_gpu): they must import this repo
+        # the workers unpickle the models by reference (benchmarks.torchrun_gpu): they must import this repo,
+        # and the same nbddp as this process (first on their path, whatever else PYTHONPATH holds)
+        import nbddp
+
         self._old_path, self._path_set = os.environ.get("PYTHONPATH"), True
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT), *filter(None, [self._old_path])])
+        nbddp_root = os.path.dirname(os.path.dirname(os.path.abspath(nbddp.__file__)))
+        parts = [nbddp_root, str(common.REPO_ROOT), *(self._old_path or "").split(os.pathsep)]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in parts if p))
         self.started_here = True
         self.start_s = common.nbddp_start(self.p["world_size"], backend=self.p["backend"])
 
