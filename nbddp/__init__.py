@@ -25,6 +25,7 @@ __all__ = [
     "run_cell",
     "push",
     "pull",
+    "run_script",
     "History",
     "FitHandle",
     "NbddpError",
@@ -50,6 +51,7 @@ _LAZY = {
     "run_cell": "nbddp.cells",
     "push": "nbddp.cells",
     "pull": "nbddp.cells",
+    "run_script": "nbddp.scripts",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover
                               WorkerError)
     from nbddp.handle import FitHandle
     from nbddp.history import History
+    from nbddp.scripts import run_script
 
 
 def __getattr__(name: str) -> Any:

@@ -70,7 +70,7 @@ def push(**values: Any) -> None:
     def submit(p: Any) -> Any:
         if p.local not in parcels:
             parcels[p.local] = shipping.pack(values, what=what, local=p.local)
-        return s.client[p.engine_id].apply_async(remote_push, parcels[p.local])
+        return s.client[p.engine_id].apply_async(remote_push, parcels[p.local], s.generation)
 
     try:
         run_job(s, what, submit)

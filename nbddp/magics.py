@@ -7,6 +7,7 @@
                                              memory probe of every worker
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
 ``%ddp pull NAME... [--rank R]``             ``nbddp.pull(NAME, ..., rank=R)``
+``%ddp script PATH [ARGS...]``               ``nbddp.run_script(PATH, *ARGS)``
 ``%%ddp [--ranks 0,2] [--no-stream]``        ``nbddp.run_cell(cell, ranks, stream=...)``
 ==========================================  =====================================
 
@@ -17,6 +18,8 @@ Nothing here runs work itself: every sub-command is one call into
 
 from __future__ import annotations
 
+import argparse
+import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -60,13 +63,20 @@ def _pull(): """Copy variables from one rank's %%ddp namespace into the notebook
 def _push(): """Send notebook variables to every rank's %%ddp namespace."""  # noqa: E704
 
 
+@magic_arguments("%ddp script")
+@argument("path", metavar="PATH", help="the script, relative to the notebook's folder")
+@argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
+def _script(): """Run a script written for torchrun on every rank; the same as nbddp.run_script()."""  # noqa: E704
+
+
 @magic_arguments("%%ddp")
 @argument("--ranks", default=None, help="comma-separated ranks to run on, e.g. 0,2 (default: all)")
 @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends, grouped by rank")
 def _cell(): """Run the cell on every rank (or the --ranks given)."""  # noqa: E704
 
 
-_SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push}
+_SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push,
+                "script": _script}
 
 
 def usage() -> str:
@@ -108,7 +118,13 @@ class DDPMagics(Magics):
         func = _SUBCOMMANDS.get(command)
         if func is None:
             raise UsageError(f"%ddp has no sub-command {command!r}.\n{usage()}")
-        args = parse_argstring(func, rest)
+        if command == "script":  # the script's own arguments are its business: split like a shell, parse nothing
+            words = shlex.split(rest)
+            if not words:
+                raise UsageError(f"%ddp script needs the script's path, e.g. %ddp script train.py --lr 0.1\n{usage()}")
+            args = argparse.Namespace(path=words[0], args=words[1:])
+        else:
+            args = parse_argstring(func, rest)
         getattr(self, f"_do_{command}")(args)
 
     def _run_cell(self, cell: str, args: Any) -> None:
@@ -156,6 +172,11 @@ class DDPMagics(Magics):
             raise NameError(f"%ddp push: no variable named {', '.join(map(repr, missing))} in the notebook; "
                             "define it in a cell first (push sends existing notebook variables to the workers)")
         push(**{n: ns[n] for n in args.names})
+
+    def _do_script(self, args: Any) -> None:
+        from nbddp.scripts import run_script
+
+        run_script(args.path, *args.args)
 
     def _do_pull(self, args: Any) -> None:
         from nbddp.cells import pull

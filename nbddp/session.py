@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 from typing import Any
 
@@ -49,6 +50,7 @@ class Session:
         self.resident = ResidentSet()
         self._former: GroupFormer | None = None
         self._generations = 0  # numbers every group this kernel formed, across stop() and start()
+        self._paths_sent: tuple[Any, ...] = ()  # (sys.path, cwd, generation) the local workers follow
 
     # ---- what the rest of the package reads ---------------------------------
     @property
@@ -209,6 +211,24 @@ class Session:
         if problem is not None:
             raise ClusterError(f"{problem}, so the workers cannot be reached. Run nbddp.restart() to start fresh "
                                "workers (the old ones are stopped first), or nbddp.stop().")
+        self._follow_kernel_paths()
+
+    def _follow_kernel_paths(self) -> None:
+        """Workers on this host import from the kernel's ``sys.path`` and work in its folder (when they changed)."""
+        from nbddp.worker.freshness import follow_paths
+
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        try:
+            cwd = os.getcwd()
+        except FileNotFoundError:  # the kernel's folder was removed: the workers keep theirs
+            cwd = None
+        wanted = (tuple(paths), cwd, self.generation)
+        if wanted == self._paths_sent:
+            return
+        local = [p.engine_id for p in self.placements if p.local]
+        if local:
+            self.client[local].apply_sync(follow_paths, paths, wanted[1])
+        self._paths_sent = wanted
 
     def wait_healed(self, raise_error: bool = True) -> None:
         """Wait for a heal under way, without holding the lock; raise its error if it failed."""

@@ -33,6 +33,7 @@ from typing import Any
 import cloudpickle
 
 from nbddp.errors import ShippingError
+from nbddp.modules import register_edited_modules
 
 _ALIGN = 64
 
@@ -245,6 +246,7 @@ def fingerprint(obj: Any) -> str | None:
     """
     import hashlib
 
+    register_edited_modules()
     lifted: list[Any] = []
     buf = io.BytesIO()
     try:
@@ -263,6 +265,7 @@ def dumps(obj: Any, *, what: str = "object", label: str = "object") -> bytes:
     ``label`` is how the person calls the object (``data``), used to name the
     failing part (``data.lock``) and in the hint.
     """
+    register_edited_modules()
     try:
         return cloudpickle.dumps(obj, protocol=5)
     except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
@@ -280,6 +283,7 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
     """
     if not local or _torch() is None:
         return Parcel(dumps(obj, what=what, label=label))
+    register_edited_modules()
     buf = io.BytesIO()
     lifted: list[Any] = []
     try:

@@ -16,7 +16,8 @@ import nbddp
 from nbddp.errors import NotStartedError
 
 
-PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "History", "FitHandle",
+PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "History",
+          "FitHandle",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "ShippingError", "WorkerError",
           "WorkerDied", "__version__", "load_ipython_extension", "unload_ipython_extension"}
 

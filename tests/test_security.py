@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _nbddp_processes(session) -> list[psutil.Process]:
     pids = set(session.workers.all_pids()) | {p.pid for p in session.placements}
-    if session.workers.reaper is not None:
+    if session.workers.reaper.pid is not None:
         pids.add(session.workers.reaper.pid)
     procs = {}
     for pid in pids:

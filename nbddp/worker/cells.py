@@ -22,7 +22,8 @@ from typing import Any
 
 from nbddp import shipping
 from nbddp.messages import Health
-from nbddp.worker.state import STATE, check_generation
+from nbddp.worker.state import STATE
+from nbddp.worker.task import user_task
 
 CELL_FILENAME = "<%%ddp cell {n}>"
 
@@ -42,7 +43,6 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
     """
-    check_generation(generation)
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     # tracebacks show the cell's lines
@@ -52,19 +52,21 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
     try:
-        exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point
-        if last is not None:
-            value = eval(compile(last, filename, "eval"), ns)  # noqa: S307
-            if value is not None:
-                print(repr(value))
+        with user_task(generation):
+            exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point
+            if last is not None:
+                value = eval(compile(last, filename, "eval"), ns)  # noqa: S307
+                if value is not None:
+                    print(repr(value))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
 
 
-def push(parcel: shipping.Parcel) -> list[str]:
+def push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     """Put the shipped ``{name: value}`` into this worker's namespace."""
-    values = shipping.unpack(parcel)
+    with user_task(generation):
+        values = shipping.unpack(parcel)
     _namespace().update(values)
     return sorted(values)
 

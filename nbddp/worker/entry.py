@@ -15,7 +15,8 @@ from typing import Any, Iterator
 
 from nbddp import shipping
 from nbddp.messages import FitLaunch, FitResult
-from nbddp.worker.state import STATE, check_generation, stop_on_sigint
+from nbddp.worker.state import STATE, stop_on_sigint
+from nbddp.worker.task import user_task
 
 
 def ping() -> int:
@@ -26,9 +27,8 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch) -> FitResult:
     """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights."""
     from nbddp.worker import loop
 
-    check_generation(launch.generation)
     try:
-        with stop_on_sigint():
+        with user_task(launch.generation), stop_on_sigint():
             result, ts = loop.fit(parcel, cfg, launch)
         if launch.keep:
             STATE.namespace[launch.keep] = ts.strategy.module
@@ -74,8 +74,8 @@ def _host_cores() -> Iterator[None]:
 
 def call_task(parcel: shipping.Parcel, generation: int) -> shipping.Parcel:
     """``nbddp.run``: call the shipped function with the process group ready."""
-    check_generation(generation)
-    fn, args, kwargs = shipping.unpack(parcel)
-    result = fn(*args, **kwargs)
+    with user_task(generation):
+        fn, args, kwargs = shipping.unpack(parcel)
+        result = fn(*args, **kwargs)
     return shipping.pack(result, what=f"the result of {getattr(fn, '__name__', 'the function')}",
                          local=STATE.placement.local, prefix=STATE.file_prefix or None)

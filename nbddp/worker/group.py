@@ -18,6 +18,7 @@ from typing import Any
 
 from nbddp.messages import JoinReply
 from nbddp.topology import Placement
+from nbddp.worker import torchrun
 from nbddp.worker.memory import tune_allocator
 from nbddp.worker.state import STATE
 
@@ -98,6 +99,8 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
         STATE.return_pool = BufferPool(prefix=f"{STATE.file_prefix}-r", keep=1)
     STATE.namespace.update(rank=placement.rank, local_rank=placement.local_rank, world_size=placement.world_size,
                            device=torch.device(placement.device))
+    torchrun.apply_environment(placement, master)
+    torchrun.install_group_guard()
 
 
 def _drop_dead_references() -> None:

@@ -1,0 +1,139 @@
+"""Which modules travel by value, so that edited code reaches the workers.
+
+cloudpickle pickles a function or class by *reference* when its module is
+importable (``mylib.Net`` travels as the name ``"mylib.Net"``), and the
+worker then uses whatever ``mylib`` it imported first: after the notebook
+edits ``mylib.py`` and reloads it, the workers would train the old
+``forward``. So nbddp sorts modules in two:
+
+* installed code (the standard library, ``site-packages``, ``dist-packages``)
+  travels by reference, as usual: it does not change under a running kernel;
+* everything else the kernel has imported (modules next to the notebook, a
+  project on ``sys.path``, an editable install) travels *by value*, like
+  the notebook's own ``__main__``: the workers get the code the kernel runs.
+
+``ship_by_reference(module)`` and ``ship_by_value(module)`` force either
+(a module or a name; a package name covers its submodules). nbddp's own
+package always travels by reference: the workers import it.
+
+Workers also reload such modules when their file changed, for code that
+imports them itself (``import mylib`` in a ``%%ddp`` cell or a script); see
+``worker.freshness``.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import threading
+from types import ModuleType
+from typing import Any
+
+_LOCK = threading.Lock()
+_FORCED: dict[str, str] = {}  # module or package name -> "value" | "reference"
+_DECIDED: dict[str, tuple[int, bool]] = {}  # module name -> (id of the module object, registered by value)
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        paths.update(site.getsitepackages())
+        paths.add(site.getusersitepackages())
+    except AttributeError:  # a virtualenv's old site.py
+        pass
+    return tuple(os.path.realpath(p) + os.sep for p in paths if p)
+
+
+_ROOTS = _installed_roots()
+
+
+def is_installed(module: ModuleType) -> bool:
+    """Installed (or built-in) code: the standard library or a ``site-packages``/``dist-packages`` folder."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return True  # built-in, frozen or a namespace package: nothing to edit
+    real = os.path.realpath(path)
+    return real.startswith(_ROOTS) or f"{os.sep}site-packages{os.sep}" in real or f"{os.sep}dist-packages{os.sep}" in real
+
+
+def _forced(name: str) -> str | None:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        choice = _FORCED.get(".".join(parts[:i]))
+        if choice is not None:
+            return choice
+    return None
+
+
+def travels_by_value(name: str, module: ModuleType) -> bool:
+    """The rule of the module docstring, for one module."""
+    if name == "__main__" or name == "nbddp" or name.startswith("nbddp."):
+        return False  # __main__ is by value anyway; nbddp is imported on the workers
+    forced = _forced(name)
+    if forced is not None:
+        return forced == "value"
+    return not is_installed(module)
+
+
+def register_edited_modules() -> list[str]:
+    """Register every not-installed module the kernel imported for pickling by value; return their names.
+
+    Cheap to call before every pack: each module is decided once (again if it
+    was reloaded into a new module object, or a choice was forced since).
+    """
+    import cloudpickle
+
+    registered = []
+    with _LOCK:
+        for name, module in list(sys.modules.items()):
+            if not isinstance(module, ModuleType):
+                continue
+            seen = _DECIDED.get(name)
+            if seen is not None and seen[0] == id(module):
+                if seen[1]:
+                    registered.append(name)
+                continue
+            by_value = travels_by_value(name, module)
+            if by_value:
+                cloudpickle.register_pickle_by_value(module)
+                registered.append(name)
+            _DECIDED[name] = (id(module), by_value)
+    return registered
+
+
+def _name_of(module: Any, what: str) -> str:
+    if isinstance(module, ModuleType):
+        return module.__name__
+    if isinstance(module, str) and module:
+        return module
+    raise TypeError(f"{what}(module) takes a module or its name, e.g. {what}('mylib'); got {type(module).__name__} {module!r}")
+
+
+def ship_by_value(module: ModuleType | str) -> None:
+    """Pickle this module's (or package's) functions and classes by value, even if it is installed."""
+    name = _name_of(module, "ship_by_value")
+    if name == "nbddp" or name.startswith("nbddp."):
+        raise ValueError("nbddp itself must travel by reference: the workers import it")
+    _choose(name, "value")
+
+
+def ship_by_reference(module: ModuleType | str) -> None:
+    """Pickle this module's (or package's) functions and classes by name: the workers import it themselves."""
+    _choose(_name_of(module, "ship_by_reference"), "reference")
+
+
+def _choose(name: str, choice: str) -> None:
+    import cloudpickle
+
+    with _LOCK:
+        _FORCED[name] = choice
+        for other in [n for n in _DECIDED if n == name or n.startswith(name + ".")]:
+            del _DECIDED[other]
+            module = sys.modules.get(other)
+            if choice == "reference" and module is not None:
+                try:
+                    cloudpickle.unregister_pickle_by_value(module)
+                except ValueError:  # it was not registered
+                    pass

@@ -1,0 +1,27 @@
+"""What every task that runs the person's code does around it, in one place.
+
+Fits, ``nbddp.run`` calls, ``%%ddp`` cells, pushes, pulls and scripts all
+run inside ``user_task``: the task is checked against this engine's
+process-group generation, edited modules are reloaded, frameworks see this
+generation's ranks (``worker.torchrun``), and the modules the task imported
+are noted for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from nbddp.worker import freshness, torchrun
+from nbddp.worker.state import check_generation
+
+
+@contextlib.contextmanager
+def user_task(generation: int | None) -> Iterator[None]:
+    check_generation(generation)
+    freshness.reload_changed()
+    try:
+        with torchrun.user_code(generation):
+            yield
+    finally:
+        freshness.note_imported()
