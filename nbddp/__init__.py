@@ -26,6 +26,8 @@ __all__ = [
     "push",
     "pull",
     "run_script",
+    "export_checkpoint",
+    "FSDP",
     "History",
     "FitHandle",
     "NbddpError",
@@ -52,6 +54,8 @@ _LAZY = {
     "push": "nbddp.cells",
     "pull": "nbddp.cells",
     "run_script": "nbddp.scripts",
+    "export_checkpoint": "nbddp.api",
+    "FSDP": "nbddp.sharding",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -64,13 +68,14 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, restart, run, start, status, stop
+    from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
     from nbddp.cells import pull, push, run_cell
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
                               WorkerError)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scripts import run_script
+    from nbddp.sharding import FSDP
 
 
 def __getattr__(name: str) -> Any:

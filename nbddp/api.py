@@ -86,8 +86,9 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              shuffle: bool = True, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
              clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
-             val_every: int | str | None = None, block: bool = True, live: bool | str | None = None,
-             **advanced: Any) -> History | FitHandle:
+             val_every: int | str | None = None, strategy: Any = "ddp", activation_checkpointing: Any = False,
+             keep: str | None = None, return_weights: bool = True, block: bool = True,
+             live: bool | str | None = None, **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -134,6 +135,18 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             ``resume="path"`` from that file. Files load with plain torch.load.
         log_every: reduce and record metrics at most every N steps (and about
             once a second for slow steps).
+        strategy: ``"ddp"`` (a full copy of the model per rank) or ``"fsdp"``
+            (FSDP2: each rank holds 1/N of the parameters, gradients and
+            optimizer state); ``nbddp.FSDP(...)`` for its settings. See
+            ``docs/sharded.md``.
+        activation_checkpointing: ``True`` recomputes each unit's activations
+            in backward instead of keeping them (the repeated blocks, or
+            FSDP's ``shard_modules``), or a set of module classes to do it for.
+            Same weights, less activation memory, about one more forward.
+        keep: bind the trained module to this name in every rank's ``%%ddp``
+            namespace (sharded under FSDP), for evaluation in later cells.
+        return_weights: ``False`` leaves the notebook's model as it is (for a
+            model too big for the kernel; use ``keep`` or checkpoints).
         block: ``False`` returns a ``FitHandle`` at once; training and the
             dashboard go on while the notebook stays usable.
         live: ``None`` (automatic: dashboard in Jupyter, text elsewhere),
@@ -163,11 +176,13 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                   log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, **advanced)
+                   log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
+                   activation_checkpointing=activation_checkpointing, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
-                       metrics=metrics, step_fn=step_fn, batch_size=batch_size, **options)
+                       metrics=metrics, step_fn=step_fn, batch_size=batch_size, keep=keep,
+                       return_weights=return_weights, **options)
         run_ = FitRun(s, plan, view)
         try:
             run_.launch()
@@ -181,4 +196,18 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     return run_.result()
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit"]
+def export_checkpoint(path: str, out: str) -> str:
+    """Turn a sharded checkpoint (a ``step-*`` directory of an FSDP fit) into one file that ``torch.load`` reads.
+
+    The file holds ``{"model": full state dict, "optimizer": ..., "step": ..., "epoch": ...}``;
+    ``plain_model.load_state_dict(torch.load(out)["model"])`` works without
+    nbddp or a process group. Runs here, in the kernel. Returns ``out``.
+    """
+    import os
+
+    from nbddp.worker.dcp import export
+
+    return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)))
+
+
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "export_checkpoint"]

@@ -63,8 +63,9 @@ class FitRun:
         from nbddp.worker.entry import fit_task
 
         s = self.session
-        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, self.plan.parcels[p.local], self.plan.cfg,
-                                                         self.plan.launch)
+        plan = self.plan
+        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, plan.parcels[p.local], plan.cfg, plan.launch,
+                                                         plan.model_parcels.get(p.local))
                for p in s.placements}
         self.tasks = RankTasks(s, ars, "dist_fit")
         s.running = self
@@ -166,7 +167,8 @@ class FitRun:
                 parcel.discard()
         loaded = time.perf_counter()
         history.timings = self._timings(head, t0, loaded)
-        history.transfers = {"shipped_bytes": max(p.nbytes for p in self.plan.parcels.values()),
+        history.transfers = {"shipped_bytes": max(p.nbytes for p in self.plan.parcels.values())
+                             + max((p.nbytes for p in self.plan.model_parcels.values()), default=0),
                              "returned_bytes": parcel.nbytes if parcel is not None else 0}
         self.history = history
         self.live_state.status = history.status

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from nbddp.sharding import module_classes, resolve_strategy
+
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
 SCHEDULER_INTERVALS = ("step", "epoch")
@@ -39,6 +41,7 @@ class FitConfig:
     val_every: int | None = None
     scheduler_interval: str = "step"
     strategy: Any = "ddp"  # "ddp", or an nbddp.FSDP settings object
+    activation_checkpointing: Any = False  # False, True (every unit) or a frozenset of module class names
     drop_last: bool = False
     num_workers: int | None = None
     pin_memory: bool | None = None
@@ -114,6 +117,11 @@ def make_config(**options: Any) -> FitConfig:
     if cfg.val_every == "epoch":
         cfg.val_every = None
     cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
+    cfg.strategy = resolve_strategy(cfg.strategy)
+    cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
+    if cfg.strategy != "ddp" and cfg.sync_batchnorm:
+        raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "
+                         "buffers, so BatchNorm statistics would differ across ranks. Use strategy='ddp' for SyncBatchNorm.")
     if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
         raise ValueError(f"dist_fit(scheduler_interval=...) must be 'step' (after every optimizer step) or 'epoch' "
                          f"(after every epoch), got {cfg.scheduler_interval!r}")
@@ -124,6 +132,15 @@ def make_config(**options: Any) -> FitConfig:
     cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
     cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
     return cfg
+
+
+def _checkpointing(value: Any) -> Any:
+    """``activation_checkpointing``: False, True (every unit), or module classes / class names."""
+    if isinstance(value, bool):
+        return value
+    if value is None:
+        return False
+    return module_classes(value, "dist_fit(activation_checkpointing=...)", " (or True for every unit)")
 
 
 def canonical_precision(value: Any) -> str:
@@ -139,7 +156,7 @@ def canonical_precision(value: Any) -> str:
                      f"got {value!r}{hint}")
 
 
-def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str]) -> None:
+def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:
     """What needs CUDA, said once: checked in the kernel before a fit, and again on each rank.
 
     Raises:
@@ -153,3 +170,6 @@ def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[s
             f"dist_fit(sync_batchnorm=True) needs CUDA GPUs: SyncBatchNorm has no CPU kernel, and the workers run on "
             f"{sorted(device_types)}. On CPU workers leave it off (each rank then normalises over its own batch)"
         )
+    if getattr(strategy, "cpu_offload", False) and device_types != {"cuda"}:
+        raise ValueError(f"nbddp.FSDP(cpu_offload=True) moves shards between CPU and GPU memory, but the workers run on "
+                         f"{sorted(device_types)}: their parameters already live in CPU memory. Leave cpu_offload off.")

@@ -27,11 +27,12 @@ class FitPlan:
     model: Any  # the person's nn.Module (weights come back into it) or None for a factory
     factory: Any = None  # the model factory, when the kernel builds the module the weights go into
     parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # local? -> parcel
+    model_parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # the model alone (sharded training)
     ship_s: float = 0.0
     data_keys: list[str] = field(default_factory=list)  # resident on the workers once this fit succeeds
 
     def discard(self) -> None:
-        for parcel in self.parcels.values():
+        for parcel in [*self.parcels.values(), *self.model_parcels.values()]:
             parcel.discard()
 
 
@@ -139,6 +140,27 @@ def check_keep(keep: Any, return_weights: Any) -> None:
         raise TypeError(f"dist_fit(return_weights=...) must be True or False, got {return_weights!r}")
 
 
+def check_units(model: Any, cfg: FitConfig) -> None:
+    """Module classes named for sharding or checkpointing must exist in the model (a factory is built on meta)."""
+    import torch
+
+    from nbddp.worker.blocks import units
+
+    named = [(where, n) for where, n in (("nbddp.FSDP(shard_modules=...)", getattr(cfg.strategy, "shard_modules", None)),
+                                          ("dist_fit(activation_checkpointing=...)", cfg.activation_checkpointing))
+             if isinstance(n, frozenset)]
+    if not named:
+        return
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            model = model()
+    for where, group in named:
+        try:
+            units(model, group)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
 def check_shard(cfg: FitConfig, n: int, world: int) -> None:
     shard = n // world if cfg.drop_last else -(-n // world)
     if shard < cfg.batch_size:
@@ -165,7 +187,9 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
             raise ValueError("dist_fit(val_data=...) is empty (len 0); pass None to skip validation")
     check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32), **options)
-    check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements})
+    check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
+                       cfg.strategy)
+    check_units(model, cfg)
     if n_train is not None:
         check_shard(cfg, n_train, session.world_size)
     keys = session.resident.key_specs([spec, val_spec])
@@ -175,7 +199,10 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
              "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
     plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
                    factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys)
-    ship(session, plan, parts)
+    if cfg.strategy != "ddp" and returned is not None:
+        parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
+        ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)
+    ship(session, plan, parts, plan.parcels)
     return plan
 
 
@@ -188,13 +215,19 @@ def _returns(model: Any, cfg: FitConfig, return_weights: bool) -> str:
     return "module"
 
 
-def ship(session: Any, plan: FitPlan, parts: dict[str, Any]) -> None:
-    """Pack ``parts`` once per kind of host (shared memory on the kernel's, inline elsewhere)."""
+def ship(session: Any, plan: FitPlan, parts: dict[str, Any], into: dict[bool, shipping.Parcel],
+         pooled: bool = True) -> None:
+    """Pack ``parts`` once per kind of host (shared memory on the kernel's, inline elsewhere).
+
+    ``pooled=False``: a file of its own, never rewritten, for what the workers
+    keep reading after the fit's start (a sharded model's views).
+    """
     t0 = time.perf_counter()
     try:
         for local in sorted({p.local for p in session.placements}, reverse=True):
-            plan.parcels[local] = shipping.pack(parts, what="the dist_fit arguments", local=local,
-                                                pool=session.send_pool if local else None)
+            into[local] = shipping.pack(parts, what="the dist_fit arguments", local=local,
+                                        pool=session.send_pool if local and pooled else None,
+                                        prefix=session.file_prefix)
     except ShippingError:
         plan.discard()
         _raise_for_unpicklable_argument(parts)
@@ -202,7 +235,7 @@ def ship(session: Any, plan: FitPlan, parts: dict[str, Any]) -> None:
     except BaseException:
         plan.discard()
         raise
-    plan.ship_s = time.perf_counter() - t0
+    plan.ship_s += time.perf_counter() - t0
 
 
 def _raise_for_unpicklable_argument(parts: dict[str, Any]) -> None:

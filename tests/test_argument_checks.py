@@ -16,7 +16,8 @@ from nbddp.topology import Placement
 def fake_session(device: str = "cpu", world: int = 2):
     placements = [Placement(rank=r, local_rank=r, world_size=world, local_world_size=world, engine_id=r, host="h",
                             pid=r, device=device, address="127.0.0.1", local=True) for r in range(world)]
-    return SimpleNamespace(placements=placements, world_size=world, resident=ResidentSet(), generation=1, send_pool=None)
+    return SimpleNamespace(placements=placements, world_size=world, resident=ResidentSet(), generation=1, send_pool=None,
+                           file_prefix="nbddp-test")
 
 
 DATA = (torch.randn(64, 4), torch.randint(0, 2, (64,)))

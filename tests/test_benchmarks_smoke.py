@@ -48,3 +48,6 @@ def test_quick_benchmarks_run_and_report_ratios(_suite_session):
     scaling = [r for r in rows if r["bench"].startswith("scaling/") and r["competitor"] == "nbddp"]
     efficiency = [r["median"] for r in scaling if r["metric"] == "efficiency"]
     assert len(efficiency) >= 2 and all(isinstance(v, float) and v > 0 for v in efficiency), scaling
+    fsdp = results["benchmarks"]["fsdp"]["summary"]
+    assert fsdp["param_bytes_per_rank"]["fsdp"][0] * 2 == pytest.approx(fsdp["param_bytes_per_rank"]["ddp"][0], rel=0.05)
+    assert all(v > 0 for v in fsdp["samples_per_s"].values()), fsdp

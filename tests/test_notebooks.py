@@ -51,6 +51,16 @@ EXPECTED = {
         "validation accuracy:",
         "workers stopped",
     ],
+    "sharded_transformer": [
+        "sequences of 32 characters",
+        "[completed]  step 108/108  epoch 4/4",
+        "rank 0 held 50% of the",
+        "rank 1 held 50% of the",
+        "loss per epoch:",
+        "[rank 0] FSDPTinyLM (2, 32,",
+        "[rank 1] FSDPTinyLM (2, 32,",
+        "workers stopped",
+    ],
     "checkpoint_resume": [
         "nbddp fit interrupted",
         "interrupted at step",

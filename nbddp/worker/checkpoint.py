@@ -24,12 +24,27 @@ import torch
 from nbddp.proc import pid_alive
 
 KEEP = 3
-_NAME = re.compile(r"step-(\d+)\.pt$")
+_NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a file (DDP: rank 0 writes it) or a directory (FSDP: every rank writes)
 _TMP = re.compile(r"step-\d+\.pt\.tmp-(\d+)$")
+
+
+SHARDED_LOOP_FILE = "loop.pt"  # in a sharded checkpoint's directory: the loop's own state
+SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last
+
+
+def is_sharded(path: str) -> bool:
+    """A finished sharded checkpoint directory (``worker/dcp.py``)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, SHARDED_METADATA)) and \
+        os.path.isfile(os.path.join(path, SHARDED_LOOP_FILE))
 
 
 def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
+
+
+def dir_for(directory: str, step: int) -> str:
+    """Where a sharded checkpoint of ``step`` goes (``worker/dcp.py``)."""
+    return os.path.join(directory, f"step-{step:08d}")
 
 
 def rng_state() -> dict[str, Any]:
@@ -74,12 +89,22 @@ def save(directory: str, step: int, payload: dict[str, Any], keep: int = KEEP) -
             os.close(dir_fd)
     except OSError:
         pass
-    for old in list_checkpoints(directory)[:-keep]:
-        try:
-            os.unlink(old)
-        except FileNotFoundError:
-            pass
+    prune(directory, keep)
     return final
+
+
+def prune(directory: str, keep: int = KEEP) -> None:
+    """Keep the newest ``keep`` checkpoints, files and directories alike."""
+    import shutil
+
+    for old in list_checkpoints(directory)[:-keep]:
+        if os.path.isdir(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.unlink(old)
+            except FileNotFoundError:
+                pass
 
 
 def _remove_stale_temporaries(directory: str) -> None:
@@ -98,7 +123,9 @@ def _remove_stale_temporaries(directory: str) -> None:
 
 
 def is_complete(path: str) -> bool:
-    """Whether ``path`` is a whole ``torch.save`` archive (its zip directory reads), without loading it."""
+    """Whether ``path`` is a whole checkpoint: a ``torch.save`` archive whose zip directory reads, or a finished sharded one."""
+    if os.path.isdir(path):
+        return is_sharded(path)
     try:
         with zipfile.ZipFile(path) as archive:
             return bool(archive.namelist())
@@ -107,7 +134,7 @@ def is_complete(path: str) -> bool:
 
 
 def list_checkpoints(directory: str) -> list[str]:
-    found = [p for p in glob.glob(os.path.join(directory, "step-*.pt")) if _NAME.search(p)]
+    found = [p for p in glob.glob(os.path.join(directory, "step-*")) if _NAME.search(p)]
     return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
 
 
@@ -126,6 +153,8 @@ def resolve(resume: bool | str, directory: str | None) -> str | None:
     if resume is True:
         found = latest(directory) if directory and os.path.isdir(directory) else None
         return found  # nothing yet: start fresh, as a re-run cell expects
+    if os.path.isdir(resume) and is_complete(resume):
+        return resume  # one sharded checkpoint
     if os.path.isdir(resume):
         found = latest(resume)
         if found is None:
@@ -138,6 +167,9 @@ def resolve(resume: bool | str, directory: str | None) -> str | None:
 
 def load(path: str) -> dict[str, Any]:
     """Read a checkpoint written by ``save`` (ours, so a full unpickle is fine)."""
+    if os.path.isdir(path):
+        raise ValueError(f"resume={path!r} is a sharded checkpoint (a directory written by strategy='fsdp'); resume it "
+                         "with strategy='fsdp', or turn it into one file with nbddp.export_checkpoint(path, out)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     missing = [k for k in ("model", "optimizer", "step", "epoch") if not isinstance(state, dict) or k not in state]
     if missing:

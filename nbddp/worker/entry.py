@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from nbddp import shipping
 from nbddp.messages import FitLaunch, FitResult
+from nbddp.worker.blocks import remove_activation_checkpointing
 from nbddp.worker.state import STATE, stop_on_sigint
 from nbddp.worker.task import user_task
 
@@ -23,13 +24,13 @@ def ping() -> int:
     return os.getpid()
 
 
-def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch) -> FitResult:
+def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shipping.Parcel | None = None) -> FitResult:
     """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights."""
     from nbddp.worker import loop
 
     try:
         with user_task(launch.generation), stop_on_sigint():
-            result, ts = loop.fit(parcel, cfg, launch)
+            result, ts = loop.fit(parcel, cfg, launch, model_parcel)
         if launch.keep:
             STATE.namespace[launch.keep] = ts.strategy.module
         del ts
@@ -39,7 +40,7 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch) -> FitResult:
     weights, result.weights = result.weights, None
     if weights is not None:
         t0 = time.perf_counter()
-        obj = weights.cpu() if launch.returns == "module" else weights
+        obj = remove_activation_checkpointing(weights).cpu() if launch.returns == "module" else weights
         pool = STATE.return_pool
         if pool is not None:
             pool.reclaim()  # the kernel loaded the previous fit's weights before that fit ended

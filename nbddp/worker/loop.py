@@ -54,7 +54,8 @@ def agree(error: BaseException | None, device: torch.device, what: str) -> None:
         raise PeerFailed(f"another rank failed during {what}")
 
 
-def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch) -> tuple[FitResult, TrainState]:
+def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
+        model_parcel: Parcel | None = None) -> tuple[FitResult, TrainState]:
     """Train on this rank; rank 0's result carries the records and the full weights."""
     device = torch.device(STATE.placement.device)
     t_setup = time.perf_counter()
@@ -62,7 +63,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch) -> tuple[FitResult, T
     ts = parts = path = None
     error: BaseException | None = None
     try:
-        ts, parts = setup.build(parcel, cfg, launch)
+        ts, parts = setup.build(parcel, cfg, launch, model_parcel)
         path = setup.resume_path(cfg)
     except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
         error = exc

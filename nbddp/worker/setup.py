@@ -23,6 +23,7 @@ from nbddp.messages import FitLaunch
 from nbddp.options import DEFAULT_LR, FitConfig, check_device_rules
 from nbddp.shipping import Parcel, unpack
 from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.blocks import apply_activation_checkpointing
 from nbddp.worker.data import keep_only, materialise, train_loader, val_loader
 from nbddp.worker.precision import precision_tools
 from nbddp.worker.state import STATE
@@ -62,15 +63,28 @@ def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: 
         )
 
 
-def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch) -> tuple[TrainState, dict[str, Any]]:
-    """Phase 1 (local): the train state without the optimizer; also the unpacked arguments."""
+def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
+          model_parcel: Parcel | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """Phase 1 (local): the train state without the optimizer; also the unpacked arguments.
+
+    ``model_parcel``: the model shipped on its own (sharded training), read as
+    views of the shipped file so that no rank makes a private copy of it.
+    """
     p = STATE.placement
     device = torch.device(p.device)
     parts = unpack(parcel)
-    check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type})
-    strategy = make_strategy(cfg.strategy, device)
+    if model_parcel is not None:
+        parts["model"] = unpack(model_parcel, copy=False)["model"]
+    check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
+    strategy = make_strategy(cfg.strategy, device, cfg.precision)
     seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
     model = strategy.build(parts["model"])
+    if cfg.activation_checkpointing:
+        names = None if cfg.activation_checkpointing is True else cfg.activation_checkpointing
+        if not apply_activation_checkpointing(model, names or getattr(cfg.strategy, "shard_modules", None)):
+            raise ValueError("dist_fit(activation_checkpointing=True) found no repeated blocks to checkpoint (layers of an "
+                             "nn.ModuleList or nn.Sequential that share one class); name the module classes instead: "
+                             "activation_checkpointing={MyBlock}")
     # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
     # stream on every rank, all ranks would drop the same units, which DDP users do not expect
     seed_everything(cfg.seed + 1_000_003 * p.rank)

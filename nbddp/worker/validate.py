@@ -78,5 +78,6 @@ def validate(ts: TrainState) -> dict[str, Any]:
     out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
     rep.record("val", {"epoch": ts.epoch, "step": ts.step, **out})
     module.train(was_training)
+    ts.strategy.end_evaluation()
     rep.status = "training"
     return out

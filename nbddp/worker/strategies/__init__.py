@@ -10,7 +10,7 @@ from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.ddp import DDPStrategy
 
 
-def make_strategy(spec: Any, device: torch.device) -> Strategy:
+def make_strategy(spec: Any, device: torch.device, precision: str = "32-true") -> Strategy:
     """``"ddp"``, or an ``nbddp.FSDP`` settings object (checked in the kernel already)."""
     if spec == "ddp":
         return DDPStrategy(device)
@@ -21,7 +21,7 @@ def make_strategy(spec: Any, device: torch.device) -> Strategy:
     if isinstance(spec, FSDP):
         from nbddp.worker.strategies.fsdp import FSDPStrategy
 
-        return FSDPStrategy(device, spec)
+        return FSDPStrategy(device, spec, precision)
     raise ValueError(f"unknown strategy {spec!r}")
 
 

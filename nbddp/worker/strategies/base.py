@@ -57,6 +57,9 @@ class Strategy(ABC):
         """The module validation calls (no gradient sync, no wrapper hooks when avoidable)."""
         return self.module
 
+    def end_evaluation(self) -> None:
+        """After a validation pass (FSDP frees the gathered parameters its root kept)."""
+
     # ---- what a rank holds ---------------------------------------------------
     def param_bytes(self) -> int:
         """Parameter bytes this rank holds."""

@@ -1,0 +1,102 @@
+"""The units of a model: what FSDP shards one by one, and what activation checkpointing recomputes.
+
+A transformer is a stack of identical layers, and those layers are the
+natural units for both: ``repeated_blocks`` finds every child of an
+``nn.ModuleList``/``nn.Sequential`` whose children share one class (with at
+least two of them), outermost first. Or the person names the classes.
+
+Activation checkpointing wraps a unit's ``forward`` in
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its
+activations are dropped after the forward and recomputed in backward. The
+instance's ``forward`` is replaced, so parameter names and state-dict keys
+stay exactly as they were (no ``_checkpoint_wrapped_module.`` prefix), and it
+composes with FSDP2's hooks (measured: weights equal to the run without it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+def class_name(module: nn.Module) -> str:
+    return type(module).__qualname__
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """Children of containers whose children all share one class (>= 2 of them), outermost first."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2 \
+                and len({type(c) for c in children}) == 1 and not isinstance(children[0], _LEAVES):
+            for child in children:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    found.append(child)
+            return  # the blocks are the units: do not split them further
+        for child in children:
+            visit(child)
+
+    visit(model)
+    return found
+
+
+# layers that are leaves, never units of their own (a Sequential of Linears is one block, not N units)
+_LEAVES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.ReLU, nn.GELU, nn.Dropout,
+           nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Identity, nn.Tanh, nn.Sigmoid, nn.SiLU)
+
+
+def named_blocks(model: nn.Module, names: frozenset[str]) -> list[nn.Module]:
+    """Every module whose class is one of ``names`` (outermost first; a match is not searched inside)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if class_name(child) in names or type(child).__name__ in names:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def units(model: nn.Module, names: frozenset[str] | None) -> list[nn.Module]:
+    """The units for ``names`` (or the repeated blocks); a name that matches nothing is an error."""
+    if names is None:
+        return repeated_blocks(model)
+    blocks = named_blocks(model, names)
+    matched = {class_name(b) for b in blocks} | {type(b).__name__ for b in blocks}
+    missing = sorted(n for n in names if n not in matched)
+    if missing:
+        present = sorted({class_name(m) for m in model.modules()})
+        raise ValueError(f"no module of the model is a {', '.join(missing)}; its module classes are: "
+                         f"{', '.join(present)}. Name one of those, or leave it None for the repeated blocks")
+    return blocks
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, names: frozenset[str] | None) -> int:
+    """Recompute the activations of each unit in backward; return how many units (0: none found)."""
+    blocks = units(model, names)
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(blocks)
+
+
+def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Give every unit its class's own ``forward`` again (before the module travels back to the kernel)."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, functools.partial) and forward.func is _checkpointed:
+            del module.forward
+    return model
