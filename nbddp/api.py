@@ -152,6 +152,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         live: ``None`` (automatic: dashboard in Jupyter, text elsewhere),
             ``True``, ``False`` (show nothing), ``"widget"`` or ``"text"``.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
+            ``prefetch`` (batches copied to the GPU on a side stream while the
+            previous step computes: 0, 1 (default) or 2; ignored on CPU),
             ``record_interval_s``, ``publish_interval_s``.
 
     Kernel > Interrupt during a blocking fit stops every rank at the same

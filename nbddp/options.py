@@ -45,6 +45,7 @@ class FitConfig:
     drop_last: bool = False
     num_workers: int | None = None
     pin_memory: bool | None = None
+    prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
 
@@ -98,6 +99,26 @@ def make_config(**options: Any) -> FitConfig:
     cfg.grad_accum = _int("grad_accum", cfg.grad_accum, 1)
     cfg.clip_grad_norm = _float("clip_grad_norm", cfg.clip_grad_norm, 0.0, allow_none=True, strict=True)
     cfg.sync_batchnorm = _bool("sync_batchnorm", cfg.sync_batchnorm)
+    _check_checkpoints(cfg)
+    cfg.log_every = _int("log_every", cfg.log_every, 1)
+    if cfg.val_every == "epoch":
+        cfg.val_every = None
+    cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
+    cfg.strategy = resolve_strategy(cfg.strategy)
+    cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
+    if cfg.strategy != "ddp" and cfg.sync_batchnorm:
+        raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "
+                         "buffers, so BatchNorm statistics would differ across ranks. Use strategy='ddp' for SyncBatchNorm.")
+    if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
+        raise ValueError(f"dist_fit(scheduler_interval=...) must be 'step' (after every optimizer step) or 'epoch' "
+                         f"(after every epoch), got {cfg.scheduler_interval!r}")
+    _check_loading(cfg)
+    cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
+    cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
+    return cfg
+
+
+def _check_checkpoints(cfg: FitConfig) -> None:
     if cfg.checkpoint_dir is not None:
         if not isinstance(cfg.checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"dist_fit(checkpoint_dir=...) must be a path, got {type(cfg.checkpoint_dir).__name__}")
@@ -113,25 +134,17 @@ def make_config(**options: Any) -> FitConfig:
         raise ValueError("dist_fit(resume=True) resumes from checkpoint_dir; pass checkpoint_dir=... or resume='path/to/ckpt'")
     if isinstance(cfg.resume, str):
         cfg.resume = os.path.abspath(cfg.resume)
-    cfg.log_every = _int("log_every", cfg.log_every, 1)
-    if cfg.val_every == "epoch":
-        cfg.val_every = None
-    cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
-    cfg.strategy = resolve_strategy(cfg.strategy)
-    cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
-    if cfg.strategy != "ddp" and cfg.sync_batchnorm:
-        raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "
-                         "buffers, so BatchNorm statistics would differ across ranks. Use strategy='ddp' for SyncBatchNorm.")
-    if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
-        raise ValueError(f"dist_fit(scheduler_interval=...) must be 'step' (after every optimizer step) or 'epoch' "
-                         f"(after every epoch), got {cfg.scheduler_interval!r}")
+
+
+def _check_loading(cfg: FitConfig) -> None:
     cfg.drop_last = _bool("drop_last", cfg.drop_last)
     cfg.num_workers = _int("num_workers", cfg.num_workers, 0, allow_none=True)
+    cfg.prefetch = _int("prefetch", cfg.prefetch, 0)
+    if cfg.prefetch > 2:
+        raise ValueError(f"dist_fit(prefetch=...) is how many batches are copied to the GPU ahead of the step: 0, 1 or "
+                         f"2 (more only holds more batches in GPU memory), got {cfg.prefetch}")
     if cfg.pin_memory is not None:
         cfg.pin_memory = _bool("pin_memory", cfg.pin_memory)
-    cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
-    cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
-    return cfg
 
 
 def _checkpointing(value: Any) -> Any:

@@ -9,7 +9,8 @@ Rules:
   first, usually the controller's, is rank 0's), engines within a host by id;
   ranks count through that order. Engine ids change when engines are
   replaced, so ranks are always derived again from the current probes.
-* ``local_rank`` is the index within the host; with CUDA it is the GPU index.
+* ``local_rank`` is the index within the host; with CUDA it is the GPU index
+  (with gloo and more engines than GPUs, ``local_rank % gpus``: they share).
 * rank 0's host address is the master address.
 """
 
@@ -73,9 +74,9 @@ def assign(probes: list[Probe], backend: str) -> list[Placement]:
     for host in hosts:
         group = by_host[host]
         for local_rank, p in enumerate(group):
-            device = f"cuda:{local_rank}" if backend == "nccl" or p.cuda_devices > local_rank else "cpu"
-            if backend == "gloo" and p.cuda_devices and p.cuda_devices < len(group):
-                device = "cpu"  # more engines than GPUs on gloo: keep everyone on CPU, consistently
+            # nccl: one rank per GPU (checked above). gloo with GPUs: ranks share them round-robin, so two
+            # workers on one GPU can test a DDP setup; gloo moves CUDA tensors through host memory
+            device = f"cuda:{local_rank % p.cuda_devices}" if p.cuda_devices else "cpu"
             placements.append(
                 Placement(
                     rank=len(placements),

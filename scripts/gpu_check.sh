@@ -23,7 +23,7 @@
 # (or there is no python to run). Without CUDA it runs what it can on CPU and
 # says plainly which GPU parts it skipped.
 #
-# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (150 s), BENCH_TIMEOUT (270 s), OUT.
+# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (200 s), BENCH_TIMEOUT (240 s), OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 
@@ -31,8 +31,8 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
-TEST_TIMEOUT=${TEST_TIMEOUT:-150}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-270}
+TEST_TIMEOUT=${TEST_TIMEOUT:-200}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 OUT=${OUT:-}
 DAY=$(date +%Y-%m-%d)
 JSON=benchmarks/results/${DAY}_gpu.json

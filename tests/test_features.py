@@ -338,3 +338,17 @@ def test_ranks_draw_different_random_numbers(workers):
     h = nbddp.dist_fit(nn.Linear(4, 2), (x, y), epochs=1, batch_size=8, step_fn=_draws_differ_across_ranks,
                        live=False, log_every=1, seed=3)
     assert [r["differ"] for r in h.steps] == [1.0] * 4
+
+
+def test_prefetch_is_checked_and_ignored_on_cpu_workers(workers):
+    x, y = _regression(64)
+    weights = []
+    for depth in (0, 2):
+        torch.manual_seed(0)
+        model = _mlp()
+        nbddp.dist_fit(model, (x, y), epochs=1, batch_size=8, prefetch=depth, shuffle=False, live=False)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+    with pytest.raises(ValueError, match=r"prefetch=\.\.\.\) is how many batches are copied to the GPU ahead of the "
+                                         r"step: 0, 1 or 2.*got 3"):
+        nbddp.dist_fit(_mlp(), (x, y), prefetch=3, live=False)

@@ -56,3 +56,31 @@ def test_sync_batchnorm_converts_and_trains_on_gpus(gpu_workers):
     model = _bn_net()
     nbddp.dist_fit(model, _data(), epochs=1, batch_size=16, sync_batchnorm=True, live=False)
     assert isinstance(model[1], nn.BatchNorm1d)
+
+
+def test_prefetching_batches_to_the_gpu_changes_nothing_but_the_timing(gpu_workers):
+    weights = []
+    for depth in (0, 1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+        nbddp.dist_fit(model, _data(), epochs=2, batch_size=16, prefetch=depth, shuffle=False, live=False)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
+
+
+def test_ranks_report_their_cuda_memory(gpu_workers):
+    h = nbddp.dist_fit(_bn_net(), _data(), epochs=1, batch_size=16, live=False)
+    for row in h.ranks:
+        assert row["device"].startswith("cuda") and row["cuda_peak"] >= row["cuda_allocated"] > 0
+        assert row["cuda_reserved"] >= row["cuda_allocated"] and row["peak_mem"] == row["cuda_peak"]
+
+
+def test_gloo_on_one_gpu_puts_both_workers_on_it(_suite_session):
+    nbddp.stop()
+    nbddp.start(n=2, backend="gloo")
+    try:
+        assert [r["device"] for r in nbddp.status()["ranks"]][:2] in (["cuda:0", "cuda:0"], ["cuda:0", "cuda:1"])
+        h = nbddp.dist_fit(_bn_net(), _data(), epochs=1, batch_size=16, live=False)
+        assert h.status == "completed"
+    finally:
+        nbddp.stop()

@@ -108,3 +108,12 @@ def test_socket_interface_option_must_exist_on_every_host():
 def test_describe_shows_host_and_address():
     rows = describe(assign(probes({"a": [4], "b": [2]}, gpus=0), "gloo"))
     assert [(r["rank"], r["host"], r["address"], r["engine"]) for r in rows] == [(0, "b", "10.0.0.2", 2), (1, "a", "10.0.0.1", 4)]
+
+
+def test_gloo_with_fewer_gpus_than_workers_shares_them_round_robin():
+    placed = assign(probes({"a": [0, 1, 2]}, gpus=2), "gloo")
+    assert [p.device for p in placed] == ["cuda:0", "cuda:1", "cuda:0"]
+    placed = assign(probes({"a": [0, 1]}, gpus=1), "gloo")
+    assert [p.device for p in placed] == ["cuda:0", "cuda:0"]
+    with pytest.raises(TopologyError, match=r"runs 2 engines but sees 1 GPU"):
+        assign(probes({"a": [0, 1]}, gpus=1), "nccl")

@@ -33,6 +33,7 @@ from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.data import SkipSampler
+from nbddp.worker.prefetch import prefetch
 from nbddp.worker.report import Reporter
 from nbddp.worker.state import STATE
 from nbddp.worker.trainstate import TrainState
@@ -112,7 +113,7 @@ def epoch_batches(ts: TrainState) -> tuple[int, Iterator[Any]]:
     if ts.rng is not None and first:
         ckpt.set_rng_state(ts.rng)
     ts.rng = None
-    return first, batches
+    return first, prefetch(batches, ts.device, ts.cfg.prefetch)
 
 
 def run_epoch(ts: TrainState) -> bool:
