@@ -27,6 +27,8 @@ __all__ = [
     "pull",
     "run_script",
     "export_checkpoint",
+    "find_batch_size",
+    "scaling_report",
     "FSDP",
     "History",
     "FitHandle",
@@ -55,6 +57,8 @@ _LAZY = {
     "pull": "nbddp.cells",
     "run_script": "nbddp.scripts",
     "export_checkpoint": "nbddp.api",
+    "find_batch_size": "nbddp.batchsize",
+    "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
@@ -69,11 +73,13 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
+    from nbddp.batchsize import find_batch_size
     from nbddp.cells import pull, push, run_cell
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
                               WorkerError)
     from nbddp.handle import FitHandle
     from nbddp.history import History
+    from nbddp.scaling import scaling_report
     from nbddp.scripts import run_script
     from nbddp.sharding import FSDP
 

@@ -79,7 +79,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     return call_everywhere(get_session(), fn, args, kwargs)
 
 
-def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | None = None,
+def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | str | None = None,
              loss_fn: Callable | None = None, optimizer: Any = None, lr: float | None = None,
              scheduler: Callable | None = None, scheduler_interval: str = "step",
              metrics: Mapping[str, Callable] | None = None, step_fn: Callable | None = None, max_steps: int | None = None,
@@ -105,6 +105,9 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             ``val_every`` steps) without padding, reduced over all ranks.
         batch_size: samples per rank per step (global batch = batch_size x
             world size x grad_accum). Default: the DataLoader's, else 32.
+            ``"auto"``: the largest that fits on every rank
+            (``nbddp.find_batch_size`` with this fit's options, run first);
+            ``History.batch_size`` says which.
         loss_fn: ``loss_fn(model(x), y)`` for ``(x, y)`` batches. Default:
             cross-entropy for integer targets, MSE for float targets. Dict
             batches run ``model(**batch)`` and use the output's loss.
@@ -173,6 +176,14 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     if not isinstance(block, bool):
         raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
     view = choose_view(live)
+    if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
+        from nbddp.batchsize import find_batch_size
+
+        batch_size = find_batch_size(
+            model, data, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
+            seed=seed, precision=precision, grad_accum=grad_accum, clip_grad_norm=clip_grad_norm,
+            sync_batchnorm=sync_batchnorm, strategy=strategy, activation_checkpointing=activation_checkpointing,
+            **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
     s = get_session()
     s.ensure_started()
     options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,

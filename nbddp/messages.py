@@ -15,6 +15,8 @@ message         direction            when
 ``Health``      each rank -> kernel  ``%ddp status``
 ``StackDump``   each rank -> kernel  ``nbddp.stacks()``
 ``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
+``TrialResult``  each rank -> kernel ``find_batch_size``: one trial step's outcome
+``ScalingRow``   rank 0 -> kernel     ``scaling_report``: one world size, timed
 ==============  ===================  =============================================
 
 Streamed messages go through ``ipyparallel.datapub.publish_data``, which
@@ -140,3 +142,26 @@ class ScriptResult:
     rank: int
     exit_code: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One rank's outcome of one ``find_batch_size`` trial: ``"fits"`` or ``"oom"``."""
+
+    rank: int
+    batch_size: int
+    outcome: str
+    message: str  # the allocator's message when it ran out of memory
+    peak_mem: int  # bytes: CUDA peak allocated, or peak RSS on CPU
+    shard: int  # samples in this rank's shard (the upper bound of the search)
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    """Timed training at one world size (rank 0's, the slowest rank's times)."""
+
+    world_size: int
+    samples_per_s: float
+    step_s: float  # one optimizer step, gradients reduced
+    local_step_s: float  # the same step without reducing gradients (no_sync)
+    peak_mem: int  # the largest peak of the ranks taking part

@@ -36,6 +36,7 @@ class Supervisor:
     def __init__(self, session: Any):
         self.session = session
         self.closing = False
+        self._again = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -56,6 +57,10 @@ class Supervisor:
         """After any failure: the engines ``killed`` are gone; heal in the background (unless closing)."""
         if self.closing or self.session.workers is None:
             return
+        if self.healing:  # the heal under way pings every engine: it finds these dead ones too
+            self._again = True
+            return
+        self._again = False
         self._error = None
         self._thread = threading.Thread(target=self._heal_thread, args=(list(killed),), name="nbddp-heal", daemon=True)
         self._thread.start()
@@ -66,6 +71,9 @@ class Supervisor:
         with s.lock:
             try:
                 self._heal(killed)
+                while self._again and not self.closing:  # more ranks were killed while this heal ran
+                    self._again = False
+                    self._heal([])
             except HealCancelled:
                 pass
             except BaseException as exc:  # noqa: BLE001 - reported at the next call

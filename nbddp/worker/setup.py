@@ -63,20 +63,24 @@ def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: 
         )
 
 
-def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
-          model_parcel: Parcel | None = None) -> tuple[TrainState, dict[str, Any]]:
+def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None = None,
+          within: tuple[int, int, Any] | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Phase 1 (local): the train state without the optimizer; also the unpacked arguments.
 
     ``model_parcel``: the model shipped on its own (sharded training), read as
     views of the shipped file so that no rank makes a private copy of it.
+    ``within``: ``(rank, world, group)`` to train in a subgroup of the workers
+    (the scaling report) instead of all of them.
     """
     p = STATE.placement
+    rank, world = (within[0], within[1]) if within else (p.rank, p.world_size)
     device = torch.device(p.device)
     parts = unpack(parcel)
     if model_parcel is not None:
         parts["model"] = unpack(model_parcel, copy=False)["model"]
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
     strategy = make_strategy(cfg.strategy, device, cfg.precision)
+    strategy.group = within[2] if within else None
     seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
     model = strategy.build(parts["model"])
     if cfg.activation_checkpointing:
@@ -87,23 +91,23 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
                              "activation_checkpointing={MyBlock}")
     # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
     # stream on every rank, all ranks would drop the same units, which DDP users do not expect
-    seed_everything(cfg.seed + 1_000_003 * p.rank)
+    seed_everything(cfg.seed + 1_000_003 * rank)
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     data_spec, val_spec = parts["data"], parts.get("val_data")
     keep_only(STATE.dataset_cache, list(launch.resident))
     train_ds = materialise(data_spec, STATE.dataset_cache)
-    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, p.rank, p.world_size, device)
+    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
     vloader = None
     if val_spec is not None:
-        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, p.rank, p.world_size, device)
+        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, rank, world, device)
     if len(loader) == 0:
         raise ValueError(
-            f"rank {p.rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
+            f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
             f"drop_last=True with batch_size={cfg.batch_size}"
         )
     autocast, scaler = precision_tools(cfg.precision, device)
-    ts = TrainState(cfg=cfg, rank=p.rank, world=p.world_size, device=device, strategy=strategy, model=model,
+    ts = TrainState(cfg=cfg, rank=rank, world=world, device=device, strategy=strategy, model=model,
                     loader=loader, sampler=sampler, make_loader=make_loader, vloader=vloader,
                     loss_fn=parts.get("loss_fn"), step_fn=parts.get("step_fn"), metrics=parts.get("metrics") or {},
                     autocast=autocast, scaler=scaler)

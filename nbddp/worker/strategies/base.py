@@ -27,6 +27,7 @@ class Strategy(ABC):
         self.device = device
         self.module: nn.Module | None = None  # the person's module, inside any wrapper
         self.wrapped: nn.Module | None = None  # what the training step calls
+        self.group: Any = None  # train in this subgroup of the workers (None: all of them)
 
     # ---- building ----------------------------------------------------------
     def build(self, factory: Any) -> nn.Module:

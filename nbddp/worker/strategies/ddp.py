@@ -21,7 +21,7 @@ class DDPStrategy(Strategy):
         # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since
         # its construction may draw on randomness nbddp does not control.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical)
+        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical, process_group=self.group)
         self.module = self.wrapped.module
         return self.wrapped
 

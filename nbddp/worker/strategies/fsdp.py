@@ -59,10 +59,13 @@ class FSDPStrategy(Strategy):
         return model
 
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        if self.group is not None:
+            mesh = DeviceMesh.from_group(self.group, self.device.type)
+        else:
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         kwargs: dict[str, Any] = {"mesh": mesh}
         if self.spec.reshard_after_forward is not None:
             kwargs["reshard_after_forward"] = self.spec.reshard_after_forward
