@@ -141,7 +141,7 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
     samples = k * cfg.batch_size * cfg.grad_accum * steps
     peak = torch.tensor([float(peak_memory(device))], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    del ts
+    ts = None  # the model and optimizer go before the next world size is built
     return ScalingRow(world_size=k, samples_per_s=samples / t_sync, step_s=t_sync / steps,
                       local_step_s=t_local / steps, peak_mem=int(peak.item()))
 
