@@ -149,11 +149,12 @@ class Session:
         self.supervisor.wait(raise_error=False)
         with self.lock:
             if self.workers is not None:
-                if not self.workers.owned:
-                    self._group_former().leave()
+                if not self.workers.owned and self.workers.controller_problem() is None:
+                    self._group_former().leave()  # (through a dead controller it would never return)
                 self.workers.stop()
             self.workers = None
             self.group = None
+            self.running = None  # whatever ran on them is over
             self._former = None
             self.stopped_explicitly = True
             self.send_pool.close()
