@@ -26,6 +26,7 @@ __all__ = [
     "push",
     "pull",
     "run_script",
+    "stacks",
     "History",
     "FitHandle",
     "NbddpError",
@@ -35,6 +36,7 @@ __all__ = [
     "ShippingError",
     "WorkerError",
     "WorkerDied",
+    "WorkerStalled",
     "__version__",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -52,6 +54,7 @@ _LAZY = {
     "push": "nbddp.cells",
     "pull": "nbddp.cells",
     "run_script": "nbddp.scripts",
+    "stacks": "nbddp.stacks",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -61,16 +64,18 @@ _LAZY = {
     "ShippingError": "nbddp.errors",
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
+    "WorkerStalled": "nbddp.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, restart, run, start, status, stop
     from nbddp.cells import pull, push, run_cell
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
-                              WorkerError)
+                              WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scripts import run_script
+    from nbddp.stacks import stacks
 
 
 def __getattr__(name: str) -> Any:
