@@ -54,7 +54,7 @@ _LAZY = {
     "push": "nbddp.cells",
     "pull": "nbddp.cells",
     "run_script": "nbddp.scripts",
-    "stacks": "nbddp.stacks",
+    "stacks": "nbddp.rank_stacks",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scripts import run_script
-    from nbddp.stacks import stacks
+    from nbddp.rank_stacks import stacks
 
 
 def __getattr__(name: str) -> Any:

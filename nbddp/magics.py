@@ -185,7 +185,7 @@ class DDPMagics(Magics):
         run_script(args.path, *args.args)
 
     def _do_stacks(self, args: Any) -> None:
-        from nbddp.stacks import stacks
+        from nbddp.rank_stacks import stacks
 
         _show(stacks(timeout=args.timeout))
 

@@ -217,8 +217,8 @@ class StallGuard:
                          "replacement workers are starting")
 
     def current_stacks(self) -> dict[int, str]:
-        """The ranks' last stacks; a running rank that sent none is asked now (stacks.collect)."""
-        from nbddp.stacks import collect
+        """The ranks' last stacks; a running rank that sent none is asked now (rank_stacks.collect)."""
+        from nbddp.rank_stacks import collect
 
         stacks = self.watch.stacks()
         missing = [r for r in self.tasks.pending if r not in stacks]
