@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nbddp.errors import NotStartedError
+from nbddp.errors import ClusterError, NotStartedError
 from nbddp.messages import PUBLISH_KEYS
 from nbddp.shipping import shm_dir
 from nbddp.worker.monitor import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL
@@ -104,6 +104,10 @@ def stacks(timeout: float = STACKS_TIMEOUT_S) -> RankStacks:
     group = s.group
     if not s.started or group is None:
         raise NotStartedError("no workers are running, so there are no stacks; start them with nbddp.start()")
+    problem = s.workers.controller_problem()
+    if problem is not None:
+        raise ClusterError(f"{problem}, so the workers cannot be asked for their stacks. Run nbddp.restart() to "
+                           "start fresh workers.")
     return collect(s, list(group.placements), busy_ars(s), timeout)
 
 

@@ -353,6 +353,8 @@ def test_a_controller_that_dies_during_a_fit_fails_it_within_seconds_and_restart
         nbddp.run(os.getpid)
     next_call = time.monotonic() - t0
     assert next_call < 5
+    with pytest.raises(ClusterError, match=r"has exited, so the workers cannot be asked for their stacks.*restart"):
+        nbddp.stacks()
     restart_s = _restart_and_fit(workers)
     assert _gone(engines + killed, 10) == [], "a process of the old cluster was left behind"
     record_time("controller killed during a fit", report_s=reported, next_call_s=next_call, restart_s=restart_s)
