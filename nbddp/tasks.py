@@ -154,7 +154,6 @@ class RankTasks:
             return WorkerDied(head, how, tail, others, note)
         return WorkerError(head, others, note)
 
-
     def _last_stacks(self) -> str:
         """Where each rank was last seen waiting (the heartbeats' stacks), labelled by rank."""
         stacks = self.stalls.watch.stacks()

@@ -305,6 +305,51 @@ def test_a_cell_that_skips_a_collective_shows_the_stall_and_an_interrupt_replace
     record_time("%%ddp cell skipped a collective, interrupt", stop_s=stopped)
 
 
+# --------------------------------------------------------------------------- nbddp.run and scripts
+
+NAPPING_SCRIPT = """
+import time
+
+def napping():
+    time.sleep(4)
+
+napping()
+"""
+
+
+def napping() -> int:
+    time.sleep(4)
+    return rank()
+
+
+@pytest.mark.parametrize("how", ["run", "script"])
+def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
+    found: dict = {}
+
+    def take_stacks() -> None:
+        _wait_for(lambda: workers.running is not None and workers.running.tasks is not None, what="the call")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        found["stacks"] = nbddp.stacks()
+        found["stacks_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=take_stacks, daemon=True)
+    thread.start()
+    if how == "run":
+        assert nbddp.run(napping) == [0, 1]
+    else:
+        script = tmp_path / "nap.py"
+        script.write_text(NAPPING_SCRIPT)
+        assert [r.exit_code for r in nbddp.run_script(str(script))] == [0, 0]
+    thread.join(30)
+    stacks = found["stacks"]
+    assert found["stacks_s"] < 5
+    for entry in stacks:
+        assert entry.state == "busy" and "in napping" in entry.text, entry
+    if how == "script":
+        assert "time.sleep(4)" in stacks[0].text, "a script's own lines (its file is on this machine)"
+
+
 # --------------------------------------------------------------------------- a dead controller
 
 
