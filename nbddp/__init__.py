@@ -30,6 +30,7 @@ __all__ = [
     "find_batch_size",
     "scaling_report",
     "FSDP",
+    "stacks",
     "History",
     "FitHandle",
     "NbddpError",
@@ -39,6 +40,7 @@ __all__ = [
     "ShippingError",
     "WorkerError",
     "WorkerDied",
+    "WorkerStalled",
     "__version__",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -60,6 +62,7 @@ _LAZY = {
     "find_batch_size": "nbddp.batchsize",
     "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
+    "stacks": "nbddp.rank_stacks",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -69,6 +72,7 @@ _LAZY = {
     "ShippingError": "nbddp.errors",
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
+    "WorkerStalled": "nbddp.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,12 +80,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.batchsize import find_batch_size
     from nbddp.cells import pull, push, run_cell
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
-                              WorkerError)
+                              WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scaling import scaling_report
     from nbddp.scripts import run_script
     from nbddp.sharding import FSDP
+    from nbddp.rank_stacks import stacks
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from nbddp.handle import FitHandle
 from nbddp.history import History
 from nbddp.session import get_session
+from nbddp.start_options import check_stall_timeout
 from nbddp.waiting import wait_interruptibly
 
 
@@ -88,7 +89,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
              val_every: int | str | None = None, strategy: Any = "ddp", activation_checkpointing: Any = False,
              keep: str | None = None, return_weights: bool = True, block: bool = True,
-             live: bool | str | None = None, **advanced: Any) -> History | FitHandle:
+             live: bool | str | None = None, stall_timeout: float | None = None,
+             **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -154,6 +156,11 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             dashboard go on while the notebook stays usable.
         live: ``None`` (automatic: dashboard in Jupyter, text elsewhere),
             ``True``, ``False`` (show nothing), ``"widget"`` or ``"text"``.
+        stall_timeout: seconds a rank may go without progress (each rank
+            reports its step, micro-batch and phase about once a second)
+            before the fit fails with ``WorkerStalled``; the stalled ranks are
+            replaced. Default: ``nbddp.start(stall_timeout=...)``, else None
+            (a stall is shown live, with the rank's stack, never fatal).
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -168,6 +175,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         TypeError, ValueError: bad arguments, before any worker starts work.
         WorkerError: a rank failed (``.rank``, ``.remote_traceback``).
         WorkerDied: a worker process died (pid, signal, log tail).
+        WorkerStalled: a rank made no progress for ``stall_timeout`` seconds (``.stacks``).
     """
     from nbddp.fitting import FitRun
     from nbddp.live import choose_view
@@ -175,6 +183,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
 
     if not isinstance(block, bool):
         raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
+    stall_timeout = check_stall_timeout(stall_timeout, "dist_fit")
     view = choose_view(live)
     if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
         from nbddp.batchsize import find_batch_size
@@ -196,7 +205,9 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
                        metrics=metrics, step_fn=step_fn, batch_size=batch_size, keep=keep,
                        return_weights=return_weights, **options)
-        run_ = FitRun(s, plan, view)
+        if stall_timeout is None and s.options is not None:
+            stall_timeout = s.options.stall_timeout
+        run_ = FitRun(s, plan, view, stall_timeout)
         try:
             run_.launch()
         except BaseException:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import linecache
 from typing import Any
 
 from nbddp import shipping
@@ -43,7 +44,9 @@ def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) 
     if not isinstance(code, str):
         raise TypeError(f"run_cell(code=...) takes the cell's source as a str, got {type(code).__name__}")
     number = next(_CELL_NUMBERS)
-    ast.parse(code, filename=CELL_FILENAME.format(n=number))  # a SyntaxError is raised here, before any rank runs
+    filename = CELL_FILENAME.format(n=number)
+    ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # nbddp.stacks() shows its lines
     s = get_session()
     s.ensure_started()
     job = Job(s, "%%ddp cell", ranks)

@@ -50,6 +50,7 @@ class Workers:
         self.pids: dict[int, int] = {}  # engine id -> pid, as the engines reported it (session's probes)
         self.reaper = Reaper()
         self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
+        self.controller_helpers: list[Any] = []  # psutil.Process of the controller's schedulers (owned clusters)
 
     # ---- construction ---------------------------------------------------
     @classmethod
@@ -92,6 +93,7 @@ class Workers:
             workers.stop()
             raise
         if workers.owned:
+            workers.controller_helpers = _children(getattr(cluster.controller, "process", None))
             workers.reaper.start(workers.all_pids(), file_prefix)
         return workers
 
@@ -164,16 +166,11 @@ class Workers:
         """
         controller = getattr(self.cluster, "controller", None) if self.owned else None
         process = getattr(controller, "process", None)
-        if process is not None:
-            import psutil
-
-            try:
-                if process.status() == psutil.STATUS_ZOMBIE:
-                    return f"the ipyparallel controller (pid {process.pid}) has exited"
-            except psutil.NoSuchProcess:
-                return f"the ipyparallel controller (pid {process.pid}) has exited"
-            except psutil.Error:
-                pass
+        if process is not None and not _running(process):
+            return f"the ipyparallel controller (pid {process.pid}) has exited"
+        for helper in self.controller_helpers:  # its schedulers and queues: without any one, no task gets through
+            if not _running(helper):
+                return f"a process of the ipyparallel controller (its scheduler, pid {helper.pid}) has exited"
         host, port = self.controller_endpoint()
         if port is None:
             return None
@@ -240,6 +237,11 @@ class Workers:
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
+    def kill_all(self) -> None:
+        """SIGKILL every engine this session launched, with its nanny (when the controller is gone, nothing else can)."""
+        for pid in self.launcher_pids():
+            _kill_tree(pid, wait_s=0.0)  # a killed nanny may stay a zombie where nobody reaps orphans
+
     def signal(self, engine_ids: list[int], signum: int) -> None:
         if engine_ids:
             self.client.send_signal(signum, targets=engine_ids, block=False)
@@ -283,10 +285,32 @@ class Workers:
         controller = getattr(self.cluster, "controller", None)
         if controller is not None and getattr(controller, "pid", None):
             pids.append(controller.pid)
+        pids += [h.pid for h in self.controller_helpers if _running(h)]  # orphaned if the controller was killed
         return pids
 
 
-def _kill_tree(pid: int) -> None:
+def _running(process: Any) -> bool:
+    """Whether a psutil.Process is still that process and has not exited (a zombie has)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _children(process: Any) -> list[Any]:
+    import psutil
+
+    if process is None:
+        return []
+    try:
+        return psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_tree(pid: int, wait_s: float = 3.0) -> None:
     import psutil
 
     try:
@@ -299,4 +323,5 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=3)
+    if wait_s > 0:
+        psutil.wait_procs(procs, timeout=wait_s)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbddp.messages import innermost_frames
+
 
 class NbddpError(RuntimeError):
     """Base class of errors raised by nbddp itself (not by bad arguments)."""
@@ -123,3 +125,40 @@ class WorkerDied(WorkerError):
             out.append(f"--- last lines of rank {self.rank}'s engine log ---")
             out.extend(self.log_tail.rstrip("\n").splitlines())
         return out
+
+
+class WorkerStalled(WorkerError):
+    """A rank made no progress for ``stall_timeout`` seconds (blocked I/O, an endless loop, a skipped collective).
+
+    Attributes, besides ``WorkerError``'s (``rank`` is the first stalled rank):
+        ranks: every stalled rank.
+        stacks: rank -> that rank's Python stack when the fit was failed (innermost frame last), for the
+            stalled ranks and for the ranks that were waiting for them.
+    """
+
+    def __init__(self, failure: RankFailure, ranks: list[int], stacks: dict[int, str],
+                 others: list[RankFailure] | None = None, note: str = ""):
+        self.ranks = list(ranks)
+        self.stacks = dict(stacks)
+        super().__init__(failure, others, note)
+
+    def _summary(self) -> str:
+        text = super()._summary()
+        inner = innermost_frames(self.stacks.get(self.rank, ""))
+        if inner:
+            text += f"\nrank {self.rank} is here (innermost frames):\n{inner}"
+        return text
+
+    def _render_traceback_(self) -> list[str]:
+        red, reset = "\x1b[0;31m", "\x1b[0m"
+        out = [f"{red}{type(self).__name__}{reset}: {self.failure.headline()}"]
+        for other in self.others:
+            out.append(f"  also stalled: {other.headline()}")
+        for rank in sorted(self.stacks, key=lambda r: (r not in self.ranks, r)):
+            label = "stalled" if rank in self.ranks else "waiting"
+            out.append(f"--- stack of rank {rank} ({label}) ---")
+            out.extend((self.stacks[rank] or "  (no Python stack came back)").rstrip("\n").splitlines())
+        if self.note:
+            out.append(self.note)
+        return out
+

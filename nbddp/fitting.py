@@ -19,6 +19,7 @@ from nbddp.history import History
 from nbddp.live.state import LiveState
 from nbddp.messages import PUBLISH_KEYS, FitResult, RankInfo
 from nbddp.preflight import FitPlan
+from nbddp.stalls import StuckStop
 from nbddp.tasks import RankTasks
 
 HARD_STOP_WAIT_S = 30.0
@@ -27,10 +28,11 @@ HARD_STOP_WAIT_S = 30.0
 class FitRun:
     """One fit in flight: tasks on every rank, a watcher thread, the live view."""
 
-    def __init__(self, session: Any, plan: FitPlan, view: Any):
+    def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None):
         self.session = session
         self.plan = plan
         self.view = view
+        self.stall_timeout = stall_timeout  # seconds without progress that fail the fit (WorkerStalled)
         self.history = History(world_size=session.world_size, batch_size=plan.cfg.batch_size)
         self.error: BaseException | None = None
         self.done_event = threading.Event()
@@ -64,10 +66,11 @@ class FitRun:
 
         s = self.session
         plan = self.plan
+        s.follow_kernel_paths()
         ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, plan.parcels[p.local], plan.cfg, plan.launch,
                                                          plan.model_parcels.get(p.local))
                for p in s.placements}
-        self.tasks = RankTasks(s, ars, "dist_fit")
+        self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
         s.running = self
         self.view.start(self)
         self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
@@ -79,6 +82,8 @@ class FitRun:
             return
         self.stop_requested = True
         self.live_state.status = "stopping"
+        if self.tasks is not None:  # a rank that stalled cannot take the stop: it is killed after a grace
+            self.tasks.stalls.stop_at = time.monotonic()
         if self._training_started:
             self._send_stop()
         # else: sent by _stream when rank 0 first reports. Before that a rank may not yet have
@@ -100,6 +105,16 @@ class FitRun:
 
     # ---- watcher thread --------------------------------------------------------
     def _stream(self) -> None:
+        """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
+        self._take_records()
+        stalls = self.tasks.stalls
+        stalls.tick()
+        self.live_state.stalled = list(stalls.stalled)
+        self.live_state.positions = stalls.watch.positions()
+        if self._training_started or self.live_state.stalled:
+            self.view.update(self)
+
+    def _take_records(self) -> None:
         """Take new records from rank 0's published data (seq + window)."""
         data = getattr(self.tasks.ars.get(0), "data", None) or {}
         plan = data.get(PUBLISH_KEYS["plan"]) if isinstance(data, dict) else None
@@ -126,12 +141,16 @@ class FitRun:
             if seq == self._seen:
                 self.history.add(kind, record)
                 self._seen = seq + 1
-        self.view.update(self)
 
     def _watch(self) -> None:
         try:
             results = self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
             self._finish(results)
+        except StuckStop as exc:  # stopped, but a stalled rank could not: its weights never came back
+            self.session.resident.clear()
+            self.history.status = self.live_state.status = "interrupted"
+            self.tasks.stalls.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
+                                     "this call; History.status is 'interrupted'.")
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             self.error = exc
             if self.hard_stopped:
@@ -141,7 +160,8 @@ class FitRun:
             self.history.status = "failed"
             self.live_state.status = "failed" if not self.hard_stopped else "interrupted"
         finally:
-            self.session.running = None
+            if self.session.running is self:  # (a restart may have begun other work since)
+                self.session.running = None
             self.plan.discard()
             try:  # before done_event: a blocking cell returns only once the final state is drawn
                 self.view.finish(self)

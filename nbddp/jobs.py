@@ -7,16 +7,20 @@ contract of ``tasks.RankTasks``: the first failing rank is raised as a
 
 Kernel > Interrupt: the first one is forwarded to the ranks still running as
 SIGINT (a ``KeyboardInterrupt`` in their code, as in a local cell); the
-second kills them, and the supervisor replaces them.
+second kills them, and the supervisor replaces them. A rank that stalled
+(``stalls``: stuck in a collective or in C code, where SIGINT cannot land)
+is killed a short grace after the first.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 from nbddp.errors import WorkerError
+from nbddp.stalls import StuckStop
 from nbddp.tasks import RankTasks
 from nbddp.waiting import is_interrupt
 
@@ -46,6 +50,7 @@ class Job:
     def request_stop(self) -> None:
         """Forward an interrupt to the ranks still running."""
         self.interrupted = True
+        self.tasks.stalls.stop_at = time.monotonic()
         by_rank = self.session.group.by_rank()
         self.session.workers.signal([by_rank[r].engine_id for r in self.tasks.pending if r in by_rank], signal.SIGINT)
 
@@ -66,6 +71,7 @@ class Job:
         """
         s = self.session
         chosen = placements_for(s, self.ranks)
+        s.follow_kernel_paths()
         self.tasks = RankTasks(s, {p.rank: submit(p) for p in chosen}, self.what)
         s.running = self
         return chosen
@@ -77,6 +83,8 @@ class Job:
             while True:
                 try:
                     return self.tasks.wait(on_tick=on_tick)
+                except StuckStop as exc:
+                    raise KeyboardInterrupt(f"{self.what} interrupted: {exc}") from None
                 except BaseException as exc:
                     if not is_interrupt(exc):
                         raise

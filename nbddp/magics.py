@@ -8,6 +8,7 @@
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
 ``%ddp pull NAME... [--rank R]``             ``nbddp.pull(NAME, ..., rank=R)``
 ``%ddp script PATH [ARGS...]``               ``nbddp.run_script(PATH, *ARGS)``
+``%ddp stacks [--timeout S]``                ``nbddp.stacks()``: every rank's stack now
 ``%%ddp [--ranks 0,2] [--no-stream]``        ``nbddp.run_cell(cell, ranks, stream=...)``
 ==========================================  =====================================
 
@@ -69,6 +70,11 @@ def _push(): """Send notebook variables to every rank's %%ddp namespace."""  # n
 def _script(): """Run a script written for torchrun on every rank; the same as nbddp.run_script()."""  # noqa: E704
 
 
+@magic_arguments("%ddp stacks")
+@argument("--timeout", type=float, default=5.0, help="seconds to wait for the ranks' answers (default 5)")
+def _stacks(): """Every rank's current Python stack, even inside a collective; the same as nbddp.stacks()."""  # noqa: E704
+
+
 @magic_arguments("%%ddp")
 @argument("--ranks", default=None, help="comma-separated ranks to run on, e.g. 0,2 (default: all)")
 @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends, grouped by rank")
@@ -76,7 +82,7 @@ def _cell(): """Run the cell on every rank (or the --ranks given)."""  # noqa: E
 
 
 _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push,
-                "script": _script}
+                "script": _script, "stacks": _stacks}
 
 
 def usage() -> str:
@@ -106,7 +112,7 @@ def parse_ranks(text: str | None) -> list[int] | None:
 class DDPMagics(Magics):
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> None:
-        """Drive the DDP workers: %ddp start|stop|status|restart|pull|push, or %%ddp to run a cell on every rank."""
+        """Drive the DDP workers: %ddp start|stop|status|restart|pull|push|script|stacks, or %%ddp on every rank."""
         if cell is not None:
             args = parse_argstring(_cell, line)
             self._run_cell(cell, args)
@@ -177,6 +183,11 @@ class DDPMagics(Magics):
         from nbddp.scripts import run_script
 
         run_script(args.path, *args.args)
+
+    def _do_stacks(self, args: Any) -> None:
+        from nbddp.rank_stacks import stacks
+
+        _show(stacks(timeout=args.timeout))
 
     def _do_pull(self, args: Any) -> None:
         from nbddp.cells import pull

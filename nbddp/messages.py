@@ -32,7 +32,7 @@ PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat",
 
 # the phases a rank reports in its heartbeat, in the order one micro-batch goes through them
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "collective", "validation", "checkpoint",
-          "finish", "cell", "script", "call")
+          "finish", "cell", "script", "call", "push")
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,15 @@ class StackDump:
     busy: bool
     text: str  # the main thread's Python stack, innermost frame last
     source: str  # "traceback" (sampled by the monitor thread), "faulthandler" or "idle"
+
+
+def innermost_frames(stack: str, frames: int = 3) -> str:
+    """The last ``frames`` frames of a formatted stack (``Beat.stack``, ``StackDump.text``), as text."""
+    lines = stack.rstrip("\n").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("File ")]
+    if not starts:
+        return ""
+    return "\n".join(lines[starts[-frames:][0]:])
 
 
 @dataclass(frozen=True)

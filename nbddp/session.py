@@ -149,11 +149,12 @@ class Session:
         self.supervisor.wait(raise_error=False)
         with self.lock:
             if self.workers is not None:
-                if not self.workers.owned:
-                    self._group_former().leave()
+                if not self.workers.owned and self.workers.controller_problem() is None:
+                    self._group_former().leave()  # (through a dead controller it would never return)
                 self.workers.stop()
             self.workers = None
             self.group = None
+            self.running = None  # whatever ran on them is over
             self._former = None
             self.stopped_explicitly = True
             self.send_pool.close()
@@ -211,10 +212,12 @@ class Session:
         if problem is not None:
             raise ClusterError(f"{problem}, so the workers cannot be reached. Run nbddp.restart() to start fresh "
                                "workers (the old ones are stopped first), or nbddp.stop().")
-        self._follow_kernel_paths()
 
-    def _follow_kernel_paths(self) -> None:
-        """Workers on this host import from the kernel's ``sys.path`` and work in its folder (when they changed)."""
+    def follow_kernel_paths(self) -> None:
+        """Workers on this host import from the kernel's ``sys.path`` and work in its folder (when they changed).
+
+        Called right before work is launched (every check passed), so a refused call sends nothing.
+        """
         from nbddp.worker.freshness import follow_paths
 
         paths = [p for p in sys.path if p and os.path.isdir(p)]

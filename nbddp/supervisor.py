@@ -65,6 +65,20 @@ class Supervisor:
         self._thread = threading.Thread(target=self._heal_thread, args=(list(killed),), name="nbddp-heal", daemon=True)
         self._thread.start()
 
+    def controller_lost(self, problem: str, what: str) -> ClusterError:
+        """The controller is gone, so no result can come back and no engine can be replaced.
+
+        Kills the engines this session started (they would wait for a controller that never
+        answers); returns the error to raise. ``nbddp.restart()`` starts afresh.
+        """
+        workers = self.session.workers
+        killed = ""
+        if workers is not None and workers.owned:
+            workers.kill_all()
+            killed = " The engines this kernel started were stopped."
+        return ClusterError(f"{problem} while {what} ran, so its results cannot come back.{killed} "
+                            "Run nbddp.restart() to start fresh workers (or nbddp.stop()).")
+
     # ---- healing ------------------------------------------------------------
     def _heal_thread(self, killed: list[int]) -> None:
         s = self.session

@@ -8,7 +8,12 @@ This is the fault contract's kernel half (``design.md``):
   a short grace (they fail too, or finish); ranks still running after it are
   stuck in a collective that no signal can break (gloo/NCCL wait in C++);
 * a failure a rank raised deliberately because *another* rank failed
-  (``PeerFailed``) is never the headline.
+  (``PeerFailed``) is never the headline;
+* every rank's heartbeat is watched (``stalls.StallGuard``): stalled ranks
+  are shown, and fail the work after a ``stall_timeout``; a process-group
+  timeout's error carries the ranks' last stacks;
+* about once a second the controller is checked: when it died, the wait
+  fails within seconds instead of hanging (``Supervisor.controller_lost``).
 
 ``fail()`` builds the error to raise; killing the stuck ranks and replacing
 them is the supervisor's (``supervisor.Supervisor.recover``).
@@ -16,18 +21,27 @@ them is the supervisor's (``supervisor.Supervisor.recover``).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable
 
 from nbddp.errors import RankFailure, WorkerDied, WorkerError
+from nbddp.stalls import StallGuard
 
 GRACE_S = 1.5
+CONTROLLER_CHECK_S = 1.0
 PEER_FAILED = "PeerFailed"
+_TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)  # gloo's "Timed out waiting ...", NCCL's watchdog "timeout"
 
 
 class RankTasks:
-    def __init__(self, session: Any, ars: dict[int, Any], what: str):
-        """``ars``: rank -> the ``AsyncResult`` of that rank's task; ``what`` names the work in messages."""
+    def __init__(self, session: Any, ars: dict[int, Any], what: str, fit: bool = False,
+                 stall_timeout: float | None = None):
+        """``ars``: rank -> the ``AsyncResult`` of that rank's task; ``what`` names the work in messages.
+
+        ``fit``: the ranks mark their progress (``dist_fit``), rather than being sampled;
+        ``stall_timeout``: seconds without progress that fail the work (``WorkerStalled``).
+        """
         self.session = session
         self.ars = ars  # rank -> AsyncResult
         self.what = what
@@ -35,6 +49,8 @@ class RankTasks:
         self.failures: dict[int, tuple[float, BaseException]] = {}
         self.first_failure_at: float | None = None
         self.finished = False
+        self.stalls = StallGuard(session, self, fit=fit, stall_timeout=stall_timeout)
+        self._next_check = time.monotonic() + CONTROLLER_CHECK_S
 
     @property
     def pending(self) -> list[int]:
@@ -62,6 +78,8 @@ class RankTasks:
             while not self.poll():
                 if on_tick is not None:
                     on_tick()
+                self.stalls.tick()
+                self._check_controller()
                 self._sleep(tick_s)
             if on_tick is not None:
                 on_tick()
@@ -70,6 +88,17 @@ class RankTasks:
         if self.failures:
             raise self.fail()
         return self.results
+
+    def _check_controller(self) -> None:
+        """A dead controller never delivers a result: fail fast, naming it (checked every ~1 s, milliseconds each)."""
+        now = time.monotonic()
+        workers = self.session.workers
+        if now < self._next_check or workers is None:
+            return
+        self._next_check = now + CONTROLLER_CHECK_S
+        problem = workers.controller_problem()
+        if problem is not None:
+            raise self.session.supervisor.controller_lost(problem, self.what)
 
     def _sleep(self, tick_s: float) -> None:
         # wait on any pending result rather than sleeping blindly: returns early when one finishes
@@ -83,6 +112,7 @@ class RankTasks:
     def fail(self) -> WorkerError:
         """Kill stuck ranks, hand the rest to the supervisor, and build the error to raise."""
         stuck = self.pending
+        self.stalls.tick(force=True)  # the last beats: a process-group timeout's error shows where every rank was
         placements = self.session.group.by_rank()
         workers = self.session.workers
         supervisor = self.session.supervisor
@@ -113,6 +143,8 @@ class RankTasks:
                 f"`ipcluster engines -n {len(killed)}` (same --profile/--cluster-id), then call nbddp.restart()")) if x)
         elif died and not stuck:
             note = "a replacement worker is starting; the next call waits for it"
+        if _TIMEOUT.search(head.message):
+            note = "\n".join(x for x in (note, self._last_stacks()) if x)
         # Any failure may leave a rank's process group unusable (a collective that
         # timed out or was cut short cannot be resumed), and the kernel cannot tell
         # which: rebuild the group as a new generation, replacing killed engines.
@@ -121,6 +153,13 @@ class RankTasks:
             how, tail = died[head.rank]
             return WorkerDied(head, how, tail, others, note)
         return WorkerError(head, others, note)
+
+    def _last_stacks(self) -> str:
+        """Where each rank was last seen waiting (the heartbeats' stacks), labelled by rank."""
+        stacks = self.stalls.watch.stacks()
+        if not stacks:
+            return ""
+        return "the ranks' last stacks:\n" + "\n".join(f"[rank {r}]\n{stacks[r].rstrip()}" for r in sorted(stacks))
 
 
 def _finished_at(ar: Any) -> float:

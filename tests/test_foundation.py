@@ -16,10 +16,10 @@ import nbddp
 from nbddp.errors import NotStartedError
 
 
-PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "History",
-          "FitHandle", "export_checkpoint", "FSDP", "find_batch_size", "scaling_report",
+PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "stacks",
+          "History", "FitHandle", "export_checkpoint", "FSDP", "find_batch_size", "scaling_report",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "ShippingError", "WorkerError",
-          "WorkerDied", "__version__", "load_ipython_extension", "unload_ipython_extension"}
+          "WorkerDied", "WorkerStalled", "__version__", "load_ipython_extension", "unload_ipython_extension"}
 
 
 class Net(nn.Module):

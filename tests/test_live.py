@@ -209,12 +209,13 @@ def test_text_view_prints_progress_and_summary():
 
 def _bare_run():
     from nbddp.fitting import FitRun
+    from nbddp.tasks import RankTasks
 
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[])
     plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1))
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})
-    run.tasks = SimpleNamespace(ars={0: ar})
+    run.tasks = RankTasks(session, {0: ar}, "dist_fit", fit=True)
     return run, ar
 
 

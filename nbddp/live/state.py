@@ -22,6 +22,8 @@ class LiveState:
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's latest figures
     missed: int = 0  # records the stream skipped (the final result fills them in)
     stalled: list[dict[str, Any]] = field(default_factory=list)  # ranks that stopped advancing, with their stacks
+    # every rank's latest heartbeat: {rank, phase, step, micro, idle_s} (stalls.StallWatch.positions)
+    positions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total_steps(self) -> int:

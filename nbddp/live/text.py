@@ -49,6 +49,18 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"
 
 
+def rank_positions(state: Any) -> str:
+    """Where every rank is, from its heartbeat: ``"0: step 3 backward · 1: step 3 data, stalled 12 s"``."""
+    stalled = {s["rank"]: s for s in state.stalled}
+    parts = []
+    for pos in state.positions:
+        text = f"{pos['rank']}: step {pos['step']} {pos['phase']}"
+        if pos["rank"] in stalled:
+            text += f", stalled {stalled[pos['rank']]['idle_s']:.0f} s"
+        parts.append(text)
+    return " · ".join(parts)
+
+
 def progress_line(run: Any) -> str:
     f = progress_fields(run)
     parts = [f"[{f['status']}]", f"step {f['step']}/{f['total'] or '?'}", f"epoch {f['epoch'] + 1}/{f['epochs'] or '?'}"]
@@ -58,6 +70,10 @@ def progress_line(run: Any) -> str:
     if f["samples_per_s"]:
         parts.append(f"{f['samples_per_s']:.0f} samples/s")
     parts.append(f"{fmt_time(f['elapsed'])}" + (f" (ETA {fmt_time(f['eta'])})" if f["eta"] is not None else ""))
+    ended = getattr(run, "finished", False) or f["status"] in ("completed", "interrupted", "failed")
+    positions = "" if ended else rank_positions(run.live_state)
+    if positions:
+        parts.append(f"ranks {positions}")
     return "  ".join(parts)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from nbddp.live.plot import LossPlot
 from nbddp.live.text import fmt_bytes, fmt_time, progress_fields
+from nbddp.messages import innermost_frames
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
@@ -81,16 +82,19 @@ def rank_rows(run: Any) -> list[dict[str, Any]]:
     state = run.live_state
     figures = {r["rank"]: r for r in state.ranks or []}
     stalled = {s["rank"]: s for s in state.stalled}
+    positions = {pos["rank"]: pos for pos in state.positions}
     rows = []
     for p in state.placements:
         fig = figures.get(p.rank, {})
+        pos = positions.get(p.rank)
         rows.append({"rank": p.rank, "host": p.host, "device": p.device, "samples_per_s": fig.get("samples_per_s"),
                      "peak_mem": fig.get("peak_mem"), "param_bytes": fig.get("param_bytes"),
-                     "cuda_reserved": fig.get("cuda_reserved"), "stalled": stalled.get(p.rank)})
+                     "cuda_reserved": fig.get("cuda_reserved"), "stalled": stalled.get(p.rank),
+                     "at": f"step {pos['step']} · {pos['phase']}" if pos else "-"})
     return rows
 
 
-RANK_COLUMNS = (("rank", "right"), ("host", "left"), ("device", "left"), ("samples/s", "right"),
+RANK_COLUMNS = (("rank", "right"), ("host", "left"), ("device", "left"), ("at", "left"), ("samples/s", "right"),
                 ("peak memory", "right"), ("parameters", "right"))
 
 
@@ -104,13 +108,25 @@ def rank_table_html(rows: list[dict[str, Any]]) -> str:
         if r.get("stalled"):
             sps = f"<span style='color:#d62728'>stalled {r['stalled']['idle_s']:.0f} s</span>"
         cells = [(str(r["rank"]), "right"), (html.escape(str(r["host"])), "left"), (html.escape(str(r["device"])), "left"),
-                 (sps, "right"), (fmt_bytes(r["peak_mem"]), "right"), (fmt_bytes(r.get("param_bytes")), "right")]
+                 (html.escape(r.get("at", "-")), "left"), (sps, "right"), (fmt_bytes(r["peak_mem"]), "right"), (fmt_bytes(r.get("param_bytes")), "right")]
         if cuda:
             cells.append((fmt_bytes(r.get("cuda_reserved")), "right"))
         body.append("<tr>" + "".join(f"<td style='padding:0 6px;text-align:{a};white-space:nowrap'>{c}</td>"
                                      for c, a in cells) + "</tr>")
     return (f"<table class='nbddp-ranks' style='font-size:12px;border-collapse:collapse'><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def stalls_html(state: Any) -> str:
+    """Each stalled rank: how long, where in the loop, and the innermost frames of its stack."""
+    out = []
+    for s in state.stalled:
+        where = f"{html.escape(s['phase'])}" + (f" (step {s['step']}, micro-batch {s['micro']})" if s["micro"] else "")
+        frames = innermost_frames(s.get("stack") or "")
+        out.append(f"<div class='nbddp-stall' style='color:#d62728;font-size:12px'>rank {s['rank']} stalled "
+                   f"{s['idle_s']:.0f} s in {where}</div>"
+                   + (f"<pre style='font-size:11px;margin:0 0 4px 0'>{html.escape(frames)}</pre>" if frames else ""))
+    return "".join(out)
 
 
 def status_html(run: Any, status: str) -> str:
@@ -178,6 +194,7 @@ class WidgetView:
         self.metrics = w.HTML(value="")
         self.image = w.Image(format="png", layout=w.Layout(width="480px", min_height="60px"))
         self.ranks = w.HTML(value="")
+        self.stalls = w.HTML(value="")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
                                     tooltip="Stop training on every rank at the same step. Works while the notebook is "
                                             "free (dist_fit(..., block=False)); in a blocking cell use Kernel > Interrupt.")
@@ -188,6 +205,7 @@ class WidgetView:
             self.metrics,
             w.HBox([self.image, w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
                    layout=w.Layout(flex_flow="row wrap")),
+            self.stalls,
         ])
         self.box.add_class("nbddp-dashboard")
         self.percent.add_class("nbddp-percent")
@@ -250,7 +268,11 @@ class WidgetView:
         f = progress_fields(run)
         if status == "completed":
             f["fraction"] = 1.0 if f["total"] and f["step"] >= f["total"] else f["fraction"]
+        stalled = run.live_state.stalled if not getattr(run, "finished", False) else []
+        if stalled and status in ("starting", "training", "validating"):
+            status = "stalled"
         self.status.value = status_html(run, status)
+        self.stalls.value = stalls_html(run.live_state) if stalled else ""
         self.bar.value = f["fraction"]
         self.percent.value = f"{f['fraction'] * 100:.0f}%"
         self.progress.value = html.escape(progress_text(f))

@@ -52,7 +52,7 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
     try:
-        with user_task(generation):
+        with user_task(generation, "cell"):
             exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)  # noqa: S307
@@ -65,7 +65,7 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
 
 def push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     """Put the shipped ``{name: value}`` into this worker's namespace."""
-    with user_task(generation):
+    with user_task(generation, "push"):
         values = shipping.unpack(parcel)
     _namespace().update(values)
     return sorted(values)

@@ -29,7 +29,7 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel:
     from nbddp.worker import loop
 
     try:
-        with user_task(launch.generation), stop_on_sigint():
+        with user_task(launch.generation, "fit"), stop_on_sigint():
             result, ts = loop.fit(parcel, cfg, launch, model_parcel)
         if launch.keep:
             STATE.namespace[launch.keep] = ts.strategy.module
@@ -75,7 +75,7 @@ def _host_cores() -> Iterator[None]:
 
 def call_task(parcel: shipping.Parcel, generation: int) -> shipping.Parcel:
     """``nbddp.run``: call the shipped function with the process group ready."""
-    with user_task(generation):
+    with user_task(generation, "call"):
         fn, args, kwargs = shipping.unpack(parcel)
         result = fn(*args, **kwargs)
     return shipping.pack(result, what=f"the result of {getattr(fn, '__name__', 'the function')}",

@@ -97,6 +97,11 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
             STATE.return_pool.close()
         STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
         STATE.return_pool = BufferPool(prefix=f"{STATE.file_prefix}-r", keep=1)
+    if STATE.file_prefix:  # SIGUSR1 -> every thread's stack, for nbddp.stacks(); removed with the session's files
+        from nbddp.shipping import shm_dir
+        from nbddp.worker.monitor import enable_stack_dumps
+
+        enable_stack_dumps(os.path.join(shm_dir(), f"{STATE.file_prefix}-stacks"))
     STATE.namespace.update(rank=placement.rank, local_rank=placement.local_rank, world_size=placement.world_size,
                            device=torch.device(placement.device))
     torchrun.apply_environment(placement, master)

@@ -34,11 +34,15 @@ from nbddp.worker import setup
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.data import SkipSampler
 from nbddp.worker.prefetch import prefetch
+from nbddp.worker.monitor import BEAT
 from nbddp.worker.report import Reporter
 from nbddp.worker.state import STATE
 from nbddp.worker.trainstate import TrainState
 from nbddp.worker.usage import peak_memory, reset_peak_memory
 from nbddp.worker.validate import validate
+
+
+_END = object()  # the end of an epoch's batches
 
 
 class PeerFailed(RuntimeError):
@@ -47,6 +51,7 @@ class PeerFailed(RuntimeError):
 
 def agree(error: BaseException | None, device: torch.device, what: str) -> None:
     """All ranks learn whether any rank failed ``what``; all raise together."""
+    BEAT.mark("collective")
     flag = torch.tensor([0.0 if error is None else 1.0], device=device)
     dist.all_reduce(flag)
     if error is not None:
@@ -64,12 +69,14 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     ts = parts = path = None
     error: BaseException | None = None
     try:
+        BEAT.mark("setup")
         ts, parts = setup.build(parcel, cfg, launch, model_parcel)
         path = setup.resume_path(cfg)
     except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
         error = exc
     agree(error, device, "setup")
     try:
+        BEAT.mark("setup")
         setup.wrap_and_restore(ts, parts, path)
     except BaseException as exc:  # noqa: BLE001
         error = exc
@@ -121,7 +128,12 @@ def run_epoch(ts: TrainState) -> bool:
     cfg, rep = ts.cfg, ts.reporter
     first, batches = epoch_batches(ts)
     bi, stopped = first - 1, False
-    for bi, batch in enumerate(batches, start=first):
+    while True:
+        BEAT.micro_batch()  # "data": a rank stuck in its data pipeline shows it
+        batch = next(batches, _END)
+        if batch is _END:
+            break
+        bi += 1
         if not train_micro_batch(ts, bi, batch):
             continue  # inside an accumulation window
         optimizer_step(ts)
@@ -129,6 +141,7 @@ def run_epoch(ts: TrainState) -> bool:
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
         # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
         if rep.due(ts.step) or end_of_epoch or ckpt_due:
+            BEAT.mark("collective")
             if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
                 stopped, ts.status = True, "interrupted"
         if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
@@ -151,10 +164,12 @@ def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
     window_start = bi - bi % accum
     window = min(accum, ts.batches_per_epoch - window_start)
     last_micro = bi - window_start == window - 1
+    BEAT.mark("forward")
     batch = move(batch, ts.device, ts.non_blocking)
     with ts.strategy.gradient_sync(last_micro):
         with ts.autocast():
             loss, n, extras, _, _ = run_batch(ts.strategy.wrapped, batch, ts.loss_fn, ts.step_fn)
+        BEAT.mark("backward")
         scaled = loss.float() if window == 1 else loss.float() / window  # no extra autograd node per step
         (ts.scaler.scale(scaled) if ts.scaler is not None else scaled).backward()
     ts.reporter.add(loss, n, extras)
@@ -163,6 +178,7 @@ def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
 
 def optimizer_step(ts: TrainState) -> None:
     """Clip, step (through the scaler under 16-mixed), zero the gradients, step a per-step scheduler."""
+    BEAT.mark("optimizer")
     opt, scaler = ts.optimizer, ts.scaler
     if ts.cfg.clip_grad_norm is not None:
         if scaler is not None:
@@ -179,6 +195,7 @@ def optimizer_step(ts: TrainState) -> None:
         ts.scheduler.step()
     ts.step += 1
     ts.reporter.steps_since += 1
+    BEAT.step_done(ts.step)
 
 
 def end_epoch(ts: TrainState) -> None:
@@ -197,6 +214,7 @@ def end_epoch(ts: TrainState) -> None:
 
 def save_checkpoint(ts: TrainState, batches_done: int) -> None:
     """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state."""
+    BEAT.mark("checkpoint")
     states: list[Any] = [None] * ts.world
     dist.all_gather_object(states, ckpt.rng_state())
     rep = ts.reporter
@@ -217,6 +235,7 @@ def save_checkpoint(ts: TrainState, batches_done: int) -> None:
 
 def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitResult:
     """The last report, then the full weights for rank 0 (a collective under FSDP)."""
+    BEAT.mark("finish")
     rep = ts.reporter
     rep.status = ts.status
     rep.publish(force=True)

@@ -18,6 +18,7 @@ import types
 from typing import Any, Iterator
 
 from nbddp.messages import ScriptResult
+from nbddp.worker.monitor import monitoring
 from nbddp.worker.state import STATE, check_generation
 from nbddp.worker.torchrun import user_code
 
@@ -57,7 +58,8 @@ def run_script(source: str, path: str, argv: list[str], cwd: str | None, generat
     code = compile(source, path, "exec")
     t0 = time.perf_counter()
     status = 0
-    with user_code(generation), _as_main(path, argv, cwd if STATE.placement.local else None) as namespace:
+    here = cwd if STATE.placement.local else None
+    with monitoring("script"), user_code(generation), _as_main(path, argv, here) as namespace:
         try:
             exec(code, namespace)  # noqa: S102 - running the person's script is the point
         except SystemExit as exc:

@@ -3,8 +3,10 @@
 Fits, ``nbddp.run`` calls, ``%%ddp`` cells, pushes, pulls and scripts all
 run inside ``user_task``: the task is checked against this engine's
 process-group generation, edited modules are reloaded, frameworks see this
-generation's ranks (``worker.torchrun``), and the modules the task imported
-are noted for the next one.
+generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
+is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
+``"cell"``, ``"call"``, ``"script"``, ``"push"``), and the modules the task
+imported are noted for the next one.
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ import contextlib
 from typing import Iterator
 
 from nbddp.worker import freshness, torchrun
+from nbddp.worker.monitor import monitoring
 from nbddp.worker.state import check_generation
 
 
 @contextlib.contextmanager
-def user_task(generation: int | None) -> Iterator[None]:
+def user_task(generation: int | None, phase: str = "call") -> Iterator[None]:
     check_generation(generation)
     freshness.reload_changed()
     try:
-        with torchrun.user_code(generation):
+        with monitoring(phase), torchrun.user_code(generation):
             yield
     finally:
         freshness.note_imported()

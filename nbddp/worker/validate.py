@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from nbddp.worker.batches import move, run_batch
+from nbddp.worker.monitor import BEAT
 from nbddp.worker.trainstate import TrainState
 
 
@@ -47,6 +48,7 @@ def _first_sample_loader(loader: Any) -> Any:
 def validate(ts: TrainState) -> dict[str, Any]:
     """One validation pass; every rank calls it at the same step. Records and returns ``val_*``."""
     rep, module = ts.reporter, ts.strategy.eval_module
+    BEAT.mark("validation")
     rep.status = "validating"
     rep.publish(force=True)
     was_training = module.training
@@ -58,6 +60,7 @@ def validate(ts: TrainState) -> dict[str, Any]:
                else ((b, True) for b in loader))
     with torch.no_grad():
         for batch, counted in batches:
+            BEAT.mark("validation")  # every batch: a long validation is progress, not a stall
             batch = move(batch, ts.device)
             with ts.autocast():
                 loss, n, extras, output, target = run_batch(module, batch, ts.loss_fn, ts.step_fn)
