@@ -131,6 +131,16 @@ def test_the_scaling_report_measures_one_and_two_workers(workers):
     assert nbddp.scaling_report(model, data(), batch_size=16, steps=2, warmup=0, strategy="fsdp").rows[1]["world_size"] == 2
 
 
+def test_a_sharded_fit_after_a_sharded_scaling_report_gathers_its_weights(workers):
+    """The report's subgroups are destroyed; torch's DTensor caches must not send the fit's gather to them."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    nbddp.scaling_report(model, data(), batch_size=16, steps=2, warmup=0, strategy="fsdp")
+    before = [p.detach().clone() for p in model.parameters()]
+    history = nbddp.dist_fit(model, data(), epochs=1, batch_size=16, strategy="fsdp", lr=0.1, live=False)
+    assert history.status == "completed"
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "the gathered weights came back"
+
+
 def test_the_recommendation_reads_the_rows():
     row = {"world_size": 1, "samples_per_s": 100.0, "speedup": 1.0, "efficiency": 1.0, "step_s": 0.1, "comm_share": 0.0,
            "peak_mem": 1}

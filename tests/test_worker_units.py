@@ -128,3 +128,24 @@ def test_a_key_the_worker_does_not_hold_is_a_clear_error():
     assert materialise(DataSpec(key="b"), cache) == "dataset-b"
     with pytest.raises(RuntimeError, match=r"only the key of a resident dataset \(a\).*nbddp.restart\(\)"):
         materialise(DataSpec(key="a"), cache)
+
+
+def test_a_stop_signal_that_lands_after_the_loop_is_a_flag_not_a_keyboard_interrupt():
+    """The kernel signals every rank; one rank's SIGINT may arrive after the group already stopped."""
+    import os
+    import signal
+
+    from nbddp.worker.state import STATE, stop_on_sigint
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # what the engine installs for a task
+    try:
+        with stop_on_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert STATE.stop_requested, "inside the task the signal is a stop request"
+        STATE.stop_requested = False
+        os.kill(os.getpid(), signal.SIGINT)  # late: the rank already left the loop (this raised KeyboardInterrupt)
+        assert STATE.stop_requested
+        with stop_on_sigint():
+            assert not STATE.stop_requested, "the next task starts without the old request"
+    finally:
+        signal.signal(signal.SIGINT, before)

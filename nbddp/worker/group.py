@@ -63,6 +63,7 @@ def _leave_broken_group() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; we replace it anyway
             pass
+        forget_meshes()
     _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
 
 
@@ -122,4 +123,40 @@ def leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        forget_meshes()
     STATE.generation = -1
+
+
+def destroy_subgroup(group: Any) -> None:
+    """Destroy a group made with ``dist.new_group`` and forget the meshes built on it."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches, which hold the ``DeviceMesh`` they were filled for.
+
+    torch caches sharding propagation and redistribution plans by mesh
+    *equality* (the ranks and the layout, not the process group). After a group
+    is destroyed, a new mesh over the same ranks finds an entry that names the
+    dead group, and gathering a sharded state dict fails with "Could not
+    resolve the process group registered under the name N". Measured on torch
+    2.13 with an FSDP scaling report followed by an FSDP fit on the same
+    workers. The caches are per thread; tasks run on the engine's main thread,
+    and so does this.
+    """
+    try:
+        from torch.distributed.tensor import _redistribute, debug
+    except ImportError:  # torch without DTensor: nothing is cached
+        return
+    clear_sharding = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_sharding is not None:
+        clear_sharding()
+    clear_plans = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if clear_plans is not None:
+        clear_plans()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()

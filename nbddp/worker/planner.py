@@ -25,6 +25,7 @@ from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
 from nbddp.worker import setup
 from nbddp.worker.batches import move, run_batch
+from nbddp.worker.group import destroy_subgroup
 from nbddp.worker.loop import optimizer_step
 from nbddp.worker.state import STATE
 from nbddp.worker.task import user_task
@@ -161,5 +162,5 @@ def scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel
                 rows.append(row)
         finally:
             for group in groups.values():
-                dist.destroy_process_group(group)
+                destroy_subgroup(group)
     return rows if rank == 0 else None

@@ -42,19 +42,27 @@ def stop_on_sigint() -> Iterator[WorkerState]:
     SIGINT relayed by the engine's nanny) becomes a flag that the ranks agree
     on at the next synchronisation point. Engine tasks run in the main
     thread, so installing a handler here is allowed.
+
+    The kernel signals every rank at once, but each signal travels on its own
+    (controller, then that engine's nanny): once the first rank's flag has
+    stopped the group, another rank's signal may land after it left the loop,
+    while it packs the weights or notes modules. So on leaving, the handler
+    stays a flag instead of going back to ``KeyboardInterrupt``. The engine
+    puts back its idle handler (which ignores SIGINT) when the task returns,
+    and installs ``KeyboardInterrupt`` again for the next task. Measured in
+    CI: a late signal raised ``KeyboardInterrupt`` in rank 0 after a stop.
     """
     STATE.stop_requested = False
 
     def _handler(signum: int, frame: Any) -> None:
         STATE.stop_requested = True
 
-    old = signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGINT, _handler)
     STATE.busy = True
     try:
         yield STATE
     finally:
         STATE.busy = False
-        signal.signal(signal.SIGINT, old)
 
 
 def check_generation(generation: int | None) -> None:
