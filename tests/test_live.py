@@ -203,6 +203,28 @@ def test_text_view_prints_progress_and_summary():
     assert "ETA" not in progress_line(run)
 
 
+def test_text_view_on_a_terminal_rewrites_one_line_and_ends_with_the_summary_once():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    run = FakeRun(total=10)
+    out = Terminal()
+    view = TextView(stream=out, every=0.0)
+    view.start(run)
+    for step in range(1, 11):
+        run.log(step)
+        view.update(run)
+    run.live_state.status = "completed"
+    run.finished = True
+    view.finish(run)
+    header, rest = out.getvalue().split("\n", 1)
+    assert header == "nbddp: training on 2 rank(s), backend gloo"
+    assert rest.count("\n") == 1 and rest.endswith("\x1b[K\n"), "progress and the summary share one line"
+    shown = rest.split("\r")[-1]  # what the terminal shows after the last carriage return
+    assert shown.startswith("[completed]  step 10/10")
+
+
 # ---------------------------------------------------------------------------
 # the kernel's stream of records (FitRun._stream), with a fake AsyncResult
 

@@ -101,9 +101,8 @@ class TextView:
         self.stream.flush()
 
     def finish(self, run: Any) -> None:
-        if self._tty:
-            self.stream.write("\n")
-        self.stream.write(progress_line(run) + "\n")
+        # on a terminal the final line replaces the last progress line instead of repeating it below
+        self.stream.write(("\r" + progress_line(run) + "\x1b[K\n") if self._tty else progress_line(run) + "\n")
         if run.error is not None:
             self.stream.write(f"nbddp: training failed: {str(run.error).splitlines()[0]}\n")
         self.stream.flush()
