@@ -201,6 +201,8 @@ def workers(_suite_session):
             s.wait_healed(raise_error=True)
         except nbddp.ClusterError:  # a failed heal leaves no usable group: start afresh
             nbddp.stop()
+    if s.started and s.workers is not None and s.workers.controller_problem() is not None:
+        nbddp.stop()  # a test that killed the controller and failed before its restart: do not fail every later test
     if s.started:
         if s.world_size != 2 or s.backend != "gloo":
             nbddp.stop()

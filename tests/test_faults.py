@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import nbddp
+from interrupts import interrupt_when
 from faultkit import (CountingStep, FailingData, FailingLoss, FailingMetric, Net, engine_pids, good_fit, mark,
                       read_mark, record_time, regression_data)
 from nbddp.errors import WorkerDied, WorkerError
@@ -130,29 +131,16 @@ def test_worker_death_reported_within_10s_and_replaced(workers, tmp_path, how):
 # --------------------------------------------------------------------------- row 3: interrupt
 
 
-def _interrupt_main_when(marker_dir: str, steps: int, times: list[float], count: int = 1, gap: float = 0.5) -> threading.Thread:
-    """From a timer thread: SIGINT the main thread (as Kernel > Interrupt does) once rank 0 ran ``steps``."""
-    main = threading.main_thread().ident
+def _rank0_ran(marker_dir: str, steps: int):
+    """A condition for ``interrupt_when``: rank 0's step counter in ``marker_dir`` reached ``steps``."""
     path = os.path.join(marker_dir, "rank0")
 
-    def _go() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if os.path.exists(path) and float(open(path).read()) >= steps:
-                    break
-            except ValueError:
-                pass
-            time.sleep(0.02)
-        for i in range(count):
-            times.append(time.time())
-            signal.pthread_kill(main, signal.SIGINT)
-            if i + 1 < count:
-                time.sleep(gap)
-
-    t = threading.Thread(target=_go, daemon=True)
-    t.start()
-    return t
+    def reached() -> bool:
+        try:
+            return os.path.exists(path) and float(open(path).read()) >= steps
+        except ValueError:  # caught mid-write
+            return False
+    return reached
 
 
 def test_interrupt_stops_every_rank_at_the_same_step(workers, tmp_path):
@@ -161,10 +149,10 @@ def test_interrupt_stops_every_rank_at_the_same_step(workers, tmp_path):
     initial = copy.deepcopy(model)
     step_s = 0.05
     times: list[float] = []
-    _interrupt_main_when(str(tmp_path), 10, times)
     try:
-        h = nbddp.dist_fit(model, regression_data(), batch_size=16, epochs=20, shuffle=False,
-                           step_fn=CountingStep(str(tmp_path), delay=step_s), live=False)
+        with interrupt_when(_rank0_ran(str(tmp_path), 10), timeout=120, on_signal=lambda i: times.append(time.time())):
+            h = nbddp.dist_fit(model, regression_data(), batch_size=16, epochs=20, shuffle=False,
+                               step_fn=CountingStep(str(tmp_path), delay=step_s), live=False)
     except KeyboardInterrupt:  # must never reach the cell on a first interrupt
         pytest.fail("the first interrupt escaped dist_fit instead of stopping it")
     stopped = time.time() - times[0]
@@ -193,9 +181,9 @@ def test_interrupt_also_stops_under_torch_elastics_sigint_handler(workers, tmp_p
     old = signal.signal(signal.SIGINT, _terminate_process_handler)
     try:
         times: list[float] = []
-        _interrupt_main_when(str(tmp_path), 5, times)
-        h = nbddp.dist_fit(Net(), regression_data(), batch_size=16, epochs=20, shuffle=False,
-                           step_fn=CountingStep(str(tmp_path), delay=0.05), live=False)
+        with interrupt_when(_rank0_ran(str(tmp_path), 5), timeout=120, on_signal=lambda i: times.append(time.time())):
+            h = nbddp.dist_fit(Net(), regression_data(), batch_size=16, epochs=20, shuffle=False,
+                               step_fn=CountingStep(str(tmp_path), delay=0.05), live=False)
     finally:
         signal.signal(signal.SIGINT, old)
     assert h.status == "interrupted"
@@ -209,8 +197,9 @@ def test_second_interrupt_hard_stops_and_replaces_workers(workers, tmp_path):
     old_pids = engine_pids(workers)
     times: list[float] = []
     # both ranks stall 60 s in Python at step 5: the first interrupt cannot land soon
-    _interrupt_main_when(str(tmp_path), 5, times, count=2, gap=1.0)
-    with pytest.raises(KeyboardInterrupt, match="killed .*second interrupt.*replaced"):
+    with interrupt_when(_rank0_ran(str(tmp_path), 5), times=2, gap=1.0, timeout=120,
+                        on_signal=lambda i: times.append(time.time())), \
+            pytest.raises(KeyboardInterrupt, match="killed .*second interrupt.*replaced"):
         nbddp.dist_fit(model, regression_data(), batch_size=16, epochs=20,
                        step_fn=CountingStep(str(tmp_path), stall_after=5, stall_s=60), live=False)
     killed = time.time() - times[1]

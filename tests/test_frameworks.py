@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import signal
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 import nbddp
+from interrupts import interrupt_when
 from nbddp import output
 
 pytestmark = pytest.mark.timeout(300)
@@ -288,18 +287,10 @@ def test_interrupt_stops_a_script_on_every_rank(workers, tmp_path, written):
     script = tmp_path / "forever.py"
     script.write_text("import time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.01)\n")
 
-    def fire():
-        deadline = time.monotonic() + 60
-        while sum("looping" in text for _, text in written) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=fire, daemon=True)
-    thread.start()
     pids = [p.pid for p in workers.placements]
-    with pytest.raises(KeyboardInterrupt, match="interrupted on every rank"):
+    with interrupt_when(lambda: sum("looping" in text for _, text in written) >= 2), \
+            pytest.raises(KeyboardInterrupt, match="interrupted on every rank"):
         nbddp.run_script(script)
-    thread.join()
     assert [p.pid for p in workers.placements] == pids, "an interrupt stops the script; nothing is killed"
     assert nbddp.run(lambda: 2) == [2, 2]
 

@@ -370,10 +370,17 @@ def _engine_pids(session) -> list[int]:
     return engines + [c.pid for pid in engines for c in psutil.Process(pid).children(recursive=True)]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # also when it exits between the look-up and the status
+        return False
+
+
 def _gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _alive(p)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)

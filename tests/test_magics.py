@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import threading
 import time
 
 import pytest
 from IPython.core.error import UsageError
 
 import nbddp
+from interrupts import interrupt_when
 from nbddp import health, output
 from nbddp.errors import FitRunningError
 
@@ -118,29 +116,17 @@ def test_exception_on_one_rank_is_raised_quickly_and_the_next_cell_works(ip, wor
     assert sorted(texts(written)) == ["[rank 0] alive 0 2", "[rank 1] alive 1 2"]
 
 
-def _interrupt_when(written, marker, count, times=1):
-    """Send SIGINT to this process (Kernel > Interrupt) once ``count`` lines with ``marker`` were printed."""
-    def fire():
-        deadline = time.monotonic() + 60
-        while sum(marker in text for _, _, text in written) < count and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for _ in range(times):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1.0)
-
-    thread = threading.Thread(target=fire, daemon=True)
-    thread.start()
-    return thread
+def _printed(written, marker, count):
+    return lambda: sum(marker in text for _, _, text in written) >= count
 
 
 def test_interrupt_stops_the_cell_on_every_rank(ip, workers, written):
     cell = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.01)"
     pids = {p.engine_id: p.pid for p in workers.placements}
-    thread = _interrupt_when(written, "started", 2)
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt, match="interrupted on every rank.*KeyboardInterrupt"):
+    with interrupt_when(_printed(written, "started", 2)), \
+            pytest.raises(KeyboardInterrupt, match="interrupted on every rank.*KeyboardInterrupt"):
         ip.run_cell_magic("ddp", "", cell)
-    thread.join()
     assert time.monotonic() - t0 < 60
     assert {p.engine_id: p.pid for p in workers.placements} == pids  # nothing was killed
     written.clear()
@@ -151,10 +137,9 @@ def test_interrupt_stops_the_cell_on_every_rank(ip, workers, written):
 def test_second_interrupt_kills_ranks_that_ignore_the_first(ip, workers, written):
     cell = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('deaf', flush=True)\n"
             "while True:\n    time.sleep(0.01)")
-    thread = _interrupt_when(written, "deaf", 2, times=2)
-    with pytest.raises(KeyboardInterrupt, match="killed the ranks still running after a second interrupt"):
+    with interrupt_when(_printed(written, "deaf", 2), times=2), \
+            pytest.raises(KeyboardInterrupt, match="killed the ranks still running after a second interrupt"):
         ip.run_cell_magic("ddp", "", cell)
-    thread.join()
     written.clear()
     ip.run_cell_magic("ddp", "", "print('replaced', rank)")  # waits for the replacements
     assert sorted(texts(written)) == ["[rank 0] replaced 0", "[rank 1] replaced 1"]
