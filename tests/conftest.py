@@ -228,6 +228,15 @@ def ipython_shell():
     return shell
 
 
+@pytest.fixture(scope="module")
+def ip(ipython_shell):
+    """The shell with ``%load_ext nbddp``, for one test module."""
+    shell = ipython_shell
+    shell.run_line_magic("load_ext", "nbddp")
+    yield shell
+    shell.run_line_magic("unload_ext", "nbddp")
+
+
 @pytest.fixture
 def digits():
     """scikit-learn's digits, as float features and integer labels (no download)."""

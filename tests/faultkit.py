@@ -116,6 +116,8 @@ class FailingLoss:
 
 
 class FailingData(torch.utils.data.Dataset):
+    """Rank ``who`` misbehaves in ``__getitem__`` at its ``after``-th sample (here: raises)."""
+
     def __init__(self, x: torch.Tensor, y: torch.Tensor, who: int, after: int, marker: str):
         self.x, self.y, self.who, self.after, self.marker, self.seen = x, y, who, after, marker, 0
 
@@ -125,8 +127,11 @@ class FailingData(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         self.seen += 1
         if rank() == self.who and self.seen == self.after:
-            boom("data pipeline", self.marker)
+            self.misbehave()
         return self.x[i], self.y[i]
+
+    def misbehave(self) -> None:
+        boom("data pipeline", self.marker)
 
 
 class FailingMetric:

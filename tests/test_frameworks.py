@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import os
 import sys
-import threading
 
 import pytest
 import torch
@@ -405,23 +404,10 @@ def test_frameworks_open_no_listener_beyond_loopback(workers):
     pytest.importorskip("accelerate")
     import ipaddress
 
-    from test_security import _listening, _nbddp_processes
+    from test_security import listening_while
 
-    seen = []
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            seen.extend(_listening(_nbddp_processes(workers)))
-            done.wait(0.2)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with listening_while(workers, every=0.2) as seen:
         nbddp.run(_accelerate_job, 8)
-    finally:
-        done.set()
-        sampler.join()
     ports = {env["MASTER_PORT"] for env in nbddp.run(_environment)}
     assert seen, "the sampler saw no socket at all: it looks at the wrong processes"
     assert not [s for s in seen if not ipaddress.ip_address(s[1]).is_loopback], sorted(set(seen))

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from faultkit import Net, good_fit, mark, rank, read_mark, record_time, regression_data
+from faultkit import FailingData, Net, good_fit, mark, rank, read_mark, record_time, regression_data
 from nbddp import stalls
 from nbddp.errors import ClusterError, NotStartedError, WorkerError, WorkerStalled
 
@@ -31,14 +31,6 @@ pytestmark = pytest.mark.timeout(240)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FAST_STALL_S = 4.0  # the display threshold in tests that are not about it (the real one, 10 s, is tested once)
-
-
-@pytest.fixture(scope="module")
-def ip(ipython_shell):
-    shell = ipython_shell
-    shell.run_line_magic("load_ext", "nbddp")
-    yield shell
-    shell.run_line_magic("unload_ext", "nbddp")
 
 
 @pytest.fixture
@@ -59,21 +51,12 @@ def spin_forever() -> None:
         n += 1
 
 
-class BlockingData(torch.utils.data.Dataset):
+class BlockingData(FailingData):
     """Rank ``who`` blocks in ``__getitem__`` at its ``after``-th sample, after writing ``marker``."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, who: int, after: int, marker: str):
-        self.x, self.y, self.who, self.after, self.marker, self.seen = x, y, who, after, marker, 0
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        self.seen += 1
-        if rank() == self.who and self.seen == self.after:
-            mark(self.marker)
-            wait_for_network_disk()
-        return self.x[i], self.y[i]
+    def misbehave(self) -> None:
+        mark(self.marker)
+        wait_for_network_disk()
 
 
 class LoopingStep:

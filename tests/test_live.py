@@ -185,17 +185,23 @@ def test_stop_button_requests_a_coordinated_stop_once():
     assert run.stops == 1
 
 
-def test_text_view_prints_progress_and_summary():
-    run = FakeRun(total=50)
-    out = io.StringIO()
+def _text_view_of_a_fit(out, steps: int):
+    """A text view through a whole fake fit of ``steps`` steps; returns the run."""
+    run = FakeRun(total=steps)
     view = TextView(stream=out, every=0.0)
     view.start(run)
-    for step in range(1, 51):
+    for step in range(1, steps + 1):
         run.log(step)
         view.update(run)
     run.live_state.status = "completed"
     run.finished = True
     view.finish(run)
+    return run
+
+
+def test_text_view_prints_progress_and_summary():
+    out = io.StringIO()
+    run = _text_view_of_a_fit(out, 50)
     lines = out.getvalue().splitlines()
     assert lines[0] == "nbddp: training on 2 rank(s), backend gloo"
     assert lines[-1].startswith("[completed]  step 50/50  epoch 1/2  loss 0.04")
@@ -208,16 +214,8 @@ def test_text_view_on_a_terminal_rewrites_one_line_and_ends_with_the_summary_onc
         def isatty(self):
             return True
 
-    run = FakeRun(total=10)
     out = Terminal()
-    view = TextView(stream=out, every=0.0)
-    view.start(run)
-    for step in range(1, 11):
-        run.log(step)
-        view.update(run)
-    run.live_state.status = "completed"
-    run.finished = True
-    view.finish(run)
+    _text_view_of_a_fit(out, 10)
     header, rest = out.getvalue().split("\n", 1)
     assert header == "nbddp: training on 2 rank(s), backend gloo"
     assert rest.count("\n") == 1 and rest.endswith("\x1b[K\n"), "progress and the summary share one line"

@@ -14,14 +14,6 @@ from nbddp import health, output
 from nbddp.errors import FitRunningError
 
 
-@pytest.fixture(scope="module")
-def ip(ipython_shell):
-    shell = ipython_shell
-    shell.run_line_magic("load_ext", "nbddp")
-    yield shell
-    shell.run_line_magic("unload_ext", "nbddp")
-
-
 @pytest.fixture
 def written(monkeypatch):
     """Every labelled line the magics print, with the time it was printed."""

@@ -7,11 +7,13 @@ pairs, read while a fit runs), and the connection files are 0600.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import ipaddress
 import os
 import stat
 import threading
+from typing import Iterator
 
 import psutil
 import pytest
@@ -50,29 +52,35 @@ def _listening(procs: list[psutil.Process]) -> list[tuple[int, str, int]]:
     return found
 
 
-def test_nothing_listens_beyond_loopback(workers):
-    seen: list[list[tuple[int, str, int]]] = []
-    procs: list[psutil.Process] = []
+@contextlib.contextmanager
+def listening_while(session, every: float = 0.3) -> Iterator[list[tuple[int, str, int]]]:
+    """Every (pid, address, port) our processes listen on, sampled while the block runs (and its group exists)."""
+    seen: list[tuple[int, str, int]] = []
     done = threading.Event()
 
-    def _sample() -> None:  # read the sockets while the fit (and its process group) runs
+    def sample() -> None:
         while not done.is_set():
-            seen.append(_listening(_nbddp_processes(workers)))
-            done.wait(0.3)
+            seen.extend(_listening(_nbddp_processes(session)))
+            done.wait(every)
 
-    sampler = threading.Thread(target=_sample, daemon=True)
+    sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        h = nbddp.dist_fit(Net(delay=0.02), regression_data(), batch_size=16, epochs=1, live=False)
+        yield seen
     finally:
         done.set()
         sampler.join()
+
+
+def test_nothing_listens_beyond_loopback(workers):
+    with listening_while(workers) as seen:
+        h = nbddp.dist_fit(Net(delay=0.02), regression_data(), batch_size=16, epochs=1, live=False)
     assert h.status == "completed"
     procs = _nbddp_processes(workers)
-    seen.append(_listening(procs))
+    seen.extend(_listening(procs))
     kinds = {" ".join(p.cmdline()[1:3]) for p in procs if p.is_running()}
     assert any("ipyparallel.controller" in k for k in kinds) and any("ipyparallel.engine" in k for k in kinds), kinds
-    sockets = {s for sample in seen for s in sample}
+    sockets = set(seen)
     assert sockets, "no listening socket seen at all: the check looks at the wrong processes"
     exposed = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
     assert not exposed, f"listening on non-loopback addresses (pid, address, port): {sorted(exposed)}"
