@@ -149,3 +149,14 @@ def test_a_stop_signal_that_lands_after_the_loop_is_a_flag_not_a_keyboard_interr
             assert not STATE.stop_requested, "the next task starts without the old request"
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_every_cuda_figure_a_rank_measures_reaches_history_ranks(monkeypatch):
+    """``History.ranks`` carries what ``RANK_SLOTS`` names: a figure cuda_memory() measures must have a slot."""
+    from nbddp.worker import report, usage
+
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 1)
+    measured = usage.cuda_memory(torch.device("cuda", 0))
+    assert set(measured) == {"cuda_allocated", "cuda_reserved", "cuda_peak"}
+    assert set(measured) <= set(report.RANK_SLOTS)

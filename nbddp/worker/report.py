@@ -29,7 +29,7 @@ from nbddp.messages import PUBLISH_KEYS, FitPlanInfo, Progress
 from nbddp.worker.usage import cuda_memory
 
 WINDOW = 64
-RANK_SLOTS = ("samples_per_s", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved")
+RANK_SLOTS = ("samples_per_s", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved", "cuda_peak")
 
 
 class Reporter:
