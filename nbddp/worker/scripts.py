@@ -18,9 +18,8 @@ import types
 from typing import Any, Iterator
 
 from nbddp.messages import ScriptResult
-from nbddp.worker.monitor import monitoring
-from nbddp.worker.state import STATE, check_generation
-from nbddp.worker.torchrun import user_code
+from nbddp.worker.state import STATE
+from nbddp.worker.task import user_task
 
 
 class ScriptExit(RuntimeError):
@@ -54,12 +53,11 @@ def _as_main(path: str, argv: list[str], cwd: str | None) -> Iterator[dict[str, 
 
 def run_script(source: str, path: str, argv: list[str], cwd: str | None, generation: int) -> ScriptResult:
     """Execute the script's ``source`` as ``path``; return this rank's exit status."""
-    check_generation(generation)
     code = compile(source, path, "exec")
     t0 = time.perf_counter()
     status = 0
     here = cwd if STATE.placement.local else None
-    with monitoring("script"), user_code(generation), _as_main(path, argv, here) as namespace:
+    with user_task(generation, "script"), _as_main(path, argv, here) as namespace:
         try:
             exec(code, namespace)  # noqa: S102 - running the person's script is the point
         except SystemExit as exc:
