@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from nbddp import shipping
-from nbddp.jobs import Job
-from nbddp.output import RankOutput
+from nbddp.jobs import run_job
 
 
 def call_everywhere(session: Any, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[Any]:
@@ -15,20 +14,14 @@ def call_everywhere(session: Any, fn: Callable[..., Any], args: tuple, kwargs: d
 
     name = getattr(fn, "__name__", "the function")
     parcels: dict[bool, shipping.Parcel] = {}
-    session.ensure_started()
-    job = Job(session, f"nbddp.run({name})")
+
+    def submit(p: Any) -> Any:  # packed under the session's lock, once per kind of worker (local or remote)
+        if p.local not in parcels:
+            parcels[p.local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=p.local)
+        return session.client[p.engine_id].apply_async(call_task, parcels[p.local], session.generation)
+
     try:
-        with session.lock:
-            session.ensure_ready()
-            for local in {p.local for p in session.placements}:
-                parcels[local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=local)
-            job.launch(lambda p: session.client[p.engine_id].apply_async(call_task, parcels[p.local],
-                                                                       session.generation))
-        output = RankOutput(job.tasks.ars)
-        try:
-            results = job.wait(on_tick=output.tick)
-        finally:
-            output.finish(job.tasks)
+        results = run_job(session, f"nbddp.run({name})", submit, output=True)
     finally:
         for parcel in parcels.values():
             parcel.discard()

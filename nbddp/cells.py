@@ -16,8 +16,7 @@ import linecache
 from typing import Any
 
 from nbddp import shipping
-from nbddp.jobs import Job, run_job
-from nbddp.output import RankOutput
+from nbddp.jobs import run_job
 from nbddp.session import get_session
 
 _CELL_NUMBERS = itertools.count(1)
@@ -48,16 +47,8 @@ def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) 
     ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # nbddp.stacks() shows its lines
     s = get_session()
-    s.ensure_started()
-    job = Job(s, "%%ddp cell", ranks)
-    with s.lock:
-        s.ensure_ready()
-        job.launch(lambda p: s.client[p.engine_id].apply_async(remote_cell, code, number, s.generation))
-    output = RankOutput(job.tasks.ars, live=stream)
-    try:
-        job.wait(on_tick=output.tick)
-    finally:
-        output.finish(job.tasks)
+    run_job(s, "%%ddp cell", lambda p: s.client[p.engine_id].apply_async(remote_cell, code, number, s.generation),
+            ranks, output=stream)
 
 
 def push(**values: Any) -> None:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from nbddp.errors import WorkerError
+from nbddp.output import RankOutput
 from nbddp.stalls import StuckStop
 from nbddp.tasks import RankTasks
 from nbddp.waiting import is_interrupt
@@ -58,8 +59,7 @@ class Job:
         """Kill the ranks still running (the supervisor replaces them); from another thread, wait for the end."""
         if self.tasks is None or self.finished:
             return
-        killed = self.session.supervisor.kill_ranks(self.tasks.pending)
-        self.session.supervisor.recover(killed)
+        self.session.supervisor.replace_ranks(self.tasks.pending)
         if threading.get_ident() != self._waiter:
             self._done.wait(10.0)
 
@@ -125,11 +125,21 @@ def placements_for(session: Any, ranks: list[int] | None) -> list[Any]:
 
 
 def run_job(session: Any, what: str, submit: Callable[[Any], Any], ranks: list[int] | None = None,
-            on_tick: Callable[[], None] | None = None) -> dict[int, Any]:
-    """Start the default workers if needed, launch ``submit`` on ``ranks``, wait: results by rank."""
+            output: bool | None = None) -> dict[int, Any]:
+    """Start the default workers if needed, launch ``submit`` on ``ranks``, wait: results by rank.
+
+    ``output``: print what the ranks print, labelled ``[rank N]``, as it
+    arrives (True) or grouped by rank at the end (False); None prints nothing.
+    """
     session.ensure_started()
     job = Job(session, what, ranks)
     with session.lock:
         session.ensure_ready()
         job.launch(submit)
-    return job.wait(on_tick)
+    if output is None:
+        return job.wait()
+    printer = RankOutput(job.tasks.ars, live=output)
+    try:
+        return job.wait(on_tick=printer.tick)
+    finally:
+        printer.finish(job.tasks)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.jobs import Job
+from nbddp.jobs import run_job
 from nbddp.messages import ScriptResult
-from nbddp.output import RankOutput
 from nbddp.session import get_session
 
 
@@ -42,15 +41,8 @@ def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
     compile(source, full, "exec")  # a SyntaxError is raised here, before any rank runs
     argv = [str(a) for a in args]
     s = get_session()
-    s.ensure_started()
-    job = Job(s, f"the script {os.path.basename(full)}")
     cwd = os.getcwd()
-    with s.lock:
-        s.ensure_ready()
-        job.launch(lambda p: s.client[p.engine_id].apply_async(remote_script, source, full, argv, cwd, s.generation))
-    output = RankOutput(job.tasks.ars)
-    try:
-        results = job.wait(on_tick=output.tick)
-    finally:
-        output.finish(job.tasks)
+    results = run_job(s, f"the script {os.path.basename(full)}",
+                      lambda p: s.client[p.engine_id].apply_async(remote_script, source, full, argv, cwd, s.generation),
+                      output=True)
     return [results[rank] for rank in sorted(results)]
