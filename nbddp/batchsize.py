@@ -61,7 +61,7 @@ class Trials:
             if any(r.outcome == "oom" for r in done) and job.tasks.pending:
                 hung["at"] = hung["at"] or time.monotonic()
                 if time.monotonic() - hung["at"] > HANG_GRACE_S:
-                    s.supervisor.recover(s.supervisor.kill_ranks(job.tasks.pending))
+                    s.supervisor.replace_ranks(job.tasks.pending)
 
         with s.lock:
             s.ensure_ready()
@@ -75,7 +75,9 @@ class Trials:
                 raise  # not memory: the model or the data is broken, and searching would not help
             s.wait_healed()
         self.results[b] = results
-        self.shard = min([r.shard for r in results if r.shard] or [self.shard or 0]) or self.shard
+        shards = [r.shard for r in results if r.shard]
+        if shards:  # the smallest shard bounds the search
+            self.shard = min(shards)
         return self._report(b, results)
 
     def _report(self, b: int, results: list[TrialResult]) -> bool:

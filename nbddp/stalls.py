@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nbddp.errors import RankFailure, WorkerStalled
-from nbddp.messages import PUBLISH_KEYS, Beat, innermost_frames
+from nbddp.messages import Beat, innermost_frames, published
 
 MIN_STALL_S = 10.0
 STEP_FACTOR = 10.0
@@ -167,9 +167,7 @@ class StallGuard:
 
     def read(self) -> None:
         for rank, ar in self.tasks.ars.items():
-            data = getattr(ar, "data", None)
-            if isinstance(data, dict):
-                self.watch.feed(rank, data.get(PUBLISH_KEYS["beat"]))
+            self.watch.feed(rank, published(ar, "beat"))
             if rank in self.tasks.results or rank in self.tasks.failures:
                 self.watch.finish(rank)
 
@@ -190,9 +188,8 @@ class StallGuard:
 
     def kill_running(self) -> list[int]:
         """Kill the ranks still running (the stalled ones and those waiting for them); heal in the background."""
-        supervisor = self.session.supervisor
         ranks = list(self.tasks.pending)
-        supervisor.recover(supervisor.kill_ranks(ranks))
+        self.session.supervisor.replace_ranks(ranks)
         return ranks
 
     def fail(self, over: list[dict[str, Any]]) -> WorkerStalled:

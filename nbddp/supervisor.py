@@ -53,6 +53,10 @@ class Supervisor:
             self.session.workers.kill(ids)
         return ids
 
+    def replace_ranks(self, ranks: list[int]) -> None:
+        """Kill these ranks' engines now and start replacing them in the background."""
+        self.recover(self.kill_ranks(ranks))
+
     def recover(self, killed: list[int]) -> None:
         """After any failure: the engines ``killed`` are gone; heal in the background (unless closing)."""
         if self.closing or self.session.workers is None:
