@@ -17,7 +17,7 @@ from typing import Any
 from nbddp import shipping
 from nbddp.history import History
 from nbddp.live.state import LiveState
-from nbddp.messages import PUBLISH_KEYS, FitResult, RankInfo
+from nbddp.messages import FitResult, RankInfo, published
 from nbddp.preflight import FitPlan
 from nbddp.stalls import StuckStop
 from nbddp.tasks import RankTasks
@@ -116,9 +116,8 @@ class FitRun:
 
     def _take_records(self) -> None:
         """Take new records from rank 0's published data (seq + window)."""
-        data = getattr(self.tasks.ars.get(0), "data", None) or {}
-        plan = data.get(PUBLISH_KEYS["plan"]) if isinstance(data, dict) else None
-        msg = data.get(PUBLISH_KEYS["progress"]) if isinstance(data, dict) else None
+        rank0 = self.tasks.ars.get(0)
+        plan, msg = published(rank0, "plan"), published(rank0, "progress")
         if plan is not None and self.live_state.plan is None:
             self.live_state.plan = plan
         if msg is None:

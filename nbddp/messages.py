@@ -30,6 +30,12 @@ from typing import Any
 
 PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks"}
 
+
+def published(ar: Any, kind: str) -> Any:
+    """The latest value a rank published under ``PUBLISH_KEYS[kind]`` on the task ``ar``, or None."""
+    data = getattr(ar, "data", None)
+    return data.get(PUBLISH_KEYS[kind]) if isinstance(data, dict) else None
+
 # the phases a rank reports in its heartbeat, in the order one micro-batch goes through them
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "collective", "validation", "checkpoint",
           "finish", "cell", "script", "call", "push")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbddp.errors import ClusterError, NotStartedError
-from nbddp.messages import PUBLISH_KEYS
+from nbddp.messages import published
 from nbddp.shipping import shm_dir
 from nbddp.worker.monitor import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL
 
@@ -191,16 +191,14 @@ def _answer(p: Any, wait: tuple) -> RankStack | None:
         if text is None:
             return None
         return RankStack(p.rank, p.host, p.pid, "busy", text, "faulthandler")
-    data = getattr(where, "data", None) or {}
-    sent = data.get(PUBLISH_KEYS["stacks"]) if isinstance(data, dict) else None
+    sent = published(where, "stacks")
     if not sent or sent[0] <= mark:
         return None
     return RankStack(p.rank, p.host, p.pid, "busy", sent[1].text, "traceback")
 
 
 def _published_seq(ar: Any) -> int:
-    data = getattr(ar, "data", None) or {}
-    sent = data.get(PUBLISH_KEYS["stacks"]) if isinstance(data, dict) else None
+    sent = published(ar, "stacks")
     return sent[0] if sent else 0
 
 
