@@ -51,6 +51,7 @@ class Workers:
         self.reaper = Reaper()
         self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
         self.controller_helpers: list[Any] = []  # psutil.Process of the controller's schedulers (owned clusters)
+        self._endpoint: tuple[str, int] | None = None  # read from the connection file once it could be read
 
     # ---- construction ---------------------------------------------------
     @classmethod
@@ -142,7 +143,13 @@ class Workers:
         return sorted(self.client.ids)
 
     def controller_endpoint(self) -> tuple[str, int | None]:
-        """(host, registration port) of the controller, from its client connection file."""
+        """(host, registration port) of the controller, from its client connection file.
+
+        Read once: the controller's address does not change while it lives,
+        and this is asked about once a second while work runs.
+        """
+        if self._endpoint is not None:
+            return self._endpoint
         try:
             with open(self.connection_file) as f:
                 info = json.load(f)
@@ -152,7 +159,10 @@ class Workers:
         if host in ("*", "0.0.0.0"):
             host = info.get("location") or "127.0.0.1"
         port = info.get("registration")
-        return host, int(port) if isinstance(port, int) or str(port).isdigit() else None
+        if not (isinstance(port, int) or str(port).isdigit()):
+            return host, None
+        self._endpoint = host, int(port)
+        return self._endpoint
 
     @property
     def controller_host(self) -> str:

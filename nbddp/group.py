@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,7 +143,7 @@ class GroupFormer:
         if single_host:
             path = os.path.join(shm_dir(), f"{self.file_prefix}-pg-{generation}")
             ifname = options.interface or "lo"
-            return f"file://{path}", "127.0.0.1", _free_local_port(), {p.rank: ifname for p in placements}
+            return f"file://{path}", "127.0.0.1", free_port("127.0.0.1"), {p.rank: ifname for p in placements}
         master = topology.master_address(placements)
         ifnames = topology.socket_interfaces(placements, probes, options.interface)
         port = self.workers.client[placements[0].engine_id].apply_sync(free_port, master)
@@ -164,9 +163,3 @@ class GroupFormer:
             self.workers.client[self.workers.ids].apply_sync(leave_process_group)
         except Exception:  # noqa: BLE001 - best effort on an attached cluster
             pass
-
-
-def _free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

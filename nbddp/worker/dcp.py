@@ -27,7 +27,6 @@ from nbddp.worker import checkpoint as ckpt
 
 LOOP_FILE = ckpt.SHARDED_LOOP_FILE
 METADATA = ckpt.SHARDED_METADATA
-is_complete = ckpt.is_sharded
 
 
 def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
@@ -59,7 +58,7 @@ def load(path: str, model: Any, optimizer: Any) -> dict[str, Any]:
 
     if os.path.isfile(path):
         raise ValueError(f"resume={path!r} is a checkpoint of a DDP fit (one file); resume it with strategy='ddp'")
-    if not is_complete(path):
+    if not ckpt.is_sharded(path):
         raise ValueError(f"resume={path!r} is not a sharded nbddp checkpoint (no {METADATA} and {LOOP_FILE} in it); pass "
                          "a step-* directory that dist_fit(strategy='fsdp', checkpoint_dir=...) wrote, or that directory")
     model_state, optim_state = get_state_dict(model, optimizer)  # shapes for DCP to load into
@@ -78,7 +77,7 @@ def export(path: str, out: str) -> str:
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    if not is_complete(path):
+    if not ckpt.is_sharded(path):
         raise ValueError(f"export_checkpoint({path!r}): not a sharded nbddp checkpoint directory (it needs {METADATA} "
                          f"and {LOOP_FILE}); pass a step-* directory under the fit's checkpoint_dir")
     tmp = out + ".tmp"

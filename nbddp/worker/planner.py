@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import time
 from itertools import cycle
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from nbddp.messages import FitLaunch, ScalingRow, TrialResult
 from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
+from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.group import destroy_subgroup
@@ -54,16 +53,11 @@ class _Tally:
 @contextlib.contextmanager
 def _side_effect_free(device: torch.device) -> Iterator[None]:
     """Put every RNG back and give the memory back, whatever happens inside."""
-    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    saved = ckpt.rng_state()  # this rank's device is the current one: its CUDA stream is the one saved
     try:
         yield
     finally:
-        torch.set_rng_state(states[0])
-        np.random.set_state(states[1])
-        random.setstate(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+        ckpt.set_rng_state(saved)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -78,7 +78,3 @@ class Strategy(ABC):
     @abstractmethod
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         """Restore model and optimizer state from ``path``; return the ``extra`` it was saved with."""
-
-    def is_checkpoint(self, path: str) -> bool:
-        """Whether ``path`` is a checkpoint this strategy can load."""
-        return False

@@ -41,6 +41,3 @@ class DDPStrategy(Strategy):
         self.module.load_state_dict(state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))
         return state
-
-    def is_checkpoint(self, path: str) -> bool:
-        return ckpt.is_complete(path)

@@ -128,9 +128,6 @@ class FSDPStrategy(Strategy):
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer)
 
-    def is_checkpoint(self, path: str) -> bool:
-        return dcp.is_complete(path)
-
 
 def _holds_tensors(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
