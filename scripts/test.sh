@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it.
 #   bash scripts/test.sh            # whole suite
+#   bash scripts/test.sh --quick    # the quick tier: no notebook, browser, fault, benchmark, Slurm or slow tests
 #   bash scripts/test.sh -k faults  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,12 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 
     || echo "warning: could not install ${need[*]}; the tests that need them will skip and say why"
 fi
 
+QUICK=(-m "not (slow or notebook or browser or faults or bench or netns or slurm)")
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  tier=("${QUICK[@]}")
+fi
+
 EXTRAS=browser,bench bash scripts/setup.sh
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "${tier[@]}" "$@"
