@@ -21,6 +21,13 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   tier=("${QUICK[@]}")
 fi
+# Two test processes, each with its own 2 workers, a file at a time (module fixtures start once);
+# NBDDP_TEST_PROCS=1 runs everything in this one process.
+procs=${NBDDP_TEST_PROCS:-2}
+parallel=()
+if [ "$procs" -gt 1 ]; then
+  parallel=(-n "$procs" --dist loadfile)
+fi
 
 EXTRAS=browser,bench bash scripts/setup.sh
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "${tier[@]}" "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "${parallel[@]}" "${tier[@]}" "$@"

@@ -32,8 +32,20 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 RUN_MARKER = "NBDDP_TEST_RUN"
-os.environ.setdefault(RUN_MARKER, secrets.token_hex(8))
-_RUN_ID = os.environ[RUN_MARKER]
+
+
+def _run_id() -> str:
+    """This test process's marker: one per run, and one per pytest-xdist worker within it.
+
+    Each xdist worker has a session (and workers) of its own, so its leak
+    check must not take another worker's engines for leaked ones.
+    """
+    base = os.environ.get(RUN_MARKER) or secrets.token_hex(8)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"{base}-{worker}" if worker and not base.endswith(f"-{worker}") else base
+
+
+_RUN_ID = os.environ[RUN_MARKER] = _run_id()
 
 
 def _gpu_count() -> int:
@@ -45,12 +57,28 @@ def _gpu_count() -> int:
         return 0
 
 
+# what a test costs, roughly, by its markers (seconds on a quiet machine): only used to order the files
+_WEIGHTS = {"slow": 60.0, "notebook": 20.0, "browser": 20.0, "slurm": 15.0, "netns": 10.0, "bench": 10.0,
+            "fresh_workers": 8.0, "faults": 5.0}
+
+
+def _weight(item: pytest.Item) -> float:
+    return max((w for name, w in _WEIGHTS.items() if name in item.keywords), default=0.5)
+
+
 def pytest_collection_modifyitems(config, items):
     if _gpu_count() == 0:
         skip = pytest.mark.skip(reason="requires_gpu: no CUDA GPU visible on this machine")
         for item in items:
             if "requires_gpu" in item.keywords:
                 item.add_marker(skip)
+    # Heaviest files first, each file's tests kept together and in their own order: with
+    # pytest-xdist's --dist loadfile (scripts/test.sh) the long files start first instead of
+    # ending the run alone, and a module's workers and kernels start once.
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + _weight(item)
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: the order within a file stays
 
 
 def _run_processes() -> dict[int, psutil.Process]:

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.bench]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

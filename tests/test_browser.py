@@ -32,7 +32,7 @@ NOTEBOOK = os.path.join(HERE, os.pardir, "notebooks", "live_fit.ipynb")
 ARTIFACTS = os.path.join(HERE, "artifacts")
 DOCS_IMG = os.path.join(HERE, os.pardir, "docs", "img", "dashboard.png")
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(420), pytest.mark.notebook]
 
 
 def _requirements() -> None:

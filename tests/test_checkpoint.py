@@ -40,6 +40,7 @@ def _wait_for(predicate, timeout: float, poll: float = 0.002):
     return None
 
 
+@pytest.mark.faults
 def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,6 +108,7 @@ def _big_model():
     return nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False))  # 128 MB of weights
 
 
+@pytest.mark.faults
 def test_killing_rank_0_inside_checkpoint_save_leaves_the_previous_checkpoint(workers, tmp_path):
     """End to end: rank 0's engine is SIGKILLed while it writes a checkpoint of a big model."""
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ from faultkit import (CountingStep, FailingData, FailingLoss, FailingMetric, Net
                       read_mark, record_time, regression_data)
 from nbddp.errors import WorkerDied, WorkerError
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.faults]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 

@@ -36,6 +36,7 @@ def _environment():
     return {k: os.environ.get(k) for k in keys} | {"dist_rank": dist.get_rank()}
 
 
+@pytest.mark.faults
 def test_every_rank_carries_torchruns_environment_and_it_follows_a_heal(workers):
     envs = nbddp.run(_environment)
     for rank, env in enumerate(envs):

@@ -41,6 +41,7 @@ def _finite_positive(value) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(400)  # about a minute on a quiet 2-core machine: two torchrun jobs are most of it
 def test_bench_gpu_cpu_version_reports_every_competitor(workers, bench_gpu, tmp_path):
     if torch.cuda.is_available():

@@ -116,6 +116,7 @@ def _interrupt_main_when_stalled(session, found: dict, stacks: bool = True) -> t
 # --------------------------------------------------------------------------- fits
 
 
+@pytest.mark.faults
 def test_a_rank_blocked_in_getitem_is_shown_with_its_stack_and_a_stop_still_returns(workers, tmp_path, ip, capsys):
     marker = str(tmp_path / "blocked")
     torch.manual_seed(0)
@@ -158,6 +159,7 @@ def test_a_rank_blocked_in_getitem_is_shown_with_its_stack_and_a_stop_still_retu
     _recover(workers, "stalled in __getitem__, then stopped", shown_s=shown, stacks_s=stacks_s, stop_s=stopped)
 
 
+@pytest.mark.faults
 def test_stall_timeout_fails_an_endless_loop_in_step_fn_and_the_next_fit_works(workers, tmp_path):
     marker = str(tmp_path / "spinning")
     timeout = 4.0
@@ -201,6 +203,7 @@ def test_a_bad_stall_timeout_is_refused_before_anything_runs(bad, error, text):
         nbddp.dist_fit(Net(), regression_data(), stall_timeout=bad, live=False)
 
 
+@pytest.mark.faults
 def test_a_process_group_timeout_error_carries_the_ranks_last_stacks(workers):
     from nbddp.session import DEFAULT_PG_TIMEOUT_S
 
@@ -247,6 +250,7 @@ if rank == 0:
 """
 
 
+@pytest.mark.faults
 def test_stacks_name_the_blocked_frame_and_the_collective_its_peer_waits_in(workers, ip, fast_stalls):
     found: dict = {}
     thread = _interrupt_main_when_stalled(workers, found)
@@ -267,6 +271,7 @@ def test_stacks_name_the_blocked_frame_and_the_collective_its_peer_waits_in(work
     record_time("%%ddp cell blocked, stacks()", stacks_s=found["stacks_s"])
 
 
+@pytest.mark.faults
 def test_a_cell_that_skips_a_collective_shows_the_stall_and_an_interrupt_replaces_the_stuck_rank(
         workers, ip, fast_stalls, capsys):
     found: dict = {}
@@ -305,6 +310,7 @@ def napping() -> int:
     return rank()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("how", ["run", "script"])
 def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
     found: dict = {}
@@ -369,6 +375,7 @@ def _gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.05)
 
 
+@pytest.mark.faults
 def test_a_controller_that_dies_during_a_fit_fails_it_within_seconds_and_restart_recovers(workers):
     engines = _engine_pids(workers)
     x, y = regression_data(4096)
@@ -395,6 +402,7 @@ def test_a_controller_that_dies_during_a_fit_fails_it_within_seconds_and_restart
     record_time("controller killed during a fit", report_s=reported, next_call_s=next_call, restart_s=restart_s)
 
 
+@pytest.mark.faults
 def test_a_controller_that_died_between_calls_is_named_at_the_next_call(workers):
     engines = _engine_pids(workers)
     killed = _kill_controller(workers)

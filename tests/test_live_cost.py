@@ -25,7 +25,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.notebook, pytest.mark.bench]
 
 SETUP = """
 import json, time, torch, torch.nn as nn

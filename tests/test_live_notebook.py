@@ -15,6 +15,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = [pytest.mark.notebook]
+
 NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "live_fit.ipynb")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -89,6 +89,7 @@ def test_no_stream_prints_each_ranks_output_grouped_at_the_end(ip, workers, writ
     assert texts(written) == [f"[rank {r}] line {i}" for r in (0, 1) for i in range(3)]
 
 
+@pytest.mark.faults
 def test_exception_on_one_rank_is_raised_quickly_and_the_next_cell_works(ip, workers, written):
     cell = ("import torch.distributed as dist\n"
             "if rank == 1:\n"
@@ -126,6 +127,7 @@ def test_interrupt_stops_the_cell_on_every_rank(ip, workers, written):
     assert sorted(texts(written)) == ["[rank 0] next 0", "[rank 1] next 1"]
 
 
+@pytest.mark.faults
 def test_second_interrupt_kills_ranks_that_ignore_the_first(ip, workers, written):
     cell = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('deaf', flush=True)\n"
             "while True:\n    time.sleep(0.01)")

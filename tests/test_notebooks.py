@@ -104,6 +104,7 @@ def _workers_started_in(directory: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.notebook
 @pytest.mark.fresh_workers
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [n for n in _names() if n not in EXECUTED_ELSEWHERE])

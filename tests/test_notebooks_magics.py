@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+pytestmark = [pytest.mark.notebook]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

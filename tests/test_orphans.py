@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_workers]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
 
 START = """
 import json, psutil, nbddp

@@ -24,7 +24,7 @@ from faultkit import Net, read_mark, record_time, regression_data
 from nbddp.errors import WorkerDied, WorkerError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.faults]
 
 # the first five already mix kinds: an engine's first failures and group rebuilds warm up
 # a bounded set of threads and fds (seen: +3 threads per engine, then flat for 30 fits)

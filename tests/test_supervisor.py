@@ -22,6 +22,7 @@ from nbddp.topology import Probe
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.faults
 @pytest.mark.fresh_workers
 def test_stop_during_a_fit_kills_and_never_starts_replacements(workers, monkeypatch):
     started = []
@@ -45,6 +46,7 @@ def test_stop_during_a_fit_kills_and_never_starts_replacements(workers, monkeypa
     assert not workers.supervisor.healing and not workers.started
 
 
+@pytest.mark.faults
 def test_a_heal_holds_the_lock_and_callers_wait_for_it(workers):
     """While the heal thread rebuilds, a caller that needs the workers waits, then sees the new generation."""
     before = workers.generation
@@ -56,6 +58,7 @@ def test_a_heal_holds_the_lock_and_callers_wait_for_it(workers):
     assert nbddp.run(lambda: torch.distributed.get_world_size()) == [2, 2]
 
 
+@pytest.mark.faults
 def test_status_is_one_generation_even_during_a_heal(workers):
     snapshots = []
     workers.supervisor.recover([])
@@ -68,6 +71,7 @@ def test_status_is_one_generation_even_during_a_heal(workers):
     assert snapshots[-1]["healing"] is False
 
 
+@pytest.mark.faults
 def test_a_stop_cancels_a_heal_before_it_starts_engines(workers, monkeypatch):
     """stop() while a heal waits to replace engines: the heal ends without starting any."""
     started = []
