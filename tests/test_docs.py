@@ -112,12 +112,18 @@ def _fresh_namespace(shell, load: bool) -> None:
         shell.run_cell("import nbddp\n%load_ext nbddp", store_history=False).raise_error()
 
 
-@pytest.mark.parametrize("rel", [f for f in doc_files() if runnable(f)])
+def starts_own_workers(rel: str) -> bool:
+    return any("%ddp start" in b.source or "nbddp.start(" in b.source for b in runnable(rel))
+
+
+# the pages that run on the suite's workers first, then those that start their own: each of those
+# stops the workers the one before it started, and the shared ones are started again once, after the last
+@pytest.mark.parametrize("rel", sorted((f for f in doc_files() if runnable(f)), key=starts_own_workers))
 def test_doc_code_blocks_run(rel, request, _suite_session, shell, tmp_path, monkeypatch):
     import nbddp
 
     blocks = runnable(rel)
-    if any("%ddp start" in b.source or "nbddp.start(" in b.source for b in blocks):
+    if starts_own_workers(rel):
         nbddp.stop()  # the doc starts its own workers, as a reader would
     else:
         request.getfixturevalue("workers")

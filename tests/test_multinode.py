@@ -112,6 +112,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.netns
 @pytest.mark.slow
 def test_dist_fit_across_fake_hosts_equals_one_machine(workers, tmp_path: Path) -> None:
+    """A fit across two fake hosts gives the weights of the same fit on one machine.
+
+    It cannot be faster: it builds the namespaced network, starts a controller and engines
+    inside it and a client process beside them, and runs the one-machine fit too.
+    """
     import torch
 
     model, data, fit = _build()
