@@ -23,6 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~2 min on a quiet machine; each benchmark starts its own workers and torchrun jobs
 def test_quick_benchmarks_run_and_report_ratios(_suite_session):
+    """Every benchmark runs once at its smallest size and reports its ratios.
+
+    It cannot be faster: the benchmarks' competitors are separate jobs (torchrun, accelerate's
+    launcher, fresh workers for the start-up figures), each started once.
+    """
     import nbddp
 
     nbddp.stop()  # each benchmark starts and stops its own workers, as a person running it would
