@@ -27,8 +27,9 @@ NAME = "startup"
 
 
 def nbddp_cycle(n: int) -> dict:
-    start_s = common.nbddp_start(n)
-    stop_s = common.nbddp_stop()
+    common.nbddp_stop(fresh=True)  # (workers another benchmark kept would make start() a no-op)
+    start_s = common.nbddp_start(n, fresh=True)
+    stop_s = common.nbddp_stop(fresh=True)
     return {"start_s": start_s, "stop_s": stop_s}
 
 

@@ -25,28 +25,37 @@ from benchmarks import common  # noqa: E402
 BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp"]
 
 
-def run(quick: bool = False, only: list[str] | None = None) -> dict:
-    results: dict = {"quick": quick, "benchmarks": {}}
+def run(quick: bool = False, only: list[str] | None = None, reuse_workers: bool = False) -> dict:
+    """Every benchmark (or ``only`` those); ``reuse_workers``: benchmarks keep the running workers (smoke test)."""
+    results: dict = {"quick": quick, "reuse_workers": reuse_workers, "benchmarks": {}}
     rows: list[dict] = []
-    for name in only or BENCHES:
-        mod = importlib.import_module(f"benchmarks.bench_{name}")
-        common.log(f"=== {name} ===")
-        t0 = time.perf_counter()
-        try:
-            res = mod.main(quick=quick)
-            rows += mod.summary_rows(res)
-        except Exception as exc:  # keep going with the other benchmarks
-            res = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            rows.append({"bench": name, "competitor": "-", "metric": "ERROR", "median": None, "ratio_of": res["error"][:60]})
-            common.log(f"{name} FAILED: {res['error']}")
-        res["bench_wall_s"] = time.perf_counter() - t0
-        results["benchmarks"][name] = res
+    common.REUSE_WORKERS = reuse_workers
+    try:
+        for name in only or BENCHES:
+            _run_one(name, quick, results, rows)
+    finally:
+        common.REUSE_WORKERS = False
     results["summary_rows"] = rows
     print()
     results["summary_table"] = common.print_table(
         rows, ["bench", "competitor", "metric", "median", "ratio", "ratio_of"],
         title=f"==== nbddp benchmarks summary ({'quick' if quick else 'full'}) ====")
     return results
+
+
+def _run_one(name: str, quick: bool, results: dict, rows: list[dict]) -> None:
+    mod = importlib.import_module(f"benchmarks.bench_{name}")
+    common.log(f"=== {name} ===")
+    t0 = time.perf_counter()
+    try:
+        res = mod.main(quick=quick)
+        rows += mod.summary_rows(res)
+    except Exception as exc:  # keep going with the other benchmarks
+        res = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        rows.append({"bench": name, "competitor": "-", "metric": "ERROR", "median": None, "ratio_of": res["error"][:60]})
+        common.log(f"{name} FAILED: {res['error']}")
+    res["bench_wall_s"] = time.perf_counter() - t0
+    results["benchmarks"][name] = res
 
 
 def main(argv=None) -> int:

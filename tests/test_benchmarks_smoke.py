@@ -22,21 +22,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.fresh_workers
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~2 min on a quiet machine; each benchmark starts its own workers and torchrun jobs
-def test_quick_benchmarks_run_and_report_ratios(_suite_session):
+def test_quick_benchmarks_run_and_report_ratios(workers):
     """Every benchmark runs once at its smallest size and reports its ratios.
 
-    It cannot be faster: the benchmarks' competitors are separate jobs (torchrun, accelerate's
-    launcher, fresh workers for the start-up figures), each started once.
+    The benchmarks keep the suite's workers (``reuse_workers``) instead of starting their own,
+    except where start-up is what they measure. It cannot be faster: the benchmarks'
+    competitors are separate jobs (torchrun, accelerate's launcher, fresh workers for the
+    start-up and 1-worker scaling figures), each started once.
     """
-    import nbddp
-
-    nbddp.stop()  # each benchmark starts and stops its own workers, as a person running it would
     sys.path.insert(0, ROOT)
     sigint = signal.getsignal(signal.SIGINT)  # accelerate's launcher installs torch elastic's handler
     try:
         from benchmarks import run_all
 
-        results = run_all.run(quick=True)
+        results = run_all.run(quick=True, reuse_workers=True)
     finally:
         sys.path.remove(ROOT)
         signal.signal(signal.SIGINT, sigint)
