@@ -11,9 +11,10 @@ They run in the fit's watcher thread, in the order the records were made,
 while the workers train on. A hook may stop the fit by returning
 ``"stop"`` or calling ``nbddp.stop_fit()``: every rank stops at the next
 sync, through the same path as the Stop button. A hook that raises is
-reported with its traceback and, unless the callback sets
-``stop_on_error = False``, stops the fit the same clean way: the model
-keeps the weights of that step, and ``History.stop_reason`` says why.
+reported with its traceback, that callback gets no more records (only
+``on_fit_end``) and, unless it sets ``stop_on_error = False``, the fit stops
+the same clean way: the model keeps the weights of that step, and
+``History.stop_reason`` says why.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _current = threading.local()  # the hook being called in this thread: who asked 
 class Callback:
     """An optional base class: override the hooks you need (any object with one of them works too)."""
 
-    #: an exception in a hook stops the fit (True), or only drops this callback for the rest of the fit (False)
+    #: an exception in a hook stops the fit (True), or the fit goes on without this callback (False)
     stop_on_error = True
 
     def on_fit_start(self, info: Any) -> Any:
@@ -109,7 +110,7 @@ class CallbackSet:
     def call(self, hook: str, arg: Any, stop: Callable[[str], None]) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
-            if fn is None or id(cb) in self.dropped:
+            if fn is None or (id(cb) in self.dropped and hook != "on_fit_end"):
                 continue
             label = f"{type(cb).__name__}.{hook}"
             _current.hook = (stop, label)
@@ -126,12 +127,10 @@ class CallbackSet:
     def _failed(self, cb: Any, label: str, exc: Exception, stop: Callable[[str], None]) -> None:
         text = "".join(traceback.format_exception(exc))
         stops = getattr(cb, "stop_on_error", True)
-        then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else \
-            "this callback is dropped for the rest of the fit, which goes on"
-        sys.stderr.write(f"nbddp: callback {label} raised; {then}.\n{text}")
+        then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else "the fit goes on"
+        sys.stderr.write(f"nbddp: callback {label} raised; it gets no more records, and {then}.\n{text}")
         sys.stderr.flush()
         self.errors.append({"source": f"callback {label}", "error": f"{type(exc).__name__}: {exc}", "traceback": text})
+        self.dropped.add(id(cb))  # in an unknown state now: only on_fit_end still comes, to let it clean up
         if stops:
             stop(f"{label} raised {type(exc).__name__}: {exc}")
-        else:
-            self.dropped.add(id(cb))

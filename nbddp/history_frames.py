@@ -41,7 +41,7 @@ def _is_history(obj: Any) -> bool:
 
 
 def plot_histories(histories: Sequence[Any], labels: Sequence[str] | None = None, *, metric: str = "loss",
-                   figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
+                   title: str = "", figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
     """Several fits on one matplotlib ``Figure``: each one's training ``metric`` and, dashed, its validation.
 
     The notebook habit of trying two learning rates and looking::
@@ -55,12 +55,13 @@ def plot_histories(histories: Sequence[Any], labels: Sequence[str] | None = None
         labels: one per history (default ``run 1``, ``run 2``, ...).
         metric: the step records' value to draw (``"loss"``, or a ``step_fn``'s
             extra); its ``val_<metric>`` is drawn too where validation recorded it.
+        title: the figure's title.
     """
     from nbddp.live.compare import compare_figure
 
     histories = [histories] if _is_history(histories) else list(histories)
     if not histories or not all(_is_history(h) for h in histories):
-        kinds = sorted({type(h).__name__ for h in histories}) or ["nothing"]
+        kinds = sorted({type(h).__name__ for h in histories if not _is_history(h)}) or ["an empty list"]
         raise TypeError(f"nbddp.plot_histories(histories) takes a list of History objects (what dist_fit returns); "
                         f"got {', '.join(kinds)}")
     labels = [f"run {i + 1}" for i in range(len(histories))] if labels is None else list(labels)
@@ -70,4 +71,5 @@ def plot_histories(histories: Sequence[Any], labels: Sequence[str] | None = None
     if not any(metric in r for h in histories for r in h.steps):
         raise ValueError(f"nbddp.plot_histories(metric={metric!r}): no step record holds {metric!r}; the steps hold "
                          f"{sorted({k for h in histories for r in h.steps for k in r})}")
-    return compare_figure([(str(label), h.steps, h.validations) for label, h in zip(labels, histories)], metric, figsize)
+    runs = [(str(label), h.steps, h.validations) for label, h in zip(labels, histories)]
+    return compare_figure(runs, metric, title, figsize)

@@ -15,7 +15,7 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 
 
 def compare_figure(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], metric: str = "loss",
-                   figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
+                   title: str = "", figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
     """One line per run (label, steps, validations): the training ``metric`` solid, ``val_<metric>`` dashed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -33,5 +33,7 @@ def compare_figure(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, An
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
