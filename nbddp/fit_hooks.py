@@ -63,6 +63,7 @@ class FitHooks:
         self.run: Any = None
         self.info: FitInfo | None = None
         self.next_seq = 0  # the next record to hand over (watcher thread)
+        self.flushed = 0  # records handed over when the last flush was asked for
         self.planned = False
         self.finishing = False
         self.queue: queue.Queue = queue.Queue()
@@ -120,20 +121,19 @@ class FitHooks:
         self.queue.put(("record", (kind, record)))
 
     def tick(self, step: int | None) -> None:
-        if self.planned and self.loggers:
+        """After each look at the stream: the loggers write what they buffered (once per new batch of records)."""
+        if self.loggers and self.next_seq > self.flushed:
+            self.flushed = self.next_seq
             self.queue.put(("flush", step))
 
     def finish(self, history: Any, records: list[tuple[int, str, dict[str, Any]]], plan: Any,
                restored: dict[str, Any] | None) -> None:
         """The fit ended on the workers: the records not handed over yet, then ``close``; wait for all of it."""
-        if not self:
-            return
         self.finishing = True
         if plan is not None:
             self.start(plan)
-        for seq, kind, record in records:
-            if seq >= self.next_seq:
-                self.record(seq, kind, record)
+        for seq, kind, record in records[self.next_seq:] if self.planned else ():
+            self.record(seq, kind, record)
         self.close(history, restored)
 
     def close(self, history: Any, restored: dict[str, Any] | None = None) -> None:

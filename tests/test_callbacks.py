@@ -103,11 +103,19 @@ class StopAt:
 
 
 @pytest.mark.parametrize("how, reason", [("return", "StopAt.on_record returned 'stop'"),
-                                         ("stop_fit", "enough at step 3")])
-def test_a_callback_stops_the_fit_at_the_next_sync(workers, how, reason):
+                                         ("stop_fit", "enough at step 3"), ("cell", "from a cell")])
+def test_a_callback_or_a_cell_stops_the_fit_at_the_next_sync(workers, how, reason):
     model = Slow()
     before = [p.detach().clone() for p in model.parameters()]
-    h = nbddp.dist_fit(model, _data(), epochs=40, batch_size=4, log_every=1, live=False, callbacks=[StopAt(how)])
+    if how == "cell":  # nbddp.stop_fit() from the notebook while a non-blocking fit trains
+        handle = nbddp.dist_fit(model, _data(), epochs=40, batch_size=4, log_every=1, live=False, block=False)
+        deadline = time.monotonic() + 60
+        while len(handle.history.steps) < 3 and not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        nbddp.stop_fit("from a cell")
+        h = handle.wait(timeout=60)
+    else:
+        h = nbddp.dist_fit(model, _data(), epochs=40, batch_size=4, log_every=1, live=False, callbacks=[StopAt(how)])
     assert h.status == "interrupted" and h.stop_reason == reason
     assert 3 <= h.steps[-1]["step"] < 40 * 8
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # that step's weights came back
