@@ -33,6 +33,10 @@ __all__ = [
     "stacks",
     "History",
     "FitHandle",
+    "loggers",
+    "EarlyStopping",
+    "stop_fit",
+    "plot_histories",
     "NbddpError",
     "NotStartedError",
     "FitRunningError",
@@ -65,6 +69,10 @@ _LAZY = {
     "stacks": "nbddp.rank_stacks",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
+    "loggers": "nbddp.loggers",  # a subpackage: nbddp.loggers.TensorBoard(...), ...
+    "EarlyStopping": "nbddp.early_stopping",
+    "stop_fit": "nbddp.callbacks",
+    "plot_histories": "nbddp.history_frames",
     "NbddpError": "nbddp.errors",
     "NotStartedError": "nbddp.errors",
     "FitRunningError": "nbddp.errors",
@@ -77,7 +85,11 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
+    from nbddp import loggers
     from nbddp.batchsize import find_batch_size
+    from nbddp.callbacks import stop_fit
+    from nbddp.early_stopping import EarlyStopping
+    from nbddp.history_frames import plot_histories
     from nbddp.cells import pull, push, run_cell
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
                               WorkerError, WorkerStalled)
@@ -93,7 +105,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module == f"{__name__}.{name}" else getattr(imported, name)
     globals()[name] = value
     return value
 

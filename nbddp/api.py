@@ -90,7 +90,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              val_every: int | str | None = None, strategy: Any = "ddp", activation_checkpointing: Any = False,
              keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None,
-             **advanced: Any) -> History | FitHandle:
+             loggers: Any = None, callbacks: Any = None, **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -161,6 +161,19 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             before the fit fails with ``WorkerStalled``; the stalled ranks are
             replaced. Default: ``nbddp.start(stall_timeout=...)``, else None
             (a stall is shown live, with the rank's stack, never fatal).
+        loggers: where the run is written, once, from the kernel: ``"tensorboard"``,
+            ``"wandb"``, ``"mlflow"``, ``"csv"``, or ``nbddp.loggers.TensorBoard(log_dir=...)``,
+            ``WandB(project=...)``, ``MLflow(tracking_uri=..., experiment=...)``,
+            ``CSV(path)`` or your own ``nbddp.loggers.Logger``: every record,
+            and the hyperparameters once. A resumed fit continues the same
+            runs. A logger that fails is reported and skipped; the fit goes on.
+            Needs ``pip install "nbddp[loggers]"``; see ``docs/loggers.md``.
+        callbacks: objects with any of ``on_fit_start(info)``,
+            ``on_record(record)``, ``on_epoch_end(record)``, ``on_fit_end(history)``,
+            called in the kernel as records arrive; a hook may stop the fit
+            (``return "stop"`` or ``nbddp.stop_fit()``), and one that raises stops
+            it cleanly (``History.stop_reason`` says why).
+            ``nbddp.EarlyStopping(...)`` is one.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -177,6 +190,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         WorkerDied: a worker process died (pid, signal, log tail).
         WorkerStalled: a rank made no progress for ``stall_timeout`` seconds (``.stacks``).
     """
+    from nbddp.fit_hooks import FitHooks
     from nbddp.fitting import FitRun
     from nbddp.live import choose_view
     from nbddp.preflight import prepare
@@ -185,6 +199,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
     stall_timeout = check_stall_timeout(stall_timeout, "dist_fit")
     view = choose_view(live)
+    hooks = FitHooks.build(loggers, callbacks, val_data=val_data, metrics=metrics, step_fn=step_fn,
+                           optimizer=optimizer, loss_fn=loss_fn, scheduler=scheduler)
     if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
         from nbddp.batchsize import find_batch_size
 
@@ -207,13 +223,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                        return_weights=return_weights, **options)
         if stall_timeout is None and s.options is not None:
             stall_timeout = s.options.stall_timeout
-        run_ = FitRun(s, plan, view, stall_timeout)
-        try:
-            run_.launch()
-        except BaseException:
-            plan.discard()
-            s.running = None
-            raise
+        run_ = FitRun(s, plan, view, stall_timeout, hooks)
+        run_.launch()
     if not block:
         return FitHandle(run_)
     wait_interruptibly(run_)

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from nbddp import shipping
+from nbddp.fit_hooks import FitHooks
 from nbddp.history import History
 from nbddp.live.state import LiveState
 from nbddp.messages import FitResult, RankInfo, published
@@ -23,12 +24,14 @@ from nbddp.stalls import StuckStop
 from nbddp.tasks import RankTasks
 
 HARD_STOP_WAIT_S = 30.0
+PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
 
 
 class FitRun:
     """One fit in flight: tasks on every rank, a watcher thread, the live view."""
 
-    def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None):
+    def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None,
+                 hooks: FitHooks | None = None):
         self.session = session
         self.plan = plan
         self.view = view
@@ -37,6 +40,10 @@ class FitRun:
         self.error: BaseException | None = None
         self.done_event = threading.Event()
         self.stop_requested = False
+        self.stop_reason: str | None = None  # who asked for the stop (History.stop_reason)
+        self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
+        self.hooks.bind(self)
+        self.hooks.attach(plan)  # restore_best: what the workers monitor
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -62,6 +69,15 @@ class FitRun:
         return "a dist_fit"
 
     def launch(self) -> None:
+        """Start every rank's task and the watcher; if that fails, the shipped files go and the session is free."""
+        try:
+            self._launch()
+        except BaseException:
+            self.plan.discard()
+            self.session.running = None
+            raise
+
+    def _launch(self) -> None:
         from nbddp.worker.entry import fit_task
 
         s = self.session
@@ -76,11 +92,12 @@ class FitRun:
         self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
         self.thread.start()
 
-    def request_stop(self) -> None:
-        """The coordinated stop: every rank stops at the same step."""
+    def request_stop(self, reason: str | None = None) -> None:
+        """The coordinated stop: every rank stops at the same step (``reason``: who asks, for History)."""
         if self.finished or self.stop_requested:
             return
         self.stop_requested = True
+        self.stop_reason = reason or PERSON_STOP
         self.live_state.status = "stopping"
         if self.tasks is not None:  # a rank that stalled cannot take the stop: it is killed after a grace
             self.tasks.stalls.stop_at = time.monotonic()
@@ -120,6 +137,7 @@ class FitRun:
         plan, msg = published(rank0, "plan"), published(rank0, "progress")
         if plan is not None and self.live_state.plan is None:
             self.live_state.plan = plan
+            self.hooks.start(plan)
         if msg is None:
             return
         if not self._training_started:
@@ -139,7 +157,9 @@ class FitRun:
         for seq, kind, record in window:
             if seq == self._seen:
                 self.history.add(kind, record)
+                self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
+        self.hooks.tick(self.history.last_step)
 
     def _watch(self) -> None:
         try:
@@ -150,6 +170,7 @@ class FitRun:
             self.history.status = self.live_state.status = "interrupted"
             self.tasks.stalls.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
                                      "this call; History.status is 'interrupted'.")
+            self.hooks.close(self.history)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             self.error = exc
             if self.hard_stopped:
@@ -158,6 +179,7 @@ class FitRun:
             self.session.resident.clear()  # the workers' caches may have changed mid-way: ship afresh next time
             self.history.status = "failed"
             self.live_state.status = "failed" if not self.hard_stopped else "interrupted"
+            self.hooks.close(self.history)
         finally:
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
@@ -189,6 +211,9 @@ class FitRun:
         history.transfers = {"shipped_bytes": max(p.nbytes for p in self.plan.parcels.values())
                              + max((p.nbytes for p in self.plan.model_parcels.values()), default=0),
                              "returned_bytes": parcel.nbytes if parcel is not None else 0}
+        # the loggers' last records and closed runs, on_fit_end: before the cell gets the History
+        self.hooks.finish(history, head.records, self.live_state.plan or published(self.tasks.ars.get(0), "plan"),
+                          head.restored)
         self.history = history
         self.live_state.status = history.status
         self.session.resident.mark(self.plan.data_keys)

@@ -44,6 +44,16 @@ class History:
             ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.
         model: the trained module when ``dist_fit`` was given a factory (the
             given module itself otherwise).
+        stop_reason: why a stop was asked for, when one was: a callback
+            (``EarlyStopping``, ``"stop"``, ``nbddp.stop_fit()``, an exception
+            in a hook) or the notebook (interrupt, Stop button, ``handle.stop()``).
+        best: with an ``EarlyStopping``: ``monitor``, ``mode``, ``value``,
+            ``step`` and ``epoch`` of the best check, and ``restored`` (the
+            model holds that check's weights).
+        loggers: one dict per logger: ``logger``, ``where`` (its run),
+            ``logged`` and ``missed`` records, ``error`` (the first, if any).
+        errors: every logger and callback exception reported during the fit
+            (``source``, ``error``, ``traceback``).
     """
 
     status: str = "completed"
@@ -56,6 +66,10 @@ class History:
     batch_size: int | None = None
     ranks: list[dict[str, Any]] = field(default_factory=list)
     model: Any = field(default=None, repr=False)
+    stop_reason: str | None = None
+    best: dict[str, Any] | None = None
+    loggers: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, str]] = field(default_factory=list)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""
@@ -76,12 +90,19 @@ class History:
 
         return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})", figsize=figsize)
 
+    def to_pandas(self) -> Any:
+        """The records as pandas DataFrames: ``.steps``, ``.epochs`` and ``.validations`` (pandas imported here)."""
+        from nbddp.history_frames import frames
+
+        return frames(self)
+
     def __repr__(self) -> str:
         last = self.epochs[-1] if self.epochs else (self.steps[-1] if self.steps else {})
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in last.items())
         return (
             f"History(status={self.status!r}, world_size={self.world_size}, "
-            f"steps={len(self.steps)} records, epochs={len(self.epochs)}, last: {shown})"
+            f"steps={len(self.steps)} records, epochs={len(self.epochs)}, last: {shown}"
+            + (f", stop_reason={self.stop_reason!r}" if self.stop_reason else "") + ")"
         )
 
 

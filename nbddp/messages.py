@@ -59,6 +59,7 @@ class FitLaunch:
     returns: str  # "state_dict": weights into the notebook's model; "module": the trained module; "none"
     resident: tuple[str, ...] = ()  # dataset keys the kernel believes the workers hold
     keep: str | None = None  # bind the trained module to this name in every rank's %%ddp namespace
+    best: Any = None  # improvement.BestSpec: keep the best check's weights and end with them (restore_best)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class FitPlanInfo:
     steps_per_epoch: int
     start_step: int
     batch_size: int
+    model_class: str = ""  # the person's module, as ``module.QualName``
+    params: int = 0  # its parameter count (whole model, also when sharded)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class FitResult:
     records: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     weights: Any = None  # shipping.Parcel, or None
+    restored: dict[str, Any] | None = None  # restore_best: the step and value whose weights these are
 
 
 @dataclass(frozen=True)

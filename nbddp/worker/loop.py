@@ -32,6 +32,7 @@ from nbddp.shipping import Parcel
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup
 from nbddp.worker.batches import move, run_batch
+from nbddp.worker.best import BestWeights
 from nbddp.worker.data import SkipSampler
 from nbddp.worker.prefetch import prefetch
 from nbddp.worker.monitor import BEAT
@@ -83,7 +84,9 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     agree(error, device, "wrapping the model and loading the checkpoint")
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps, steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step,
-                       batch_size=cfg.batch_size)
+                       batch_size=cfg.batch_size, model_class=f"{type(ts.model).__module__}.{type(ts.model).__qualname__}",
+                       params=sum(p.numel() for p in ts.model.parameters()))
+    ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes())
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
@@ -205,6 +208,8 @@ def end_epoch(ts: TrainState) -> None:
     if ts.vloader is not None and ts.status != "interrupted":
         record.update(validate(ts))
     rep.record("epoch", record)
+    if ts.best is not None:
+        ts.best.consider(ts, "epoch", record)
     ts.epoch += 1
     if ts.scheduler is not None and ts.cfg.scheduler_interval == "epoch":
         ts.scheduler.step()
@@ -241,6 +246,8 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     rep.publish(force=True)
     timings["publish_s"] = rep.publish_s
     result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings)
+    if ts.best is not None:  # every rank: putting the best weights back may be collective
+        result.restored = ts.best.restore(ts)
     if launch.returns != "none":
         state = ts.strategy.full_state_dict(ts.rank)
         if ts.rank == 0:

@@ -48,6 +48,7 @@ class TrainState:
     restored: dict[str, Any] | None = None  # the checkpoint's loop state (step, epoch, sums, RNG)
     status: str = "completed"  # or "interrupted"
     reporter: Any = None
+    best: Any = None  # worker.best.BestWeights when the kernel asked to end with the best check's weights
     lr: float = 0.0  # the learning rate of the last optimizer step
 
     @property

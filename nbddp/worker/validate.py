@@ -79,8 +79,11 @@ def validate(ts: TrainState) -> dict[str, Any]:
     total = reduced[1]
     out = {"val_loss": reduced[0] / total if total else float("nan")}
     out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
-    rep.record("val", {"epoch": ts.epoch, "step": ts.step, **out})
+    record = {"epoch": ts.epoch, "step": ts.step, **out}
+    rep.record("val", record)
     module.train(was_training)
     ts.strategy.end_evaluation()
+    if ts.best is not None:  # after end_evaluation: a sharded module is back to its shards
+        ts.best.consider(ts, "val", record)
     rep.status = "training"
     return out

@@ -67,6 +67,26 @@ class Strategy(ABC):
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
     # ---- weights and checkpoints -----------------------------------------------
+    def snapshot_weights(self, rank: int) -> dict[str, torch.Tensor] | None:
+        """A CPU copy of the weights (parameters and buffers), to come back to later (``restore_weights``).
+
+        Replicated: every rank holds the same weights, so rank 0 alone keeps a
+        copy (one model's worth of host memory); the others keep nothing.
+        """
+        if rank != 0:
+            return None
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.module.state_dict().items()}
+
+    def restore_weights(self, saved: dict[str, torch.Tensor] | None, rank: int) -> None:
+        """Put ``snapshot_weights``'s copy back on every rank: rank 0 loads it, then broadcasts (collective)."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for name, t in self.module.state_dict().items():
+                if rank == 0:
+                    t.copy_(saved[name])
+                dist.broadcast(t, src=0, group=self.group)
+
     @abstractmethod
     def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
         """The full, unsharded state dict on rank 0 (collective); ``None`` elsewhere."""

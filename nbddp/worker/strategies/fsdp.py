@@ -122,11 +122,36 @@ class FSDPStrategy(Strategy):
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if rank == 0 else None
 
+    def snapshot_weights(self, rank: int) -> dict[str, torch.Tensor]:
+        """Every rank copies its own shards to host memory: 1/N of the model each, no collective, no disk.
+
+        A gathered copy would be a collective at every improvement and the
+        whole model in rank 0's memory; a DCP snapshot would write every
+        shard to disk each time. This is what a DCP snapshot holds, kept in
+        memory.
+        """
+        return {name: _local(t).detach().to("cpu", copy=True) for name, t in _tensors(self.module)}
+
+    def restore_weights(self, saved: dict[str, torch.Tensor] | None, rank: int) -> None:
+        with torch.no_grad():
+            for name, t in _tensors(self.module):
+                _local(t).copy_(saved[name])
+
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
         dcp.save(directory, step, self.module, optimizer, extra, rank)
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer)
+
+
+def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter (its storage, writable in place); a plain tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _holds_tensors(module: nn.Module) -> bool:
