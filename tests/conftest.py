@@ -106,21 +106,25 @@ def _shm_files() -> set[str]:
 
 
 def owned_pids() -> set[int]:
-    """Every pid the live session legitimately holds (and their children)."""
+    """Every pid the live session legitimately holds, and their descendants (one pass over /proc)."""
     from nbddp.session import get_session
 
     s = get_session()
     if not s.started:
         return set()
-    pids = set(s.workers.all_pids())
+    owned = set(s.workers.all_pids())
     if s.workers.reaper.pid is not None:
-        pids.add(s.workers.reaper.pid)
-    for pid in list(pids):
-        try:
-            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-        except psutil.Error:
-            pass
-    return pids
+        owned.add(s.workers.reaper.pid)
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    stack = list(owned)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in owned:
+                owned.add(child)
+                stack.append(child)
+    return owned
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -154,7 +158,8 @@ def no_leaks(request):
 
 
 def _leaked_processes() -> list[str]:
-    leaked = {pid: p for pid, p in _run_processes().items() if pid not in owned_pids()}
+    owned = owned_pids()
+    leaked = {pid: p for pid, p in _run_processes().items() if pid not in owned}
     if not leaked:
         return []
     psutil.wait_procs(list(leaked.values()), timeout=5)
@@ -170,8 +175,8 @@ def _leaked_processes() -> list[str]:
     return [f"test left {len(still)} worker process(es) behind: {desc}"]
 
 
-def _ours(path: str, session) -> bool:
-    """Whether a shared-memory file was made by this test run: the suite session's, or a pid of ours.
+def _ours(path: str, session, pids: set[int]) -> bool:
+    """Whether a shared-memory file was made by this test run: the suite session's, or one of ``pids``'.
 
     Other test runs on the same machine have files of their own in /dev/shm;
     those are not this run's business.
@@ -179,7 +184,6 @@ def _ours(path: str, session) -> bool:
     name = os.path.basename(path)
     if name.startswith(session.file_prefix):
         return True
-    pids = {os.getpid(), *owned_pids(), *_run_processes()}
     return any(name.startswith(f"nbddp-{pid}-") for pid in pids)
 
 
@@ -187,8 +191,10 @@ def _leaked_files(session, before: set[str]) -> list[str]:
     live = session.file_prefix if session.started else None
     deadline = time.monotonic() + 5.0
     while True:
-        new = {f for f in _shm_files() - before
-               if _ours(f, session) and not (live and os.path.basename(f).startswith(live))}
+        candidates = _shm_files() - before
+        pids = {os.getpid(), *owned_pids(), *_run_processes()} if candidates else set()
+        new = {f for f in candidates
+               if _ours(f, session, pids) and not (live and os.path.basename(f).startswith(live))}
         if not new or time.monotonic() > deadline:
             break
         time.sleep(0.1)
