@@ -312,3 +312,154 @@ def test_a_dataloader_over_a_stream_keeps_its_batch_size_and_collate(workers, tm
     ids = read_ids(tmp_path)
     assert h.batch_size == 5 and ids[0] == [[0, 2, 4, 6, 8], [10, 12, 14, 16, 18], [20, 22, 24, 26, 28],
                                             [30, 32, 34, 36, 38]]
+    # batch_size=None: a stream that yields whole batches (here of 6) has them trained as they come
+    h = nbddp.dist_fit(linear(), DataLoader(Batches(), batch_size=None), step_fn=recorder(str(tmp_path)), live=False)
+    ids = read_ids(tmp_path)
+    assert ids[0] == [list(range(0, 6)), list(range(12, 18))] and ids[1] == [list(range(6, 12)), list(range(18, 24))]
+
+
+class Batches(IterableDataset):
+    def __iter__(self):
+        for b in range(4):
+            rows = [sample(i) for i in range(6 * b, 6 * b + 6)]
+            yield tuple(torch.stack(part) for part in zip(*rows))
+
+
+def test_an_empty_validation_stream_is_an_error_on_every_rank(workers):
+    with pytest.raises(WorkerError, match=r"val_data yielded no sample on any rank"):
+        nbddp.dist_fit(linear(), Stream(32), val_data=Stream(0), step_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+                       **FIT)
+    assert nbddp.run(lambda: 1) == [1, 1]
+
+
+def test_the_planners_refuse_a_stream_before_any_collective(workers):
+    with pytest.raises(WorkerError, match=r"find_batch_size and scaling_report replay the same batches"):
+        nbddp.find_batch_size(linear(), Stream(64), step_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+    assert nbddp.run(lambda: 1) == [1, 1]
+
+
+# --- the agreement, without workers: a peer rank played by a list of what it holds -----------------------------
+
+
+class Peer:
+    """``Agreement`` for rank 0 of 2, whose peer holds ``peer`` batches per epoch."""
+
+    def __init__(self, peer: int):
+        self.peer, self.asked = peer, 0
+
+    def launch(self, have: bool):
+        self.asked += 1
+        return [have, self.asked <= self.peer]
+
+    def wait(self, pending):
+        return pending
+
+
+def _items(n: int):
+    return iter([((torch.zeros(8, D), torch.zeros(8, 1), torch.arange(8) + 8 * b), (0, None)) for b in range(n)])
+
+
+@pytest.mark.parametrize("mine, peer, accum", [(7, 6, 1), (3, 9, 1), (5, 5, 2), (6, 4, 4)])
+def test_the_feed_hands_out_what_every_rank_holds_and_knows_the_end_a_window_ahead(mine, peer, accum):
+    from nbddp.worker.agreement import UNKNOWN, EpochFeed
+
+    feed = EpochFeed(_items(mine), Peer(peer), epoch=0, accum=accum)
+    known = []
+    for i, _ in enumerate(feed):
+        window_end = min(i - i % accum + accum, min(mine, peer)) - 1
+        known.append(feed.batches_per_epoch if window_end >= min(mine, peer) - 1 else UNKNOWN)
+        assert feed.batches_per_epoch in (UNKNOWN, min(mine, peer))
+    assert len(known) == min(mine, peer) and known[-1] == min(mine, peer)
+    # by the first micro-batch of the last window, its length is known
+    last_window = (min(mine, peer) - 1) // accum * accum
+    assert known[last_window] == min(mine, peer)
+    assert feed.ended_on == ([0] if mine < peer else [1] if peer < mine else [0, 1])
+    assert feed.samples == 8 * min(mine, peer) and not feed.pending
+
+
+def test_an_empty_share_names_the_rank():
+    from nbddp.worker.agreement import EmptyShard, EpochFeed, lockstep
+
+    with pytest.raises(EmptyShard, match=r"the training data: rank 0 got no sample in epoch 2: its share of the stream "
+                                         r"is empty while rank 1 has data"):
+        next(EpochFeed(_items(0), Peer(3), epoch=2))
+    with pytest.raises(EmptyShard, match=r"val_data \(validated in lockstep under a sharded strategy\): rank 0 got no "
+                                         r"sample in epoch 0"):
+        list(lockstep([], Peer(2), 0))
+    assert [counted for _, counted in lockstep([1, 2], Peer(4), 0)] == [True, True, False, False]
+
+
+def test_a_mid_epoch_checkpoint_read_with_other_loader_workers_is_refused():
+    from nbddp.options import make_config
+    from nbddp.worker.agreement import Agreement
+    from nbddp.worker.data import DataSpec
+    from nbddp.worker.streams import Stream as RankStream
+
+    cfg = make_config(batch_size=8, num_workers=0)
+    stream = RankStream(Stream(20), DataSpec(stream=True), cfg, 0, 2, torch.device("cpu"), Agreement(0, 2))
+    saved = {"batches_done": 3, "stream_per_rank": [{"num_workers": 2, "samples": 24, "states": None}] * 2}
+    with pytest.raises(ValueError, match=r"resume='ck': that checkpoint was saved mid-epoch reading the stream with "
+                                         r"num_workers=2, and this fit reads it with num_workers=0.*Resume with "
+                                         r"num_workers=2"):
+        stream.restore(saved, "ck")
+    stream.restore({"batches_done": 0, "stream_per_rank": saved["stream_per_rank"]}, "ck")  # an epoch end: fine
+
+
+def test_the_live_view_shows_a_streams_unknown_total_then_an_estimate():
+    from types import SimpleNamespace
+
+    from nbddp.history import History
+    from nbddp.live.state import LiveState
+    from nbddp.live.text import progress_line
+    from nbddp.live.widget import progress_text
+    from nbddp.live.text import progress_fields
+    from nbddp.messages import FitPlanInfo
+
+    plan = FitPlanInfo(total_steps=None, steps_per_epoch=None, start_step=0, batch_size=8)
+    run = SimpleNamespace(live_state=LiveState(status="training", world_size=2, epochs=3, plan=plan),
+                          history=History(), finished=False, started_at=None)
+    run.history.add("step", {"step": 4, "epoch": 0, "loss": 1.0, "lr": 0.1, "samples_per_s": 10.0, "time": 2.0})
+    assert "step 4/? " in progress_line(run) and "ETA" not in progress_line(run)
+    run.history.add("epoch", {"epoch": 0, "step": 6, "loss": 1.0})
+    run.history.add("step", {"step": 8, "epoch": 1, "loss": 0.9, "lr": 0.1, "samples_per_s": 10.0, "time": 4.0})
+    assert "step 8/~18 " in progress_line(run) and "(ETA 0:05)" in progress_line(run)
+    assert progress_text(progress_fields(run)).startswith("step 8/~18 ·")
+    run.live_state.status, run.finished = "completed", True
+    assert "step 8/8 " in progress_line(run)
+
+
+class Squares(torch.utils.data.Dataset):
+    """A map-style dataset defined here (a notebook cell's class, for the workers)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        x, y, _ = sample(i)
+        return x, y
+
+
+@pytest.mark.requires_gpu
+def test_loader_workers_are_spawned_once_cuda_is_up_and_notebook_classes_reach_them(_suite_session, tmp_path):
+    """On GPU workers CUDA is initialised before the loaders start: forking then would break, so they spawn."""
+    from nbddp.session import get_session
+
+    s = get_session()
+    if s.started and s.backend != "nccl":
+        nbddp.stop()
+    if not s.started:
+        nbddp.start(n=torch.cuda.device_count(), backend="nccl")
+    try:
+        h = nbddp.dist_fit(linear(), Stream(97), epochs=2, num_workers=2, step_fn=recorder(str(tmp_path)), **FIT)
+        assert h.status == "completed" and h.steps[-1]["step"] > 0
+
+        def method():
+            from nbddp.worker import loaders
+
+            return loaders.start_method()
+
+        assert set(nbddp.run(method)) == {"spawn"}
+        h = nbddp.dist_fit(linear(), Squares(), epochs=2, num_workers=2, loss_fn=F.mse_loss, **FIT)
+        assert h.epochs[-1]["loss"] < h.epochs[0]["loss"]
+    finally:
+        nbddp.stop()

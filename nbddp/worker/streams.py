@@ -141,7 +141,8 @@ class Stream:
     def make_loader(self, states: dict[int, Any] | None = None) -> Any:
         collate = PositionCollate(self.collate, self.dataset if self.num_workers == 0 else None, self.with_state)
         ds, collate = loaders.by_value(self.dataset, collate, self.kwargs.get("multiprocessing_context"))
-        return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate, drop_last=self.cfg.drop_last,
+        return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate,
+                              drop_last=self.cfg.drop_last and self.batch_size is not None,
                               worker_init_fn=LoadStates(states) if states else None, **self.kwargs)
 
     @property
