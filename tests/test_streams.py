@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import deque
 
 import cloudpickle
 import pytest
@@ -96,6 +97,10 @@ def recorder(folder: str):
         return F.mse_loss(model(x), y)
 
     return step
+
+
+def mse_step(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
 
 
 def read_ids(folder) -> dict[int, list[list[int]]]:
@@ -250,7 +255,7 @@ def test_resume_mid_epoch_continues_after_the_last_checkpointed_sample(workers, 
 def test_validation_on_an_uneven_stream_is_exact_under_fsdp(workers):
     val = Stream(13)  # 7 samples on rank 0, 6 on rank 1: batches of 8 and 6, forwards in lockstep
     h = nbddp.dist_fit(linear(), Stream(64), val_data=val, epochs=1, strategy="fsdp",
-                       step_fn=lambda model, b: F.mse_loss(model(b[0]), b[1]), **FIT)
+                       step_fn=mse_step, **FIT)
     model = h.model
     with torch.no_grad():
         xs = torch.stack([sample(i)[0] for i in range(13)])
@@ -327,14 +332,14 @@ class Batches(IterableDataset):
 
 def test_an_empty_validation_stream_is_an_error_on_every_rank(workers):
     with pytest.raises(WorkerError, match=r"val_data yielded no sample on any rank"):
-        nbddp.dist_fit(linear(), Stream(32), val_data=Stream(0), step_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+        nbddp.dist_fit(linear(), Stream(32), val_data=Stream(0), step_fn=mse_step,
                        **FIT)
     assert nbddp.run(lambda: 1) == [1, 1]
 
 
 def test_the_planners_refuse_a_stream_before_any_collective(workers):
     with pytest.raises(WorkerError, match=r"find_batch_size and scaling_report replay the same batches"):
-        nbddp.find_batch_size(linear(), Stream(64), step_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+        nbddp.find_batch_size(linear(), Stream(64), step_fn=mse_step)
     assert nbddp.run(lambda: 1) == [1, 1]
 
 
@@ -347,9 +352,9 @@ class Peer:
     def __init__(self, peer: int):
         self.peer, self.asked = peer, 0
 
-    def launch(self, have: bool):
+    def launch(self, state: int):
         self.asked += 1
-        return [have, self.asked <= self.peer]
+        return [state, 1 if self.asked <= self.peer else 0]
 
     def wait(self, pending):
         return pending
@@ -387,6 +392,42 @@ def test_an_empty_share_names_the_rank():
                                          r"sample in epoch 0"):
         list(lockstep([], Peer(2), 0))
     assert [counted for _, counted in lockstep([1, 2], Peer(4), 0)] == [True, True, False, False]
+
+
+def test_a_rank_whose_data_fails_raises_it_and_the_others_learn_it_at_the_same_batch():
+    from nbddp.worker.agreement import Agreement, EpochFeed, PeerFailed
+
+    def broken():
+        yield from _items(2)
+        raise OSError("disk gone")
+
+    feed = EpochFeed(broken(), Peer(9), epoch=0)
+    with pytest.raises(OSError, match="disk gone"):
+        list(feed)
+    assert feed.pending == deque() and feed.next_index == 1  # told the peer (FAILED) before raising
+    with pytest.raises(PeerFailed, match=r"rank 1 failed reading its data"):
+        Agreement(0, 2).wait((None, torch.tensor([1.0, 2.0])))
+
+
+class FailsOnRank1(IterableDataset):
+    shards_itself = True
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        for i in range(40):
+            if dist.get_rank() == 1 and i == 20:
+                raise OSError(f"cannot read shard file {i}")
+            yield sample(i)
+
+
+def test_a_failing_data_pipeline_fails_every_rank_together_none_stuck(workers):
+    generation = workers.generation
+    with pytest.raises(WorkerError, match=r"rank 1.*OSError: cannot read shard file 20") as info:
+        nbddp.dist_fit(linear(), FailsOnRank1(), step_fn=mse_step, **FIT)
+    assert not info.value.note, f"a rank was stuck instead of failing with its peer: {info.value.note}"
+    assert workers.generation == generation, "the workers had to be replaced"
+    assert nbddp.run(lambda: 1) == [1, 1]
 
 
 def test_a_mid_epoch_checkpoint_read_with_other_loader_workers_is_refused():

@@ -16,7 +16,8 @@ the first one some rank cannot fill:
   (``EpochFeed.batches_per_epoch``), so the epoch ends with its usual
   record, validation and checkpoint;
 * a rank that has nothing at the start of an epoch is an error on every
-  rank at once, naming it (``EmptyShard``), never a hang.
+  rank at once, naming it (``EmptyShard``), never a hang; so is a rank whose
+  data pipeline raised: it raises its error, the others ``PeerFailed``.
 
 Under NCCL the flags travel on a gloo group of their own, so that reading
 them never waits for the GPU's queue.
@@ -35,6 +36,11 @@ from nbddp.worker.batches import batch_size_of
 from nbddp.worker.monitor import BEAT
 
 UNKNOWN = sys.maxsize  # the epoch's length until its end is agreed
+NONE, HAVE, FAILED = 0, 1, 2  # what a rank's slot says of the batch: it has none, has it, or failed reading it
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank whose own work was fine because another rank failed (never the headline in the kernel)."""
 
 
 class EmptyShard(ValueError):
@@ -54,20 +60,26 @@ class Agreement:
             self.own_group = dist.new_group(backend="gloo")  # collective: every rank makes it at its first flag
         return self.own_group if self.own_group is not None else self.group
 
-    def launch(self, have: bool) -> tuple[Any, torch.Tensor]:
+    def launch(self, state: int) -> tuple[Any, torch.Tensor]:
+        """Start telling the others this rank's ``state`` of one batch (``HAVE``, ``NONE`` or ``FAILED``)."""
         flags = torch.zeros(self.world, dtype=torch.float32)
-        flags[self.rank] = 1.0 if have else 0.0
+        flags[self.rank] = float(state)
         if self.world == 1:
             return None, flags
         BEAT.mark("collective")
         return dist.all_reduce(flags, group=self._flag_group(), async_op=True), flags
 
-    def wait(self, pending: tuple[Any, torch.Tensor]) -> list[bool]:
+    def wait(self, pending: tuple[Any, torch.Tensor]) -> list[int]:
+        """Every rank's state of that batch; raises where some rank failed reading it."""
         work, flags = pending
         if work is not None:
             BEAT.mark("collective")
             work.wait()
-        return [v > 0.5 for v in flags.tolist()]
+        states = [round(v) for v in flags.tolist()]
+        failed = [r for r, v in enumerate(states) if v == FAILED]
+        if failed and self.rank not in failed:
+            raise PeerFailed(f"rank {', '.join(map(str, failed))} failed reading its data")
+        return states
 
     def close(self) -> None:
         if self.own_group is not None:
@@ -108,6 +120,7 @@ class EpochFeed:
         self.ended = False
         self.ended_on: list[int] = []  # ranks that had no batch where the epoch ended
         self.local_done = False
+        self.error: Exception | None = None  # this rank's data pipeline raised (everyone learns at the next flags)
         self.samples = samples  # handed out this epoch (``samples``: before the checkpoint this epoch resumes)
         self.states = dict(states or {})  # loader worker -> its dataset's state after its latest batch handed out
         self.positions: deque[tuple[int, int, Any]] = deque(maxlen=8)  # (index, samples so far, states)
@@ -117,16 +130,21 @@ class EpochFeed:
         return self.next_index + len(self.confirmed) if self.ended else UNKNOWN
 
     def _fetch_and_launch(self) -> None:
-        item = None
+        item, state = None, NONE
         if not self.local_done:
             BEAT.mark("data")
-            item = next(self.local, None)
+            try:
+                item = next(self.local, None)
+            except Exception as exc:  # noqa: BLE001 - told to the others first, then raised on this rank
+                self.error, state = exc, FAILED
             self.local_done = item is None
-        self.pending.append((item, self.agreement.launch(item is not None)))
+        self.pending.append((item, self.agreement.launch(HAVE if item is not None else state)))
 
     def _settle_one(self) -> None:
         item, flags = self.pending.popleft()
-        have = self.agreement.wait(flags)
+        have = [s == HAVE for s in self.agreement.wait(flags)]
+        if self.error is not None:
+            raise self.error
         if self.ended:
             return
         if all(have):
@@ -188,7 +206,7 @@ def lockstep(loader: Any, agreement: Agreement, epoch: int) -> Iterator[tuple[An
     local = iter(loader)
     while True:
         batch = next(local, None)
-        have = agreement.wait(agreement.launch(batch is not None))
+        have = [s == HAVE for s in agreement.wait(agreement.launch(HAVE if batch is not None else NONE))]
         if not started and not all(have):
             raise empty_shard(have, "val_data (validated in lockstep under a sharded strategy)", epoch)
         started = True

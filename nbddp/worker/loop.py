@@ -32,6 +32,7 @@ from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup, streams
+from nbddp.worker.agreement import PeerFailed
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.data import SkipSampler
 from nbddp.worker.prefetch import prefetch
@@ -44,10 +45,6 @@ from nbddp.worker.validate import validate
 
 
 _END = object()  # the end of an epoch's batches
-
-
-class PeerFailed(RuntimeError):
-    """Raised on a rank whose own work was fine because another rank failed."""
 
 
 def agree(error: BaseException | None, device: torch.device, what: str) -> None:
