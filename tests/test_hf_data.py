@@ -52,10 +52,12 @@ class DictModel(nn.Module):
         return {"loss": F.mse_loss(self.lin(x.float()).squeeze(-1), labels.float())}
 
 
-def mse_over(model: nn.Module, ids) -> float:
+def mse_over(model: nn.Module, ids, grad: bool = False):
+    """The model's loss over these samples, as one process computes it (a float, or a tensor with ``grad``)."""
     data = rows(ids)
-    with torch.no_grad():
-        return model(torch.tensor(data["x"]), torch.tensor(data["labels"]))["loss"].item()
+    with torch.set_grad_enabled(grad):
+        loss = model(torch.tensor(data["x"]), torch.tensor(data["labels"]))["loss"]
+    return loss if grad else loss.item()
 
 
 def recorder(folder: str):
@@ -127,23 +129,26 @@ def test_a_streaming_parquet_dataset_each_sample_once_and_a_jsonl_stream_validat
 
 
 def test_a_streaming_dataset_resumes_through_its_own_state_dict(workers, tmp_path):
-    files = _parquet_files(tmp_path, [range(0, 48), range(48, 97)])
-
-    def stream():
-        return datasets.load_dataset("parquet", data_files=files, split="train", streaming=True).with_format("torch")
-
+    files = _parquet_files(tmp_path, [range(0, 48), range(48, 97)])  # rank 0 reads file 0, rank 1 file 1
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True).with_format("torch")
     fit = dict(epochs=1, step_fn=recorder(str(tmp_path)), **FIT)
-    straight = nbddp.dist_fit(DictModel(), stream(), **fit)
-    straight_ids = read_ids(tmp_path)
     ckpt = tmp_path / "ckpt"
-    nbddp.dist_fit(DictModel(), stream(), max_steps=2, checkpoint_dir=ckpt, **fit)
+    nbddp.dist_fit(DictModel(), stream, max_steps=2, checkpoint_dir=ckpt, **fit)
     read_ids(tmp_path)
     saved = torch.load(ckpt / "step-00000002.pt", weights_only=False)["stream_per_rank"]
     assert [p["split"] for p in saved] == ["hf", "hf"] and all(p["states"] for p in saved)
-    resumed = nbddp.dist_fit(DictModel(), stream(), checkpoint_dir=ckpt, resume=True, **fit)
+    resumed = nbddp.dist_fit(DictModel(), stream, checkpoint_dir=ckpt, resume=True, **fit)
     ids = read_ids(tmp_path)
-    assert ids == {r: straight_ids[r][2:] for r in (0, 1)}
-    torch.testing.assert_close(resumed.model.lin.weight, straight.model.lin.weight, atol=1e-6, rtol=1e-5)
+    batches = {r: [list(range(48 * r + 8 * b, 48 * r + 8 * b + 8)) for b in range(6)] for r in (0, 1)}
+    assert ids == {r: batches[r][2:] for r in (0, 1)}  # right after the checkpointed batches
+    model = DictModel()  # one process over the same global batches (each the mean of the two ranks' means)
+    opt = torch.optim.SGD(model.parameters(), lr=FIT["lr"])
+    for b in range(6):
+        loss = sum(mse_over(model, batches[r][b], grad=True) for r in (0, 1)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(resumed.model.lin.weight, model.lin.weight, atol=1e-6, rtol=1e-5)
 
 
 def test_a_factory_that_loads_the_dataset_on_each_worker_ships_nothing(workers, tmp_path):

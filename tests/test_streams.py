@@ -38,14 +38,17 @@ class Stream(IterableDataset):
 
     def __init__(self, n: int, log: str | None = None):
         self.n, self.log = n, log
-        self.start = 0
+        self.start = self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:  # nbddp calls it every epoch, in the loader workers too
+        self.epoch = epoch
 
     def __iter__(self):
         start, self.start = self.start, 0
         for i in range(start, self.n):
             if self.log:
                 with open(f"{self.log}-{os.getpid()}", "a") as f:
-                    f.write(f"{i}\n")
+                    f.write(f"{self.epoch} {i}\n")
             self.pos = i + 1
             yield sample(i)
 
@@ -190,13 +193,11 @@ def test_two_loader_workers_split_each_ranks_share_and_persist_across_epochs(wor
     assert nbddp.run(_loader_children) == before, "a loader worker outlived its fit"
 
 
-def _reference_weights(n: int, accum: int, steps: int) -> torch.Tensor:
-    """One process over the same global batches: step k trains samples 16k..16k+15 (rank 0's evens, rank 1's odds)."""
+def _reference_weights(windows: list[list[list[int]]]) -> torch.Tensor:
+    """One process over the same global batches: each window's micro-batches (global ids), then a step."""
     model = linear()
     opt = torch.optim.SGD(model.parameters(), lr=FIT["lr"])
-    batches = [list(range(16 * b, 16 * b + 16)) for b in range(n // 16)]
-    for s in range(steps):
-        window = batches[accum * s: accum * (s + 1)]
+    for window in windows:
         for ids in window:
             x = torch.stack([sample(i)[0] for i in ids])
             y = torch.stack([sample(i)[1] for i in ids])
@@ -206,25 +207,37 @@ def _reference_weights(n: int, accum: int, steps: int) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def _global(batch: int) -> list[int]:
+    """Global batch ``batch`` of a rank-strided stream on 2 ranks in batches of 8: rank 0's evens, rank 1's odds."""
+    return list(range(16 * batch, 16 * batch + 16))
+
+
+def _weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
 @pytest.mark.parametrize("n, accum, steps", [(97, 1, 6), (80, 2, 3)], ids=["97-samples", "accum-2-short-last-window"])
 def test_weights_equal_one_process_over_the_same_global_batches(workers, tmp_path, n, accum, steps):
     h = nbddp.dist_fit(linear(), Stream(n), epochs=1, grad_accum=accum, step_fn=recorder(str(tmp_path)), **FIT)
     read_ids(tmp_path)
     assert h.steps[-1]["step"] == steps
-    got = torch.cat([p.detach().flatten() for p in h.model.parameters()])
-    torch.testing.assert_close(got, _reference_weights(n, accum, steps), atol=1e-6, rtol=1e-5)
+    batches = [_global(b) for b in range(n // 16)]
+    windows = [batches[accum * s: accum * (s + 1)] for s in range(steps)]
+    torch.testing.assert_close(_weights(h.model), _reference_weights(windows), atol=1e-6, rtol=1e-5)
 
 
-def _first_reads(prefix: str) -> list[int]:
-    """The first sample each process read (every rank reads the whole stream and keeps its part)."""
-    found = []
+def _first_reads(prefix: str) -> dict[int, list[int]]:
+    """Epoch -> the first sample each process read in it (every reader reads the whole stream, keeps its part)."""
+    found: dict[int, list[int]] = {}
     folder, stem = os.path.split(prefix)
     for name in sorted(os.listdir(folder)):
         if name.startswith(stem + "-"):
             with open(os.path.join(folder, name)) as f:
-                found.append(int(f.readline()))
+                reads = [tuple(map(int, line.split())) for line in f]
+            for epoch in sorted({e for e, _ in reads}):
+                found.setdefault(epoch, []).append(next(i for e, i in reads if e == epoch))
             os.unlink(os.path.join(folder, name))
-    return sorted(found)
+    return {epoch: sorted(firsts) for epoch, firsts in found.items()}
 
 
 @pytest.mark.parametrize("kind", ["skip", "state"])
@@ -232,24 +245,51 @@ def test_resume_mid_epoch_continues_after_the_last_checkpointed_sample(workers, 
     cls = StatefulStream if kind == "state" else Stream
     log = str(tmp_path / "read")
     fit = dict(epochs=2, step_fn=recorder(str(tmp_path)), **FIT)
-    straight = nbddp.dist_fit(linear(), cls(97), **fit)
-    straight_ids = read_ids(tmp_path)
     ckpt = tmp_path / "ckpt"
     nbddp.dist_fit(linear(), cls(97), max_steps=4, checkpoint_dir=ckpt, **fit)  # stops at step 4 of 6
     read_ids(tmp_path)
     state = torch.load(ckpt / "step-00000004.pt", weights_only=True)  # plain torch, no nbddp classes
     assert [p["samples"] for p in state["stream_per_rank"]] == [32, 32]
     assert [p["batches"] for p in state["stream_per_rank"]] == [4, 4]
+    assert all(bool(p["states"]) == (kind == "state") for p in state["stream_per_rank"])
     resumed = nbddp.dist_fit(linear(), cls(97, log=log), checkpoint_dir=ckpt, resume=True, **fit)
     ids = read_ids(tmp_path)
-    for r in (0, 1):
-        assert ids[r] == straight_ids[r][4:], "the resumed fit did not continue with the next sample"
+    rest = [4, 5, 0, 1, 2, 3, 4, 5]  # the global batches after the checkpoint: epoch 0's last two, then epoch 1
+    assert ids == {r: [_global(b)[r::2] for b in rest] for r in (0, 1)}, "the resume did not continue where it stopped"
     # the first epoch's rest: read again from the start and skipped, or started from the dataset's state
     # (rank 0 stopped after sample 62, rank 1 after 63)
-    assert _first_reads(log) == ([0, 0] if kind == "skip" else [63, 64])
+    assert _first_reads(log) == {0: [0, 0] if kind == "skip" else [63, 64], 1: [0, 0]}
     assert resumed.epochs[0]["samples_per_rank"] == [48, 48]
-    torch.testing.assert_close(list(resumed.model.parameters())[0], list(straight.model.parameters())[0],
-                               atol=1e-6, rtol=1e-5)
+    expected = _reference_weights([[_global(b)] for b in [0, 1, 2, 3, *rest]])
+    torch.testing.assert_close(_weights(resumed.model), expected, atol=1e-6, rtol=1e-5)
+
+
+def _round_robin(rank: int, n: int = 97, workers: int = 2) -> list[list[int]]:
+    """The batches of a rank-strided stream as a loader hands them out: worker 0's, worker 1's, ... in turn."""
+    parts = [[i for i in range(n) if i % (2 * workers) == rank * workers + w] for w in range(workers)]
+    chunks = [[part[k:k + 8] for k in range(0, len(part), 8)] for part in parts]
+    order = []
+    while any(chunks):
+        order += [c.pop(0) for c in chunks if c]
+    return order
+
+
+def test_resume_with_loader_workers_continues_each_worker_in_the_uninterrupted_order(workers, tmp_path):
+    fit = dict(epochs=2, num_workers=2, step_fn=recorder(str(tmp_path)), **FIT)
+    ckpt = tmp_path / "ckpt"
+    nbddp.dist_fit(linear(), StatefulStream(97), max_steps=3, checkpoint_dir=ckpt, **fit)  # odd: worker 1's turn
+    before = read_ids(tmp_path)
+    saved = torch.load(ckpt / "step-00000003.pt", weights_only=True)["stream_per_rank"]
+    assert all(sorted(p["states"]) == [0, 1] and p["next_worker"] == 1 for p in saved)
+    log = str(tmp_path / "read")
+    nbddp.dist_fit(linear(), StatefulStream(97, log=log), checkpoint_dir=ckpt, resume=True, **fit)
+    after = read_ids(tmp_path)
+    firsts = _first_reads(log)
+    assert len(firsts[0]) == 4 and min(firsts[0]) > 0, "a loader worker read its part again from the start"
+    assert firsts[1] == [0, 0, 0, 0], "the next epoch's workers start afresh (and saw set_epoch(1))"
+    for r in (0, 1):
+        epoch = _round_robin(r)[:6]  # rank 0 holds 7 batches, rank 1 six: every epoch ends at the 6th
+        assert before[r] == epoch[:3] and after[r] == epoch[3:] + epoch
 
 
 def test_validation_on_an_uneven_stream_is_exact_under_fsdp(workers):

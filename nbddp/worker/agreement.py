@@ -123,7 +123,7 @@ class EpochFeed:
         self.error: Exception | None = None  # this rank's data pipeline raised (everyone learns at the next flags)
         self.samples = samples  # handed out this epoch (``samples``: before the checkpoint this epoch resumes)
         self.states = dict(states or {})  # loader worker -> its dataset's state after its latest batch handed out
-        self.positions: deque[tuple[int, int, Any]] = deque(maxlen=8)  # (index, samples so far, states)
+        self.positions: deque[tuple[int, int, Any, int]] = deque(maxlen=8)  # (index, samples, states, worker)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -178,7 +178,7 @@ class EpochFeed:
         self.samples += batch_size_of(batch)
         if state is not None:
             self.states = {**self.states, worker: state}
-        self.positions.append((self.next_index, self.samples, self.states))
+        self.positions.append((self.next_index, self.samples, self.states, worker))
         self.next_index += 1
         return batch
 
@@ -188,12 +188,13 @@ class EpochFeed:
             item, flags = self.pending.popleft()
             self.agreement.wait(flags)
 
-    def position(self, batches_done: int) -> tuple[int, dict[int, Any]]:
-        """(samples handed out this epoch, each loader worker's state) after batch ``batches_done - 1``."""
-        for index, samples, states in reversed(self.positions):
+    def position(self, batches_done: int) -> tuple[int, dict[int, Any], int | None]:
+        """(samples handed out this epoch, each loader worker's state, the worker of the batch) after batch
+        ``batches_done - 1``."""
+        for index, samples, states, worker in reversed(self.positions):
             if index == batches_done - 1:
-                return samples, states
-        return self.samples, {}
+                return samples, states, worker
+        return self.samples, {}, None
 
 
 def lockstep(loader: Any, agreement: Agreement, epoch: int) -> Iterator[tuple[Any, bool]]:

@@ -53,6 +53,7 @@ class RankShard(loaders.ByValue, IterableDataset):
         self.inner, self.rank, self.world = inner, rank, world
         self.seen = 0  # samples of inner read in this pass
         self.resume: dict[str, Any] | None = None  # the state to start the next pass from (once)
+        self.worker_as: int | None = None  # in a resumed loader worker: the worker whose part it reads (LoadStates)
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # set in the engine, read in its loader workers
 
     def set_epoch(self, epoch: int) -> None:
@@ -61,6 +62,7 @@ class RankShard(loaders.ByValue, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        worker = worker if self.worker_as is None else self.worker_as
         n, mine = self.world * workers, self.rank * workers + worker
         if callable(getattr(self.inner, "set_epoch", None)):
             self.inner.set_epoch(int(self.epoch))
@@ -103,18 +105,30 @@ class PositionCollate(loaders.ByValue):
         info = get_worker_info()
         ds = info.dataset if info is not None else self.dataset
         state = ds.state_dict() if self.with_state else None
-        return self.collate(samples), (info.id if info is not None else 0, state)
+        worker = getattr(ds, "worker_as", None)
+        worker = worker if worker is not None else (info.id if info is not None else 0)
+        return self.collate(samples), (worker, state)
 
 
 class LoadStates(loaders.ByValue):
-    """``worker_init_fn``: each loader worker starts its copy of the dataset from its checkpointed state."""
+    """``worker_init_fn``: each loader worker starts its copy of the dataset from its checkpointed state.
 
-    def __init__(self, states: dict[int, Any]):
-        self.states = states
+    A loader hands out its workers' batches round-robin from worker 0. After
+    a checkpoint whose next batch was worker ``k``'s, loader worker ``w`` of
+    a rank-strided stream reads the part of worker ``(w + k) % W`` (``offset``),
+    so the resumed epoch hands out the batches in the uninterrupted order.
+    """
+
+    def __init__(self, states: dict[int, Any], offset: int = 0):
+        self.states, self.offset = states, offset
 
     def __call__(self, worker_id: int) -> None:
-        if worker_id in self.states:
-            get_worker_info().dataset.load_state_dict(self.states[worker_id])
+        info = get_worker_info()
+        original = (worker_id + self.offset) % info.num_workers
+        if isinstance(info.dataset, RankShard):
+            info.dataset.worker_as = original
+        if original in self.states:
+            info.dataset.load_state_dict(self.states[original])
 
 
 class Stream:
@@ -137,13 +151,15 @@ class Stream:
         self.resume_samples = 0  # samples the resumed epoch had trained before the checkpoint
         self.by_state = False  # the epoch being read was resumed through the dataset's own state
         self.resumed_from: dict[int, Any] = {}
+        self.next_worker = 0  # the loader worker whose batch came next at the checkpoint
+        self.resumed_loader: Any = None
 
-    def make_loader(self, states: dict[int, Any] | None = None) -> Any:
+    def make_loader(self, states: dict[int, Any] | None = None, offset: int = 0) -> Any:
         collate = PositionCollate(self.collate, self.dataset if self.num_workers == 0 else None, self.with_state)
         ds, collate = loaders.by_value(self.dataset, collate, self.kwargs.get("multiprocessing_context"))
         return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate,
                               drop_last=self.cfg.drop_last and self.batch_size is not None,
-                              worker_init_fn=LoadStates(states) if states else None, **self.kwargs)
+                              worker_init_fn=LoadStates(states, offset) if states else None, **self.kwargs)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -153,6 +169,9 @@ class Stream:
         """The loader for ``epoch``; ``first`` batches of it were trained before the checkpoint resumed."""
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(epoch)
+        if self.resumed_loader is not None:  # the resumed epoch is over: its workers go
+            loaders.close(self.resumed_loader)
+            self.resumed_loader = None
         states, self.resume_states = (self.resume_states if first else None), None
         self.by_state, self.resumed_from = bool(states), states or {}
         if not states:
@@ -160,7 +179,9 @@ class Stream:
         if self.num_workers == 0:
             self.dataset.load_state_dict(states[0])
             return self.loader
-        return self.make_loader(states)  # for this epoch only: later epochs start every worker afresh
+        offset = self.next_worker if self.split == "strided" else 0  # others pick their part by worker id
+        self.resumed_loader = self.make_loader(states, offset)  # this epoch only: later ones start afresh
+        return self.resumed_loader
 
     def epoch_feed(self, batches: Iterator[Any], epoch: int, first: int) -> EpochFeed:
         local = iter(batches)
@@ -188,12 +209,14 @@ class Stream:
         self.resume_samples = mine["samples"]
         if self.with_state and mine.get("states"):
             self.resume_states = mine["states"]
+            self.next_worker = mine.get("next_worker") or 0
 
     def position(self, epoch: int, batches_done: int) -> dict[str, Any]:
         """How far this rank read, for a checkpoint: plain data (``torch.load`` reads it without nbddp)."""
-        samples, states = self.feed.position(batches_done) if self.feed is not None else (0, {})
+        samples, states, worker = self.feed.position(batches_done) if self.feed is not None else (0, {}, None)
         return {"epoch": epoch, "batches": batches_done, "samples": samples, "num_workers": self.num_workers,
-                "split": self.split, "states": dict(states) if self.with_state and batches_done else None}
+                "split": self.split, "states": dict(states) if self.with_state and batches_done else None,
+                "next_worker": (worker + 1) % self.num_workers if worker is not None and self.num_workers else 0}
 
 
 def train_stream(ds: Any, spec: Any, cfg: Any, rank: int, world: int, device: torch.device, group: Any) -> Stream:
