@@ -156,11 +156,12 @@ def test_max_steps_stops_a_stream_mid_epoch(workers, tmp_path):
 
 
 def _loader_children() -> list[str]:
-    """The engine's child processes, but multiprocessing's resource tracker (one per process, ends with it)."""
+    """The engine's child processes, but multiprocessing's resource tracker and forkserver (one per engine, each
+    ends with it)."""
     import psutil
 
     found = [" ".join(c.cmdline()) for c in psutil.Process().children(recursive=True)]
-    return [cmd for cmd in found if "resource_tracker" not in cmd]
+    return [cmd for cmd in found if "resource_tracker" not in cmd and "forkserver" not in cmd]
 
 
 class WithPid(Stream):
@@ -322,16 +323,18 @@ def test_data_of_no_accepted_form_names_the_forms(workers, bad):
         nbddp.dist_fit(linear(), bad, live=False)
 
 
-def test_a_notebook_class_reaches_spawned_loader_workers(workers):
-    """Under CUDA the loader workers are spawned: a class defined in a cell must reach them by value."""
-    def spawned():
+def test_a_notebook_class_reaches_loader_workers_started_by_a_forkserver(workers):
+    """Under CUDA the loader workers come from a forkserver: a class defined in a cell must reach them by value."""
+    def from_forkserver():
         from nbddp.worker import loaders, streams
         from nbddp.worker.data import DataSpec
         from nbddp.options import make_config
 
         import torch.distributed as dist
 
-        default, loaders.start_method = loaders.start_method, lambda: "spawn"  # as once CUDA is initialised
+        default = loaders.start_method
+        torch.multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
+        loaders.start_method = lambda: "forkserver"  # as once CUDA is initialised
         try:
             cfg = make_config(batch_size=4, num_workers=1)
             s = streams.train_stream(Stream(20), DataSpec(stream=True), cfg, dist.get_rank(), 2, torch.device("cpu"),
@@ -342,7 +345,7 @@ def test_a_notebook_class_reaches_spawned_loader_workers(workers):
             streams.release(None)
 
     before = nbddp.run(_loader_children)
-    got = nbddp.run(spawned)
+    got = nbddp.run(from_forkserver)
     assert got == [list(range(0, 20, 2)), list(range(1, 20, 2))]
     assert nbddp.run(_loader_children) == before
 
@@ -521,8 +524,9 @@ class Squares(torch.utils.data.Dataset):
 
 
 @pytest.mark.requires_gpu
-def test_loader_workers_are_spawned_once_cuda_is_up_and_notebook_classes_reach_them(_suite_session, tmp_path):
-    """On GPU workers CUDA is initialised before the loaders start: forking then would break, so they spawn."""
+def test_loader_workers_come_from_a_forkserver_once_cuda_is_up_and_notebook_classes_reach_them(_suite_session,
+                                                                                               tmp_path):
+    """On GPU workers CUDA is initialised before the loaders start: forking the engine then would break."""
     from nbddp.session import get_session
 
     s = get_session()
@@ -539,7 +543,7 @@ def test_loader_workers_are_spawned_once_cuda_is_up_and_notebook_classes_reach_t
 
             return loaders.start_method()
 
-        assert set(nbddp.run(method)) == {"spawn"}
+        assert set(nbddp.run(method)) == {"forkserver"}
         h = nbddp.dist_fit(linear(), Squares(), epochs=2, num_workers=2, loss_fn=F.mse_loss, **FIT)
         assert h.epochs[-1]["loss"] < h.epochs[0]["loss"]
     finally:
