@@ -88,7 +88,7 @@ def one_fit(form: str, workers: int, n: int, batch: int) -> dict:
 
 
 def main(quick: bool = False) -> dict:
-    n, batch, reps = (128, 16, 1) if quick else (640, 32, 3)
+    n, batch, reps = (128, 16, 1) if quick else (1280, 32, 3)
     ok, reason = common.nbddp_status()
     out: dict[str, Any] = {"samples": n, "batch_size": batch, "delay_s": DELAY_S, "reps": reps, "nbddp": reason}
     if not ok:

@@ -315,12 +315,15 @@ class NotData:
     pass
 
 
-@pytest.mark.parametrize("bad", [NotData(), iter([1, 2]), {"x": torch.zeros(3)}],
-                         ids=["an object", "an iterator", "a dict"])
-def test_data_of_no_accepted_form_names_the_forms(workers, bad):
-    with pytest.raises(TypeError, match=r"must be a map-style Dataset .*an IterableDataset .*a DataLoader over "
-                                        r"either, a tuple of tensors .* or a zero-argument function"):
-        nbddp.dist_fit(linear(), bad, live=False)
+def test_data_of_no_accepted_form_names_the_forms(workers):
+    forms = (r"must be a map-style Dataset .*an IterableDataset .*a DataLoader over either, a tuple of tensors .* or "
+             r"a zero-argument function that builds one of these on each worker; got ")
+    sent = len(workers.client.history)
+    for bad, got in [(NotData(), "NotData$"), ({"x": torch.zeros(3)}, "dict$"),
+                     (iter([1, 2]), r"list_iterator\. An iterator or generator can be read only once")]:
+        with pytest.raises(TypeError, match=forms + got):
+            nbddp.dist_fit(linear(), bad, live=False)
+    assert len(workers.client.history) == sent, "a task reached the workers before the error"
 
 
 def test_a_notebook_class_reaches_loader_workers_started_by_a_forkserver(workers):
@@ -407,8 +410,12 @@ def _items(n: int):
     return iter([((torch.zeros(8, D), torch.zeros(8, 1), torch.arange(8) + 8 * b), (0, None)) for b in range(n)])
 
 
-@pytest.mark.parametrize("mine, peer, accum", [(7, 6, 1), (3, 9, 1), (5, 5, 2), (6, 4, 4)])
-def test_the_feed_hands_out_what_every_rank_holds_and_knows_the_end_a_window_ahead(mine, peer, accum):
+def test_the_feed_hands_out_what_every_rank_holds_and_knows_the_end_a_window_ahead():
+    for mine, peer, accum in [(7, 6, 1), (3, 9, 1), (5, 5, 2), (6, 4, 4)]:
+        _check_feed(mine, peer, accum)
+
+
+def _check_feed(mine: int, peer: int, accum: int) -> None:
     from nbddp.worker.agreement import UNKNOWN, EpochFeed
 
     feed = EpochFeed(_items(mine), Peer(peer), epoch=0, accum=accum)
