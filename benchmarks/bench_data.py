@@ -61,13 +61,14 @@ def make_data(form: str, n: int) -> Any:
         shards_itself = True  # reads only its own samples: a strided split would make every reader pay for all
 
         def __iter__(self):
-            import torch.distributed as dist
+            import os
+
             from torch.utils.data import get_worker_info
 
-            info = get_worker_info()
+            info = get_worker_info()  # RANK and WORLD_SIZE: every engine's, inherited by its loader workers
             workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-            parts = dist.get_world_size() * workers
-            for i in range(dist.get_rank() * workers + worker, n, parts):
+            parts = int(os.environ["WORLD_SIZE"]) * workers
+            for i in range(int(os.environ["RANK"]) * workers + worker, n, parts):
                 yield item(i)
 
     return SlowMap() if form == "map" else SlowStream()

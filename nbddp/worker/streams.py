@@ -47,10 +47,15 @@ def stateful(ds: Any) -> bool:
 
 
 class RankShard(loaders.ByValue, IterableDataset):
-    """Every ``world * workers``-th sample of ``inner``, starting at this (rank, loader worker)'s own."""
+    """Every ``world * workers``-th sample of ``inner``, starting at this (rank, loader worker)'s own.
 
-    def __init__(self, inner: Any, rank: int, world: int):
-        self.inner, self.rank, self.world = inner, rank, world
+    ``keep_all``: ``inner`` shards itself; then only the epoch (shared with
+    persistent loader workers, so that ``set_epoch`` reaches them) and the
+    position are this wrapper's.
+    """
+
+    def __init__(self, inner: Any, rank: int, world: int, keep_all: bool = False):
+        self.inner, self.rank, self.world, self.keep_all = inner, rank, world, keep_all
         self.seen = 0  # samples of inner read in this pass
         self.resume: dict[str, Any] | None = None  # the state to start the next pass from (once)
         self.worker_as: int | None = None  # in a resumed loader worker: the worker whose part it reads (LoadStates)
@@ -74,7 +79,7 @@ class RankShard(loaders.ByValue, IterableDataset):
         for item in self.inner:
             index = self.seen
             self.seen += 1
-            if index % n == mine:
+            if self.keep_all or index % n == mine:
                 yield item
 
     def state_dict(self) -> dict[str, Any]:
@@ -87,7 +92,7 @@ class RankShard(loaders.ByValue, IterableDataset):
 def split(ds: Any, rank: int, world: int) -> tuple[Any, str]:
     """This rank's part of the stream, and how it was split: ``"self"``, ``"hf"`` or ``"strided"``."""
     if getattr(ds, "shards_itself", False):
-        return ds, "self"
+        return RankShard(ds, rank, world, keep_all=True), "self"
     if dataforms.is_hf_iterable(ds):
         from datasets.distributed import split_dataset_by_node
 
