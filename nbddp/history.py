@@ -24,7 +24,9 @@ class History:
             ``step_fn`` returned.
         epochs: one dict per finished epoch: ``epoch``, ``step``, ``loss``
             (sample-weighted mean over all ranks), and with validation data
-            ``val_loss`` and ``val_<metric>``.
+            ``val_loss`` and ``val_<metric>``. On a stream also
+            ``samples_per_rank`` (what each rank trained in that epoch) and
+            ``ended_on`` (the ranks whose share of the stream ended it).
         validations: every validation pass, including those run every
             ``val_every`` steps inside an epoch.
         timings: seconds: ``ship_s`` (pickling and writing the arguments),
@@ -38,7 +40,7 @@ class History:
         world_size: how many ranks trained.
         batch_size: the per-rank batch size used.
         ranks: one dict per rank: ``rank``, ``host``, ``device``,
-            ``samples_per_s``, ``peak_mem`` (bytes: the CUDA peak allocated on
+            ``samples_per_s``, ``samples`` (samples it trained in this fit), ``peak_mem`` (bytes: the CUDA peak allocated on
             GPU, the peak resident set on CPU, during this fit),
             ``param_bytes`` (the parameter bytes that rank holds), and on GPU
             ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.

@@ -64,10 +64,10 @@ class FitLaunch:
 
 @dataclass(frozen=True)
 class FitPlanInfo:
-    """What only the workers know once the data is built."""
+    """What only the workers know once the data is built (``None``: a stream's, seen only at its end)."""
 
-    total_steps: int
-    steps_per_epoch: int
+    total_steps: int | None
+    steps_per_epoch: int | None
     start_step: int
     batch_size: int
     model_class: str = ""  # the person's module, as ``module.QualName``

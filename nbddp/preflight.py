@@ -10,7 +10,7 @@ a typo costs an error message and nothing changes on the workers.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,49 +36,63 @@ class FitPlan:
             parcel.discard()
 
 
-def _is_dataset(obj: Any) -> bool:
-    return (not isinstance(obj, (type, str, bytes, Mapping))
-            and hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
-
-
 def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
-    """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size)."""
-    import torch
-    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+    """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size).
 
+    A stream (``IterableDataset``) has no length here: its epochs end where a
+    rank's share of it ends (``worker/agreement.py``).
+    """
+    from torch.utils.data import DataLoader
+
+    from nbddp import dataforms
     from nbddp.worker.data import DataSpec
 
+    if dataforms.is_split_dict(data):
+        data = dataforms.one_split(data, name)
     if isinstance(data, DataLoader):
-        if isinstance(data.dataset, IterableDataset):
-            raise TypeError(f"{name}: a DataLoader over an IterableDataset cannot be sharded by rank; use a map-style Dataset")
         from torch.utils.data.dataloader import default_collate
 
         collate = None if data.collate_fn is default_collate else data.collate_fn
+        if dataforms.is_stream(data.dataset):
+            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None)
+            return spec, None, data.batch_size
         return DataSpec(dataset=data.dataset, collate_fn=collate), len(data.dataset), data.batch_size
-    if isinstance(data, tuple) or (isinstance(data, list) and data and all(isinstance(t, torch.Tensor) for t in data)):
-        if not data or not all(isinstance(t, torch.Tensor) for t in data):
-            kinds = [type(t).__name__ for t in data]
-            raise TypeError(f"{name}: a tuple must hold tensors (x, y, ...), got ({', '.join(kinds)})")
-        lengths = [t.shape[0] if t.dim() else None for t in data]
-        if None in lengths or len(set(lengths)) != 1:
-            raise ValueError(
-                f"{name}: the tensors of the tuple must have the same first dimension (one row per sample); "
-                f"got lengths {lengths}"
-            )
-        return DataSpec(dataset=TensorDataset(*data)), lengths[0], None
-    if isinstance(data, IterableDataset):
-        raise TypeError(
-            f"{name}: an IterableDataset cannot be sharded by rank with DistributedSampler; "
-            "use a map-style Dataset (with __len__ and __getitem__)"
-        )
-    if _is_dataset(data):
+    if isinstance(data, (tuple, list)) and _tensor_tuple(data):
+        return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
+    if dataforms.is_stream(data):
+        return DataSpec(dataset=data, stream=True), None, None
+    if dataforms.is_map_style(data):
         return DataSpec(dataset=data), len(data), None
     if callable(data):
         return DataSpec(factory=data), None, None
-    raise TypeError(
-        f"{name} must be a Dataset, a DataLoader, a tuple of tensors (x, y) or a zero-argument function "
-        f"that builds the dataset on each worker; got {type(data).__name__}"
-    )
+    hint = ""
+    if isinstance(data, Iterator):
+        hint = (". An iterator or generator can be read only once and cannot travel to the workers: wrap what makes it "
+                "in an IterableDataset whose __iter__ starts afresh (class S(IterableDataset): def __iter__(self): ...)")
+    raise TypeError(f"{name} must be {dataforms.FORMS}; got {dataforms.describe(data)}{hint}")
+
+
+def _tensor_tuple(data: Any) -> bool:
+    """Whether ``data`` is meant as tensors (x, y, ...): any tuple, or a list of tensors only."""
+    import torch
+
+    return isinstance(data, tuple) or bool(data) and all(isinstance(t, torch.Tensor) for t in data)
+
+
+def _tensor_dataset(data: Any, name: str) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    if not data or not all(isinstance(t, torch.Tensor) for t in data):
+        kinds = [type(t).__name__ for t in data]
+        raise TypeError(f"{name}: a tuple must hold tensors (x, y, ...), got ({', '.join(kinds)})")
+    lengths = [t.shape[0] if t.dim() else None for t in data]
+    if None in lengths or len(set(lengths)) != 1:
+        raise ValueError(
+            f"{name}: the tensors of the tuple must have the same first dimension (one row per sample); "
+            f"got lengths {lengths}"
+        )
+    return TensorDataset(*data)
 
 
 def check_model(model: Any) -> Any:

@@ -37,8 +37,10 @@ class ResidentSet:
         """Give each dataset passed by value its key; one the workers hold is replaced by the key alone."""
         keys = []
         for spec in specs:
-            if spec is None or spec.dataset is None:
-                continue  # factories run on the workers every time: they may build something new
+            if spec is None or spec.dataset is None or spec.stream:
+                # factories run on the workers every time: they may build something new; a stream is read
+                # (and may be moved by load_state_dict) in each fit, so each fit gets the person's copy afresh
+                continue
             key = shipping.fingerprint(spec.dataset)
             if key is None:
                 continue

@@ -57,3 +57,5 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     fsdp = results["benchmarks"]["fsdp"]["summary"]
     assert fsdp["param_bytes_per_rank"]["fsdp"][0] * 2 == pytest.approx(fsdp["param_bytes_per_rank"]["ddp"][0], rel=0.05)
     assert all(v > 0 for v in fsdp["samples_per_s"].values()), fsdp
+    data = results["benchmarks"]["data"]["summary"]  # num_workers 0 vs 2, map-style and stream
+    assert all(d["ratio_nw2_over_nw0"]["median"] > 0 and not d["errors"] for d in data.values()), data

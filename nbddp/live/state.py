@@ -27,7 +27,8 @@ class LiveState:
 
     @property
     def total_steps(self) -> int:
-        return self.plan.total_steps if self.plan is not None else 0
+        """0 until the workers said, and for a stream without ``max_steps`` (its length shows at its end)."""
+        return (self.plan.total_steps or 0) if self.plan is not None else 0
 
     @property
     def start_step(self) -> int:

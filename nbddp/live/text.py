@@ -12,12 +12,34 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds // 60:d}:{seconds % 60:02d}"
 
 
+def estimated_total(state: Any, hist: Any) -> int:
+    """A stream's total steps, guessed from the epochs it finished (0: no guess yet).
+
+    A stream's length is known only at its end, so until one epoch ended the
+    views show ``step 12/?``; after that, the steps of the last epoch times
+    the epochs left, shown as ``~``.
+    """
+    done = hist.epochs
+    if not done or not state.epochs:
+        return 0
+    if len(done) >= 2:
+        per_epoch = done[-1]["step"] - done[-2]["step"]
+    elif state.start_step == 0:
+        per_epoch = done[0]["step"]
+    else:
+        return 0  # the first epoch seen was resumed part-way: its steps say nothing of a whole one
+    return done[-1]["step"] + per_epoch * max(0, state.epochs - done[-1]["epoch"] - 1)
+
+
 def progress_fields(run: Any) -> dict[str, Any]:
     """What every view shows: step/total, epoch, loss, lr, throughput, elapsed, ETA."""
     state, hist = run.live_state, run.history
-    total = state.total_steps
     last = hist.steps[-1] if hist.steps else {}
     step = last.get("step", state.start_step)
+    total, guessed = state.total_steps, False
+    if not total and state.plan is not None:
+        total = step if state.status == "completed" else estimated_total(state, hist)
+        guessed = bool(total) and state.status != "completed"
     train_time = last.get("time", 0.0)  # seconds since training began, on the workers
     done_from = state.start_step
     rate = (step - done_from) / train_time if train_time > 0 else 0.0
@@ -33,6 +55,7 @@ def progress_fields(run: Any) -> dict[str, Any]:
         eta = None
     val = hist.validations[-1] if hist.validations else {}
     return {"status": state.status, "step": step, "total": total,
+            "total_text": f"~{total}" if guessed else str(total or "?"),
             "epoch": last.get("epoch", 0), "epochs": state.epochs, "loss": last.get("loss"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "elapsed": elapsed, "eta": eta,
             "val": {k: v for k, v in val.items() if k.startswith("val_")},
@@ -63,7 +86,7 @@ def rank_positions(state: Any) -> str:
 
 def progress_line(run: Any) -> str:
     f = progress_fields(run)
-    parts = [f"[{f['status']}]", f"step {f['step']}/{f['total'] or '?'}", f"epoch {f['epoch'] + 1}/{f['epochs'] or '?'}"]
+    parts = [f"[{f['status']}]", f"step {f['step']}/{f['total_text']}", f"epoch {f['epoch'] + 1}/{f['epochs'] or '?'}"]
     if f["loss"] is not None:
         parts.append(f"loss {f['loss']:.4g}")
     parts += [f"{k} {v:.4g}" for k, v in f["val"].items()]

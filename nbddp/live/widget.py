@@ -71,7 +71,7 @@ def metrics_text(f: dict[str, Any]) -> str:
 def progress_text(f: dict[str, Any]) -> str:
     epochs = f["epochs"] or "?"
     epoch = min(f["epoch"] + 1, f["epochs"]) if f["epochs"] else f["epoch"] + 1
-    text = f"step {f['step']}/{f['total'] or '?'} · epoch {epoch}/{epochs} · {fmt_time(f['elapsed'])} elapsed"
+    text = f"step {f['step']}/{f['total_text']} · epoch {epoch}/{epochs} · {fmt_time(f['elapsed'])} elapsed"
     if f["eta"] is not None:
         text += f" · ETA {fmt_time(f['eta'])}"
     return text

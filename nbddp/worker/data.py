@@ -9,6 +9,10 @@ batches, so no rank waits for another at an epoch's end.
 Validation does not pad (a repeated sample would bias the metric): rank
 ``r`` takes samples ``r, r + world, ...``, runs without collectives, and
 the sums are reduced once at the end.
+
+Streams (``IterableDataset``) are split and fed by ``streams.py``; the loader
+settings both share (worker processes, their start method) are
+``loaders.py``'s.
 """
 
 from __future__ import annotations
@@ -18,16 +22,22 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from nbddp import dataforms
+from nbddp.worker import loaders
+
 
 class DataSpec:
     """How to rebuild a user's data on a worker (picklable)."""
 
     def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
-                 collate_fn: Callable | None = None, key: str | None = None):
+                 collate_fn: Callable | None = None, key: str | None = None, stream: bool = False,
+                 prebatched: bool = False):
         self.dataset = dataset
         self.factory = factory
         self.collate_fn = collate_fn
         self.key = key  # cache key: the same key means the same data
+        self.stream = stream  # an IterableDataset (a factory's data is told apart on the worker)
+        self.prebatched = prebatched  # a DataLoader(batch_size=None) over a stream that yields whole batches
 
 
 def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
@@ -39,16 +49,7 @@ def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
     if spec.key is not None and spec.key in cache:
         return cache[spec.key]
     if spec.factory is not None:
-        ds = spec.factory()
-        if isinstance(ds, DataLoader):
-            ds = ds.dataset
-        elif isinstance(ds, tuple):
-            ds = TensorDataset(*ds)
-        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
-            raise TypeError(
-                f"the data factory returned {type(ds).__name__}; it must return a map-style Dataset "
-                "(with __len__ and __getitem__), a DataLoader or a tuple of tensors"
-            )
+        ds = built(spec.factory())
     elif spec.dataset is not None:
         ds = spec.dataset
     else:
@@ -56,10 +57,24 @@ def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
             f"the kernel sent only the key of a resident dataset ({spec.key}), but this worker does not hold it; "
             "run nbddp.restart() to start from a clean state"
         )
-    if len(ds) == 0:
+    if not dataforms.is_stream(ds) and len(ds) == 0:
         raise ValueError("the dataset built on the worker is empty (len 0)")
     if spec.key is not None:
         cache[spec.key] = ds
+    return ds
+
+
+def built(ds: Any) -> Any:
+    """What a data factory returned, as a dataset: a loader's dataset, a tuple's TensorDataset, a DatasetDict's one split."""
+    if isinstance(ds, DataLoader):
+        ds = ds.dataset
+    elif isinstance(ds, tuple):
+        ds = TensorDataset(*ds)
+    if dataforms.is_split_dict(ds):
+        ds = dataforms.one_split(ds, "the data factory")
+    if not dataforms.is_stream(ds) and not dataforms.is_map_style(ds):
+        raise TypeError(f"the data factory returned {dataforms.describe(ds)}; it must return a map-style Dataset "
+                        f"(with __len__ and __getitem__), an IterableDataset, a DataLoader or a tuple of tensors")
     return ds
 
 
@@ -103,15 +118,16 @@ class StridedSampler(Sampler):
 
 
 def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: bool | None) -> dict[str, Any]:
-    """DataLoader settings that suit the device, unless the person chose."""
+    """DataLoader settings that suit the device, unless the person chose: worker processes on GPU, pinned memory."""
     on_gpu = device.type == "cuda"
-    kwargs: dict[str, Any] = {
-        "num_workers": (2 if on_gpu else 0) if num_workers is None else num_workers,
-        "pin_memory": on_gpu if pin_memory is None else pin_memory,
-    }
-    if kwargs["num_workers"] > 0:
-        kwargs["persistent_workers"] = False
-    return kwargs
+    workers = (2 if on_gpu else 0) if num_workers is None else num_workers
+    return {"pin_memory": on_gpu if pin_memory is None else pin_memory,
+            **loaders.worker_kwargs(workers, loaders.start_method())}
+
+
+def _loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
+    ds, collate_fn = loaders.by_value(ds, collate_fn, kwargs.get("multiprocessing_context"))
+    return loaders.loader(ds, collate_fn=collate_fn, **kwargs, **more)
 
 
 def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int,
@@ -121,11 +137,11 @@ def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int,
     kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
 
     def make(s: Sampler) -> DataLoader:
-        return DataLoader(ds, batch_size=cfg.batch_size, sampler=s, collate_fn=spec.collate_fn, drop_last=False, **kwargs)
+        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=False)
 
     return make(sampler), sampler, make
 
 
 def val_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device) -> DataLoader:
-    return DataLoader(ds, batch_size=cfg.batch_size, sampler=StridedSampler(len(ds), rank, world),
-                      collate_fn=spec.collate_fn, **loader_kwargs(device, cfg.num_workers, cfg.pin_memory))
+    return _loader(ds, loader_kwargs(device, cfg.num_workers, cfg.pin_memory), spec.collate_fn,
+                   batch_size=cfg.batch_size, sampler=StridedSampler(len(ds), rank, world))

@@ -20,6 +20,7 @@ which strategy it runs.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from typing import Any, Iterator
 
@@ -30,7 +31,8 @@ from nbddp.messages import FitLaunch, FitPlanInfo, FitResult
 from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
 from nbddp.worker import checkpoint as ckpt
-from nbddp.worker import setup
+from nbddp.worker import setup, streams
+from nbddp.worker.agreement import PeerFailed
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.best import BestWeights
 from nbddp.worker.data import SkipSampler
@@ -44,10 +46,6 @@ from nbddp.worker.validate import validate
 
 
 _END = object()  # the end of an epoch's batches
-
-
-class PeerFailed(RuntimeError):
-    """Raised on a rank whose own work was fine because another rank failed."""
 
 
 def agree(error: BaseException | None, device: torch.device, what: str) -> None:
@@ -83,8 +81,9 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
         error = exc
     agree(error, device, "wrapping the model and loading the checkpoint")
     del parts
-    plan = FitPlanInfo(total_steps=ts.total_steps, steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step,
-                       batch_size=cfg.batch_size, model_class=f"{type(ts.model).__module__}.{type(ts.model).__qualname__}",
+    plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
+                       steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
+                       model_class=f"{type(ts.model).__module__}.{type(ts.model).__qualname__}",
                        params=sum(p.numel() for p in ts.model.parameters()))
     ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes())
@@ -92,7 +91,10 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
     t_train = time.perf_counter()
-    train(ts)
+    try:
+        train(ts)
+    finally:
+        streams.release(ts)  # loader worker processes end with the fit
     train_s = time.perf_counter() - t_train
     return finish(ts, launch, {"setup_s": setup_s, "train_s": train_s}), ts
 
@@ -110,9 +112,12 @@ def train(ts: TrainState) -> None:
 
 def epoch_batches(ts: TrainState) -> tuple[int, Iterator[Any]]:
     """(index of the first batch, an iterator over the rest of this epoch's batches)."""
-    ts.sampler.set_epoch(ts.epoch)
     first = ts.skip if ts.epoch == ts.start_epoch else 0
-    loader = ts.make_loader(SkipSampler(ts.sampler, first * ts.cfg.batch_size)) if first else ts.loader
+    if ts.stream is not None:
+        loader = ts.stream.epoch_loader(ts.epoch, first)
+    else:
+        ts.sampler.set_epoch(ts.epoch)
+        loader = ts.make_loader(SkipSampler(ts.sampler, first * ts.cfg.batch_size)) if first else ts.loader
     ts.strategy.wrapped.train()
     # a DataLoader iterator draws a seed from the global RNG when it is created: restore the
     # checkpoint's RNG where the uninterrupted run stood (before the epoch's iterator when the
@@ -123,6 +128,8 @@ def epoch_batches(ts: TrainState) -> tuple[int, Iterator[Any]]:
     if ts.rng is not None and first:
         ckpt.set_rng_state(ts.rng)
     ts.rng = None
+    if ts.stream is not None:  # handed out only as far as every rank has them
+        batches = ts.stream.epoch_feed(batches, ts.epoch, first)
     return first, prefetch(batches, ts.device, ts.cfg.prefetch)
 
 
@@ -205,6 +212,7 @@ def end_epoch(ts: TrainState) -> None:
     """The epoch record (with validation unless stopped), a per-epoch scheduler step, a checkpoint."""
     rep = ts.reporter
     record = rep.end_epoch(ts.epoch, ts.step)
+    record.update(streams.epoch_record(ts))
     if ts.vloader is not None and ts.status != "interrupted":
         record.update(validate(ts))
     rep.record("epoch", record)
@@ -231,6 +239,7 @@ def save_checkpoint(ts: TrainState, batches_done: int) -> None:
         "batches_done": batches_done,
         "epoch_sums": (rep.epoch_loss, rep.epoch_n),
         "rng_per_rank": states,
+        "stream_per_rank": streams.gather_positions(ts, batches_done),
         "world_size": ts.world,
         "batch_size": ts.cfg.batch_size,
         "strategy": ts.strategy.name,

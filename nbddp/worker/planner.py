@@ -80,6 +80,10 @@ def _steps(ts: Any, batches: Iterator[Any], n: int, sync: bool) -> None:
 def _state(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None,
            within: tuple[int, int, Any] | None = None) -> Any:
     ts, parts = setup.build(parcel, cfg, launch, model_parcel, within)
+    if ts.stream is not None:  # before any collective: every rank raises this at once
+        raise TypeError("find_batch_size and scaling_report replay the same batches at every trial, which a stream "
+                        "(an IterableDataset) cannot: pass a map-style sample of the data, e.g. a list of its first "
+                        "few thousand samples, and train on the stream with the batch size found")
     setup.wrap_and_restore(ts, parts, None)
     ts.reporter = _Tally()
     return ts

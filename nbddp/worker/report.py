@@ -29,13 +29,13 @@ from nbddp.messages import PUBLISH_KEYS, FitPlanInfo, Progress
 from nbddp.worker.usage import cuda_memory
 
 WINDOW = 64
-RANK_SLOTS = ("samples_per_s", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved", "cuda_peak")
+RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved", "cuda_peak")
 
 
 class Reporter:
     def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
-        self.total_steps = plan.total_steps
+        self.total_steps = plan.total_steps if plan.total_steps is not None else math.inf  # None: a stream's
         self.param_bytes = param_bytes
         self.sync_every = 1  # the first interval is measured, then adapted
         self.records: list[tuple[int, str, dict[str, Any]]] = []
@@ -48,6 +48,7 @@ class Reporter:
         self.reset_window()
         self.epoch_loss = 0.0
         self.epoch_n = 0.0
+        self.samples = 0  # this rank's samples trained in this fit (History.ranks[r]["samples"])
         self.t0 = time.perf_counter()
         self._publish = None
         self.publish_s = 0.0  # rank 0's time in publish_data: what streaming costs the training loop
@@ -72,6 +73,7 @@ class Reporter:
     def add(self, loss: torch.Tensor, n: int, extras: dict[str, Any]) -> None:
         self.loss_sum.add_(loss.detach(), alpha=n)  # one kernel: promoted into the float64 sum in place
         self.n += n
+        self.samples += n
         for k, v in extras.items():
             v = v.detach().to(self.device, torch.float64) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64, device=self.device)
             self.extras[k] = self.extras.get(k, self._zero) + v.reshape(()) * n
@@ -94,7 +96,7 @@ class Reporter:
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
             *[self.extras.get(k, self._zero) for k in keys],
         ])
-        mine = {"samples_per_s": self.n / elapsed, "peak_mem": float(peak_mem), "param_bytes": float(self.param_bytes),
+        mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem), "param_bytes": float(self.param_bytes),
                 **cuda_memory(self.device)}
         slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
         for i, key in enumerate(RANK_SLOTS):

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from nbddp.dataforms import is_stream
 from nbddp.messages import FitLaunch
 from nbddp.options import DEFAULT_LR, FitConfig, check_device_rules
 from nbddp.shipping import Parcel, unpack
 from nbddp.worker import checkpoint as ckpt
+from nbddp.worker import streams
 from nbddp.worker.blocks import apply_activation_checkpointing
 from nbddp.worker.data import keep_only, materialise, train_loader, val_loader
 from nbddp.worker.precision import precision_tools
@@ -94,24 +96,36 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     seed_everything(cfg.seed + 1_000_003 * rank)
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    data_spec, val_spec = parts["data"], parts.get("val_data")
     keep_only(STATE.dataset_cache, list(launch.resident))
-    train_ds = materialise(data_spec, STATE.dataset_cache)
-    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
-    vloader = None
-    if val_spec is not None:
-        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, rank, world, device)
-    if len(loader) == 0:
-        raise ValueError(
-            f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
-            f"drop_last=True with batch_size={cfg.batch_size}"
-        )
+    data = build_data(parts["data"], parts.get("val_data"), cfg, rank, world, device, strategy.group)
     autocast, scaler = precision_tools(cfg.precision, device)
-    ts = TrainState(cfg=cfg, rank=rank, world=world, device=device, strategy=strategy, model=model,
-                    loader=loader, sampler=sampler, make_loader=make_loader, vloader=vloader,
+    ts = TrainState(cfg=cfg, rank=rank, world=world, device=device, strategy=strategy, model=model, **data,
                     loss_fn=parts.get("loss_fn"), step_fn=parts.get("step_fn"), metrics=parts.get("metrics") or {},
                     autocast=autocast, scaler=scaler)
     return ts, parts
+
+
+def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, rank: int, world: int, device: torch.device,
+               group: Any) -> dict[str, Any]:
+    """The loaders of this rank's shards: a sampler's over map-style data, a ``streams.Stream`` over a stream."""
+    train_ds = materialise(data_spec, STATE.dataset_cache)
+    out: dict[str, Any] = {"vloader": None}
+    if is_stream(train_ds):
+        stream = streams.train_stream(train_ds, data_spec, cfg, rank, world, device, group)
+        out.update(loader=stream.loader, sampler=None, make_loader=None, stream=stream, agreement=stream.agreement)
+    else:
+        loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
+        if len(loader) == 0:
+            raise ValueError(
+                f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
+                f"drop_last=True with batch_size={cfg.batch_size}"
+            )
+        out.update(loader=loader, sampler=sampler, make_loader=make_loader)
+    if val_spec is not None:
+        val_ds = materialise(val_spec, STATE.dataset_cache)
+        make_val = streams.val_stream_loader if is_stream(val_ds) else val_loader
+        out["vloader"] = make_val(val_ds, val_spec, cfg, rank, world, device)
+    return out
 
 
 def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | None) -> None:
@@ -136,6 +150,8 @@ def restore(ts: TrainState, path: str) -> None:
     states = extra.get("rng_per_rank")
     ts.rng = states[ts.rank] if states and ts.rank < len(states) else None
     ts.restored = extra
+    if ts.stream is not None:
+        ts.stream.restore(extra, path)
 
 
 def resume_path(cfg: FitConfig) -> str | None:

@@ -50,17 +50,25 @@ class TrainState:
     reporter: Any = None
     best: Any = None  # worker.best.BestWeights when the kernel asked to end with the best check's weights
     lr: float = 0.0  # the learning rate of the last optimizer step
+    stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
+    agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.loader)
+        """A stream's is known only once every rank agreed where it ends (until then: larger than any index)."""
+        return self.stream.batches_per_epoch if self.stream is not None else len(self.loader)
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_epoch(self) -> int | None:
+        if self.stream is not None:
+            return None
         return math.ceil(self.batches_per_epoch / self.cfg.grad_accum)
 
     @property
-    def total_steps(self) -> int:
+    def total_steps(self) -> int | float:
+        """``math.inf`` for a stream without ``max_steps``: how long its epochs are is seen only at their ends."""
+        if self.stream is not None:
+            return self.cfg.max_steps if self.cfg.max_steps is not None else math.inf
         total = self.steps_per_epoch * self.cfg.epochs
         return min(total, self.cfg.max_steps) if self.cfg.max_steps is not None else total
 

@@ -5,6 +5,8 @@ counted twice) and the sums are all-reduced at the end. Under a strategy
 whose forward is collective (FSDP all-gathers parameters layer by layer),
 every rank must run the same number of forwards: a rank with fewer batches
 runs extra forwards on a batch it already has, counted with weight zero.
+A validation stream's length is unknown, so there the ranks agree batch by
+batch whether any rank still has one (``streams.val_batches``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
+from nbddp.dataforms import is_stream
+from nbddp.worker import streams
 from nbddp.worker.batches import move, run_batch
 from nbddp.worker.monitor import BEAT
 from nbddp.worker.trainstate import TrainState
@@ -45,6 +49,15 @@ def _first_sample_loader(loader: Any) -> Any:
     return DataLoader(loader.dataset, batch_size=1, sampler=[0], collate_fn=loader.collate_fn)
 
 
+def val_batches(ts: TrainState, loader: Any) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` pairs: this rank's shard, in lockstep with the others where the forward is collective."""
+    if is_stream(loader.dataset):
+        return streams.val_batches(ts, loader)
+    if ts.strategy.lockstep_validation:
+        return lockstep_batches(loader, len(loader.dataset), ts.world)
+    return ((b, True) for b in loader)
+
+
 def validate(ts: TrainState) -> dict[str, Any]:
     """One validation pass; every rank calls it at the same step. Records and returns ``val_*``."""
     rep, module = ts.reporter, ts.strategy.eval_module
@@ -56,8 +69,7 @@ def validate(ts: TrainState) -> dict[str, Any]:
     loss_sum, n_sum = 0.0, 0
     sums: dict[str, float] = {}
     loader = ts.vloader
-    batches = (lockstep_batches(loader, len(loader.dataset), ts.world) if ts.strategy.lockstep_validation
-               else ((b, True) for b in loader))
+    batches = val_batches(ts, loader)
     with torch.no_grad():
         for batch, counted in batches:
             BEAT.mark("validation")  # every batch: a long validation is progress, not a stall
@@ -77,6 +89,9 @@ def validate(ts: TrainState) -> dict[str, Any]:
     names = sorted(set(ts.metrics) | set(sums))
     reduced = rep.reduce_sums([loss_sum, float(n_sum), *[sums.get(k, 0.0) for k in names]])
     total = reduced[1]
+    if not total:
+        raise ValueError("val_data yielded no sample on any rank: a validation stream that is empty (or can be read "
+                         "only once, and was read already) has nothing to validate on; pass val_data=None to skip")
     out = {"val_loss": reduced[0] / total if total else float("nan")}
     out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
     record = {"epoch": ts.epoch, "step": ts.step, **out}
