@@ -212,8 +212,9 @@ class FitRun:
                              + max((p.nbytes for p in self.plan.model_parcels.values()), default=0),
                              "returned_bytes": parcel.nbytes if parcel is not None else 0}
         # the loggers' last records and closed runs, on_fit_end: before the cell gets the History
-        self.hooks.finish(history, head.records, self.live_state.plan or published(self.tasks.ars.get(0), "plan"),
-                          head.restored)
+        # the plan rank 0 published may land after its result (a short fit on a busy machine): it is in the result too
+        self.live_state.plan = self.live_state.plan or head.plan
+        self.hooks.finish(history, head.records, self.live_state.plan, head.restored)
         self.history = history
         self.live_state.status = history.status
         self.session.resident.mark(self.plan.data_keys)

@@ -116,6 +116,7 @@ class FitResult:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     weights: Any = None  # shipping.Parcel, or None
     restored: dict[str, Any] | None = None  # restore_best: the step and value whose weights these are
+    plan: FitPlanInfo | None = None  # rank 0: the plan it published (which may arrive after the result does)
 
 
 @dataclass(frozen=True)

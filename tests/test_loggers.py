@@ -243,6 +243,18 @@ def _write(logger: Logger, steps: range, start_step: int, resume) -> dict:
     return state
 
 
+def test_loggers_get_every_record_when_the_published_plan_never_arrived(workers, tmp_path, monkeypatch):
+    """Rank 0's published plan can land after its result (a short fit on a busy machine): the result carries it."""
+    from nbddp import fitting
+
+    real = fitting.published
+    monkeypatch.setattr(fitting, "published", lambda ar, kind: None if kind == "plan" else real(ar, kind))
+    h = nbddp.dist_fit(_model(), _data(), epochs=1, batch_size=8, log_every=1, live=False,
+                       loggers=[CSV(tmp_path / "m.csv")])
+    rows = {row["logger"]: row for row in h.loggers}
+    assert rows["CSV"]["logged"] == len(h.steps) + len(h.epochs) and rows["CSV"]["missed"] == 0, h.loggers
+
+
 def test_resuming_from_an_earlier_checkpoint_drops_what_the_first_fit_wrote_after_it(tmp_path):
     """TensorBoard (purge_step) and CSV rewrite the steps after the checkpoint; the run reads as one series."""
     import pandas as pd

@@ -264,4 +264,5 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     if ts.rank == 0:
         result.records = rep.records
         result.ranks = rep.ranks
+        result.plan = rep.plan
     return result

@@ -35,6 +35,7 @@ RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "param_bytes", "cuda_alloc
 class Reporter:
     def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
+        self.plan = plan
         self.total_steps = plan.total_steps if plan.total_steps is not None else math.inf  # None: a stream's
         self.param_bytes = param_bytes
         self.sync_every = 1  # the first interval is measured, then adapted
