@@ -31,6 +31,7 @@ __all__ = [
     "scaling_report",
     "FSDP",
     "stacks",
+    "debug",
     "History",
     "FitHandle",
     "NbddpError",
@@ -63,6 +64,7 @@ _LAZY = {
     "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
     "stacks": "nbddp.rank_stacks",
+    "debug": "nbddp.debugging",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "NbddpError": "nbddp.errors",
@@ -79,6 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
     from nbddp.batchsize import find_batch_size
     from nbddp.cells import pull, push, run_cell
+    from nbddp.debugging import debug
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
                               WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle
