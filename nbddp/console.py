@@ -109,8 +109,9 @@ LEAVE = "leave"
 class Conversation:
     """One debugging session over the board's ranks; ``text`` is its transcript."""
 
-    def __init__(self, board: Any, reader: Any, echo: bool):
-        self.board, self.reader, self.echo = board, reader, echo
+    def __init__(self, board: Any, reader: Any, echo: bool, note: str = ""):
+        """``note``: said once, after the help, when a rank is paused at a breakpoint."""
+        self.board, self.reader, self.echo, self.note = board, reader, echo, note
         self.text: list[str] = []
         self._known: set[int] = set()
         self._helped = False
@@ -135,18 +136,17 @@ class Conversation:
         attached: Any = None
         while True:
             lines = [ln for ln in self.board.poll() if only is None or ln.rank == only]
+            if attached is not None and (attached.ended or attached not in lines):
+                self._ended(attached)
+                attached = None
             if not lines:
                 return
             self._announce(lines, attached)
-            if attached is not None and (attached.ended or attached not in lines):
-                attached = None
             if attached is None and len(lines) == 1:
                 attached = lines[0]
             if attached is None:
                 line = self.ask("(nbddp debug) ")
             elif not attached.wait_ask():  # it went on (c, q) or its task ended
-                self.say(attached.take_output())
-                self.say(f"nbddp: rank {attached.rank}: {attached.ended}\n")
                 continue
             else:
                 body, _, prompt = attached.take_output().rpartition("\n")
@@ -157,6 +157,10 @@ class Conversation:
             attached = self.step(line, lines, attached)
             if attached is LEAVE:
                 return
+
+    def _ended(self, line: Any) -> None:
+        self.say(line.take_output())
+        self.say(f"nbddp: rank {line.rank}: {line.ended or 'left the debugger'}\n")
 
     def _announce(self, lines: list[Any], attached: Any) -> None:
         new = [ln for ln in lines if ln.rank not in self._known]
@@ -170,6 +174,8 @@ class Conversation:
         if not self._helped:
             self._helped = True
             self.say(HELP)
+            if self.note and any(ln.kind == "breakpoint" for ln in lines):
+                self.say(self.note)
 
     def show_list(self, lines: list[Any]) -> None:
         self.say("nbddp: ranks in the debugger (attach R to talk to one):\n"
@@ -232,7 +238,7 @@ class Conversation:
         ln.wait_ask()
         text = ln.take_output().rpartition("\n")[0].strip("\n") if not ln.ended else ln.take_output().strip("\n")
         if ln.ended:
-            text = "\n".join(t for t in (text, f"nbddp: rank {ln.rank}: {ln.ended}") if t)
+            text = "\n".join(t for t in (text, ln.ended if labelled else f"nbddp: rank {ln.rank}: {ln.ended}") if t)
         if labelled:
             text = "\n".join(f"[rank {ln.rank}] {t}" for t in text.splitlines())
         self.say(text + "\n" if text else "")

@@ -105,7 +105,7 @@ def debug(rank: int | None = None, commands: list[str] | None = None) -> Transcr
     elif rank is not None and rank not in [ln.rank for ln in lines]:
         raise ValueError(f"rank {rank} is not in the debugger. {what_exists(s)}")
     reader = Scripted(commands) if commands is not None else Interactive()
-    convo = Conversation(board, reader, echo=commands is None)
+    convo = Conversation(board, reader, echo=commands is None, note=waiting_note(s))
     try:
         convo.run(only=rank)
     except NoPrompt as exc:
@@ -114,6 +114,15 @@ def debug(rank: int | None = None, commands: list[str] | None = None) -> Transcr
     finally:
         end_post_mortems(board, started)
     return Transcript("".join(convo.text)) if commands is not None else None
+
+
+def waiting_note(session: Any) -> str:
+    """How long the other ranks can wait for a paused one: their collectives fail after the group's timeout."""
+    timeout = getattr(session.options, "timeout", None)
+    if not timeout:
+        return ""
+    return (f"nbddp: the other ranks wait for it in their collectives, for up to {timeout:.0f} s (the process-group "
+            "timeout; nbddp.start(timeout=...) sets it)\n")
 
 
 def what_exists(session: Any) -> str:
@@ -221,7 +230,7 @@ def attend(work: Any) -> None:
         return
     _settle(board)
     reader = Interactive()
-    convo = Conversation(board, reader, echo=True)
+    convo = Conversation(board, reader, echo=True, note=waiting_note(session))
     try:
         reader.check()
         convo.run()
