@@ -55,12 +55,12 @@ class Interactive:
         if kernel is not None and getattr(kernel, "_allow_stdin", True) is False:
             raise NoPrompt(CLIENT_SENDS_NO_INPUT)
 
-    def read(self, prompt: str) -> str | None:
+    def read(self, prompt: str) -> str:
         self.check()
         try:
             return input(prompt)
         except EOFError:
-            return None
+            raise NoPrompt("stdin was closed (end of file)") from None
         except Exception as exc:  # ipykernel's StdinNotImplementedError: the client sends no input
             if type(exc).__name__ == "StdinNotImplementedError":
                 raise NoPrompt(CLIENT_SENDS_NO_INPUT) from None

@@ -41,6 +41,7 @@ def pick(batch, rank):
 
 def both_fail():
     x = 10 * (torch.distributed.get_rank() + 1)
+    torch.distributed.barrier()  # both raise at once: neither is left running into the kill grace
     raise ValueError(f"x is {x}")
 
 class PauseOnce:

@@ -4,8 +4,8 @@ One kernel (and its 2 workers) for the module, through ``jupyter_client``
 with ``allow_stdin=True``: a post-mortem on rank 1 that prints a local, the
 Python API with ``commands=``, a breakpoint in ``step_fn`` during a blocking
 fit (print a local, continue: the same weights as without it), a breakpoint
-in a ``%%ddp`` cell on both ranks (list, cast, continue all), Kernel >
-Interrupt at the prompt, and the same breakpoint with no stdin (as nbclient
+in a ``%%ddp`` cell on both ranks (list, cast, continue all), ``block=False``
+with ``%ddp debug 1`` in the next cell, Kernel > Interrupt at the prompt, and the same breakpoint with no stdin (as nbclient
 runs a notebook): reported, never waited for.
 
 With ``NBDDP_DEBUG_TRANSCRIPTS=<folder>`` each session's transcript is
@@ -14,11 +14,14 @@ written there (``docs/debugging.md`` shows them).
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import queue
 import re
 import time
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.notebook, pytest.mark.fresh_workers, pytest.mark.timeout(300)]
@@ -62,10 +65,10 @@ class Step:
             breakpoint()
         return loss
 
-def fit(at):
+def fit(at, epochs=1):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    history = nbddp.dist_fit(model, (x, y), batch_size=8, step_fn=Step(at), live=False)
+    history = nbddp.dist_fit(model, (x, y), batch_size=8, epochs=epochs, step_fn=Step(at), live=False)
     return model, history
 '''
 
@@ -110,25 +113,73 @@ class Kernel:
         return "".join(log), reply["content"]["status"]
 
 
+PIDS = """
+import json, psutil
+from nbddp.session import get_session
+s = get_session()
+pids = set(s.workers.all_pids()) | {p.pid for p in s.placements} | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-PIDS", json.dumps([s.file_prefix, sorted(pids)]))
+"""
+
+
 @pytest.fixture(scope="module")
 def kernel():
+    """One kernel and its workers for every scenario; at the end, none of its processes may be left.
+
+    The kernel does not carry the suite's run marker (conftest.RUN_MARKER): its workers live across
+    this module's tests, which the per-test leak check would take for leaks; this fixture checks them.
+    """
+    from conftest import RUN_MARKER
     from jupyter_client.manager import KernelManager
 
     km = KernelManager(kernel_name="python3")
-    km.start_kernel(env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != RUN_MARKER}
+    km.start_kernel(env=dict(env, PYTHONPATH=ROOT), cwd=ROOT)
     kc = km.client()
     kc.start_channels()
-    k = Kernel(km, kc)
+    k, prefix, pids = Kernel(km, kc), None, []
     try:
         kc.wait_for_ready(timeout=120)
         for code in (SETUP, MODEL, STEP):  # three cells, as a notebook would have them
             text, status = k.run(code)
             assert status == "ok", text
-        yield k
-        k.run("nbddp.stop()")
+        text, _ = k.run(PIDS)
+        prefix, pids = json.loads(text.split("NBDDP-PIDS", 1)[1])
+        yield k  # no nbddp.stop(): the kernel's end takes its workers and files with it (the reaper), checked below
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        _none_left(pids, prefix)
+
+
+def _none_left(pids: list[int], prefix: str | None, timeout: float = 20.0) -> None:
+    """No process of the kernel's workers, and no shared-memory file of its session, outlives it."""
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if running(pid)]
+        time.sleep(0.1)
+    for pid in alive:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not alive, f"the kernel's worker processes outlived it: {alive}"
+    files = glob.glob(f"/dev/shm/{prefix}*") if prefix else []
+    while files and time.monotonic() < deadline + 5:
+        time.sleep(0.1)
+        files = glob.glob(f"/dev/shm/{prefix}*")
+    for path in files:
+        os.unlink(path)
+    assert not files, f"the kernel's shared-memory files outlived it: {files}"
 
 
 def _keep(name, text):
@@ -179,13 +230,30 @@ def test_breakpoint_in_a_ddp_cell_on_both_ranks_lists_them_then_cast_and_continu
     assert "[rank 0] 10\n[rank 1] 20\n" in text and "[rank 0] after 11" in text and "[rank 1] after 21" in text, text
 
 
+def test_block_false_says_where_the_rank_paused_and_ddp_debug_attaches_from_another_cell(kernel):
+    start = ("handle = nbddp.dist_fit(nn.Linear(4, 3), (x, y), batch_size=8, step_fn=Step(2), live='text', "
+             "block=False)\nimport time\nt0 = time.time()\n"
+             "while not handle._run.live_state.paused and time.time() - t0 < 60:\n    time.sleep(0.05)\n"
+             "time.sleep(1.5)  # a progress line while it is paused\n")
+    text, status = kernel.run(start)
+    assert status == "ok" and re.search(r"rank 1 paused at Cell In\[\d+\], line \d+ \(__call__\), `%ddp debug 1` to "
+                                        r"attach", text), text
+    text, status = kernel.run("%ddp debug 1", answers=["p self.n", "c"])
+    _keep("block-false", text)
+    assert status == "ok" and "[rank 1] (Pdb) p self.n\n2\n" in text and "rank 1: continued" in text, text
+    text, status = kernel.run("print('fit', handle.wait().status)")
+    assert status == "ok" and "fit completed" in text, text
+
+
 def test_interrupt_at_the_prompt_stops_the_fit_and_no_stdin_means_no_wait(kernel):
     def interrupt(prompt, log):
         kernel.km.interrupt_kernel()
         log.append(f"{prompt}<Kernel > Interrupt>\n")
         return True
 
-    text, status = kernel.run("model, history = fit(2); print('fit', history.status)", on_prompt=interrupt)
+    # long enough that the stop lands before the end (4 steps an epoch)
+    text, status = kernel.run("model, history = fit(2, epochs=100); print('fit', history.status, len(history.steps))",
+                              on_prompt=interrupt)
     assert status == "ok" and "fit interrupted" in text, text
     text, status = kernel.run("model, history = fit(2); print('fit', history.status)", allow_stdin=False)
     _keep("headless", text)

@@ -4,7 +4,8 @@ When the person's code raises on a rank (inside any task: a fit, a cell,
 ``run``, a script), the rank keeps the exception and its traceback, so
 ``%ddp debug`` can open pdb on the failing frame afterwards, as
 ``%debug`` does in a local notebook. The frames hold their locals (a model,
-its activations), so they are dropped at the rank's next fit, or by
+its activations), so they are dropped when the rank next trains (a fit, a
+batch-size trial, a scaling report: ``user_task(trains=True)``), or by
 ``%ddp debug --clear``. A rank that failed only because a peer did
 (``PeerFailed``), an interrupt and a debugger ``q`` keep nothing.
 

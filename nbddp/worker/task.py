@@ -22,10 +22,11 @@ from nbddp.worker.state import check_generation
 
 
 @contextlib.contextmanager
-def user_task(generation: int | None, phase: str = "call") -> Iterator[None]:
+def user_task(generation: int | None, phase: str = "call", trains: bool | None = None) -> Iterator[None]:
+    """``trains``: the task trains (default: a fit), so a kept failure and the memory its frames hold go first."""
     check_generation(generation)
-    if phase == "fit":
-        postmortem.clear()  # a new fit: the old failure's frames (and the memory they hold) go
+    if phase == "fit" if trains is None else trains:
+        postmortem.clear()
     freshness.reload_changed()
     try:
         with monitoring(phase), torchrun.user_code(generation):
