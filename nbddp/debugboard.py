@@ -77,7 +77,13 @@ class RankLine:
         """Take every complete message in the buffer."""
         while b"\n" in self._buf and not self.ended:
             line, self._buf = self._buf.split(b"\n", 1)
-            self._take(json.loads(line.decode("utf-8")))
+            try:
+                message = json.loads(line.decode("utf-8"))
+            except ValueError:
+                self._end("the rank sent something that is not a debugger message")
+                return
+            if isinstance(message, dict):
+                self._take(message)
 
     def _take(self, message: dict[str, Any]) -> None:
         if "out" in message:
@@ -246,7 +252,11 @@ class DebugBoard:
         if not isinstance(hello, dict) or not hmac.compare_digest(str(hello.get("hello", "")), self.token):
             sock.close()  # not one of our ranks
             return
-        line = RankLine(sock, hello)
+        try:
+            line = RankLine(sock, hello)
+        except (TypeError, ValueError):  # a hello with the token but not from this version of nbddp
+            sock.close()
+            return
         line._buf = rest
         line.drain()
         old = self.lines.get(line.rank)
