@@ -12,6 +12,12 @@ Competitors (alternating; each turn makes 3 calls in a row):
 Overhead of a call = its wall time in this process - the training-loop time
 measured inside the workers (torchrun_train's ``loop_s`` /
 ``hist.timings['train_s']``).
+
+``source_shipping``: what carrying the person's source lines costs a call
+(``nbddp.sources``), in this process: packing a model whose class comes from
+a 200-line notebook cell, with cloudpickle alone and with nbddp's pickler,
+and the per-worker ``SourceLedger.attach`` on the first call (the lines
+travel) and on later ones (only the cell's name).
 """
 
 from __future__ import annotations
@@ -91,6 +97,52 @@ def accelerate_three(cfg: dict, nproc: int = 2) -> dict:
             "wall_s": [c.get("wall_s") for c in calls]}
 
 
+CELL_LINES = 200
+
+
+def source_shipping(reps: int = 200) -> dict:
+    """Microseconds per call of shipping a notebook class's source (see the module docstring)."""
+    import linecache
+    import pickle
+    from types import SimpleNamespace
+
+    import cloudpickle
+    import torch
+
+    from nbddp import shipping
+    from nbddp.sources import SourceLedger
+
+    name = "/tmp/ipykernel_0/bench-cell.py"
+    filler = "".join(f"# line {i} of the cell\n" for i in range(CELL_LINES - 8))
+    text = filler + ("class Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                     "        self.a = torch.nn.Linear(16, 16)\n        self.b = torch.nn.Linear(16, 4)\n"
+                     "    def forward(self, x):\n        return self.b(torch.relu(self.a(x)))\n")
+    linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+    ns = {"__name__": "__main__", "torch": torch}
+    exec(compile(text, name, "exec"), ns)  # noqa: S102 - a stand-in for a notebook cell
+    model = ns["Net"]()
+
+    def per_call_us(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    parcel = shipping.pack(model, local=True)
+    parcel.discard()
+    ledger, worker = SourceLedger(), SimpleNamespace(host="bench", pid=0)
+    first = ledger.attach(parcel, worker)
+    return {
+        "cell_lines": CELL_LINES,
+        "pack_us_cloudpickle": per_call_us(lambda: cloudpickle.dumps(model, protocol=5)),
+        "pack_us_nbddp": per_call_us(lambda: shipping.pack(model, local=True).discard()),
+        "attach_us_first": per_call_us(lambda: SourceLedger().attach(parcel, worker)),
+        "attach_us_warm": per_call_us(lambda: ledger.attach(parcel, worker)),
+        "bytes_first_call": len(pickle.dumps(first)),
+        "bytes_warm_call": len(pickle.dumps(ledger.attach(parcel, worker))),
+    }
+
+
 def _three(call) -> dict:
     calls = [call() for _ in range(CALLS)]
     return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
@@ -99,11 +151,15 @@ def _three(call) -> dict:
 
 def main(quick: bool = False, reps: int | None = None) -> dict:
     reps = reps or (1 if quick else 3)
+    out_sources = source_shipping(50 if quick else 200)
+    common.log("source shipping, us per call: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                             for k, v in out_sources.items()))
     n_cuda = common.cuda_count()
     world = min(2, n_cuda) if n_cuda else 2
     cfg = common.workload_cfg("mlp", quick, n_samples=512 if quick else 2048, epochs=1)
     data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
-    out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": CALLS, "world_size": world}
+    out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": CALLS, "world_size": world,
+                 "source_shipping": out_sources}
 
     comps = {}
     ok, reason = common.nbddp_status()

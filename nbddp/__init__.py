@@ -31,6 +31,7 @@ __all__ = [
     "scaling_report",
     "FSDP",
     "stacks",
+    "debug",
     "History",
     "FitHandle",
     "loggers",
@@ -67,6 +68,7 @@ _LAZY = {
     "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
     "stacks": "nbddp.rank_stacks",
+    "debug": "nbddp.debugging",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
     "loggers": "nbddp.loggers",  # a subpackage: nbddp.loggers.TensorBoard(...), ...
@@ -91,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.early_stopping import EarlyStopping
     from nbddp.history_frames import plot_histories
     from nbddp.cells import pull, push, run_cell
+    from nbddp.debugging import debug
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
                               WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle

@@ -65,8 +65,9 @@ class Trials:
 
         with s.lock:
             s.ensure_ready()
-            job.launch(lambda p: s.client[p.engine_id].apply_async(trial_task, plan.parcels[p.local], cfg, plan.launch,
-                                                                   plan.model_parcels.get(p.local)))
+            job.launch(lambda p: s.client[p.engine_id].apply_async(
+                trial_task, s.sources.attach(plan.parcels[p.local], p), cfg, plan.launch,
+                s.sources.attach(plan.model_parcels.get(p.local), p)))
         try:
             results = list(job.wait(on_tick=watch).values())
         except WorkerError:

@@ -18,7 +18,8 @@ def call_everywhere(session: Any, fn: Callable[..., Any], args: tuple, kwargs: d
     def submit(p: Any) -> Any:  # packed under the session's lock, once per kind of worker (local or remote)
         if p.local not in parcels:
             parcels[p.local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=p.local)
-        return session.client[p.engine_id].apply_async(call_task, parcels[p.local], session.generation)
+        return session.client[p.engine_id].apply_async(call_task, session.sources.attach(parcels[p.local], p),
+                                                      session.generation)
 
     try:
         results = run_job(session, f"nbddp.run({name})", submit, output=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 import itertools
-import linecache
 from typing import Any
 
 from nbddp import shipping
 from nbddp.jobs import run_job
 from nbddp.session import get_session
+from nbddp.sources import register_text
 
 _CELL_NUMBERS = itertools.count(1)
 
@@ -45,7 +45,7 @@ def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) 
     number = next(_CELL_NUMBERS)
     filename = CELL_FILENAME.format(n=number)
     ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # nbddp.stacks() shows its lines
+    register_text(filename, code)  # nbddp.stacks() and the debugger show its lines
     s = get_session()
     run_job(s, "%%ddp cell", lambda p: s.client[p.engine_id].apply_async(remote_cell, code, number, s.generation),
             ranks, output=stream)
@@ -64,7 +64,7 @@ def push(**values: Any) -> None:
     def submit(p: Any) -> Any:
         if p.local not in parcels:
             parcels[p.local] = shipping.pack(values, what=what, local=p.local)
-        return s.client[p.engine_id].apply_async(remote_push, parcels[p.local], s.generation)
+        return s.client[p.engine_id].apply_async(remote_push, s.sources.attach(parcels[p.local], p), s.generation)
 
     try:
         run_job(s, what, submit)

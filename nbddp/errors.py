@@ -21,6 +21,10 @@ class NotStartedError(NbddpError):
     """An operation needs workers, and none are running."""
 
 
+class NothingToDebug(NbddpError):
+    """``nbddp.debug()`` found no rank paused at ``breakpoint()`` and none keeping a failure."""
+
+
 class FitRunningError(NbddpError):
     """A second fit (or cell) was started while one runs on the same workers."""
 

@@ -83,8 +83,8 @@ class FitRun:
         s = self.session
         plan = self.plan
         s.follow_kernel_paths()
-        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, plan.parcels[p.local], plan.cfg, plan.launch,
-                                                         plan.model_parcels.get(p.local))
+        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg,
+                                                         plan.launch, s.sources.attach(plan.model_parcels.get(p.local), p))
                for p in s.placements}
         self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
         s.running = self
@@ -99,6 +99,7 @@ class FitRun:
         self.stop_requested = True
         self.stop_reason = reason or PERSON_STOP
         self.live_state.status = "stopping"
+        self.session.debugger.let_go(self, "the fit is stopping")  # a paused rank could not take the stop
         if self.tasks is not None:  # a rank that stalled cannot take the stop: it is killed after a grace
             self.tasks.stalls.stop_at = time.monotonic()
         if self._training_started:
@@ -128,7 +129,8 @@ class FitRun:
         stalls.tick()
         self.live_state.stalled = list(stalls.stalled)
         self.live_state.positions = stalls.watch.positions()
-        if self._training_started or self.live_state.stalled:
+        self.live_state.paused = self.session.debugger.paused()
+        if self._training_started or self.live_state.stalled or self.live_state.paused:
             self.view.update(self)
 
     def _take_records(self) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from nbddp.debugging import attend
 from nbddp.errors import WorkerError
 from nbddp.output import RankOutput
 from nbddp.stalls import StuckStop
@@ -52,6 +53,7 @@ class Job:
         """Forward an interrupt to the ranks still running."""
         self.interrupted = True
         self.tasks.stalls.stop_at = time.monotonic()
+        self.session.debugger.let_go(self, f"{self.what} is being interrupted")
         by_rank = self.session.group.by_rank()
         self.session.workers.signal([by_rank[r].engine_id for r in self.tasks.pending if r in by_rank], signal.SIGINT)
 
@@ -79,10 +81,16 @@ class Job:
     def wait(self, on_tick: Callable[[], None] | None = None) -> dict[int, Any]:
         """Results by rank, or the first rank's ``WorkerError``; interrupts as the module docstring says."""
         self._waiter = threading.get_ident()
+
+        def tick() -> None:  # a rank paused at breakpoint(): the prompt opens in this cell
+            if on_tick is not None:
+                on_tick()
+            attend(self)
+
         try:
             while True:
                 try:
-                    return self.tasks.wait(on_tick=on_tick)
+                    return self.tasks.wait(on_tick=tick)
                 except StuckStop as exc:
                     raise KeyboardInterrupt(f"{self.what} interrupted: {exc}") from None
                 except BaseException as exc:

@@ -9,6 +9,8 @@
 ``%ddp pull NAME... [--rank R]``             ``nbddp.pull(NAME, ..., rank=R)``
 ``%ddp script PATH [ARGS...]``               ``nbddp.run_script(PATH, *ARGS)``
 ``%ddp stacks [--timeout S]``                ``nbddp.stacks()``: every rank's stack now
+``%ddp debug [RANK] [--clear]``              ``nbddp.debug(RANK)``: pdb on a failed or paused
+                                             rank; ``--clear`` drops kept failures
 ``%%ddp [--ranks 0,2] [--no-stream]``        ``nbddp.run_cell(cell, ranks, stream=...)``
 ==========================================  =====================================
 
@@ -75,6 +77,12 @@ def _script(): """Run a script written for torchrun on every rank; the same as n
 def _stacks(): """Every rank's current Python stack, even inside a collective; the same as nbddp.stacks()."""  # noqa: E704
 
 
+@magic_arguments("%ddp debug")
+@argument("rank", type=int, nargs="?", default=None, help="the rank to debug (default: the one there is, or a list)")
+@argument("--clear", action="store_true", help="drop the failures the ranks keep (and the memory they hold)")
+def _debug(): """pdb on a failed rank's frame or a rank paused at breakpoint(); the same as nbddp.debug()."""  # noqa: E704
+
+
 @magic_arguments("%%ddp")
 @argument("--ranks", default=None, help="comma-separated ranks to run on, e.g. 0,2 (default: all)")
 @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends, grouped by rank")
@@ -82,7 +90,7 @@ def _cell(): """Run the cell on every rank (or the --ranks given)."""  # noqa: E
 
 
 _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push,
-                "script": _script, "stacks": _stacks}
+                "script": _script, "stacks": _stacks, "debug": _debug}
 
 
 def usage() -> str:
@@ -112,7 +120,7 @@ def parse_ranks(text: str | None) -> list[int] | None:
 class DDPMagics(Magics):
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> None:
-        """Drive the DDP workers: %ddp start|stop|status|restart|pull|push|script|stacks, or %%ddp on every rank."""
+        """Drive the DDP workers: %ddp start|stop|status|restart|pull|push|script|stacks|debug, or %%ddp on every rank."""
         if cell is not None:
             args = parse_argstring(_cell, line)
             self._run_cell(cell, args)
@@ -188,6 +196,19 @@ class DDPMagics(Magics):
         from nbddp.rank_stacks import stacks
 
         _show(stacks(timeout=args.timeout))
+
+    def _do_debug(self, args: Any) -> None:
+        from nbddp.console import NoPrompt
+        from nbddp.debugging import clear, debug
+        from nbddp.errors import NothingToDebug
+
+        if args.clear:
+            print(clear())
+            return
+        try:
+            debug(args.rank)
+        except (ValueError, NothingToDebug, NoPrompt) as exc:
+            raise UsageError(f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
 
     def _do_pull(self, args: Any) -> None:
         from nbddp.cells import pull

@@ -14,6 +14,7 @@ message         direction            when
 ``JoinReply``   each rank -> kernel  after joining a process-group generation
 ``Health``      each rank -> kernel  ``%ddp status``
 ``StackDump``   each rank -> kernel  ``nbddp.stacks()``
+``KeptFailure`` each rank -> kernel  ``%ddp debug``: the failure it keeps
 ``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
 ``TrialResult``  each rank -> kernel ``find_batch_size``: one trial step's outcome
 ``ScalingRow``   rank 0 -> kernel     ``scaling_report``: one world size, timed
@@ -38,7 +39,7 @@ def published(ar: Any, kind: str) -> Any:
 
 # the phases a rank reports in its heartbeat, in the order one micro-batch goes through them
 PHASES = ("setup", "data", "forward", "backward", "optimizer", "collective", "validation", "checkpoint",
-          "finish", "cell", "script", "call", "push")
+          "finish", "cell", "script", "call", "push", "paused")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Beat:
     step_time_s: float
     idle_s: float  # seconds since ``progress`` last changed, on the rank's clock
     stack: str = ""
+    paused_at: str = ""  # file:line where the rank waits at a debugger prompt (phase "paused")
 
 
 @dataclass
@@ -153,6 +155,19 @@ def innermost_frames(stack: str, frames: int = 3) -> str:
     if not starts:
         return ""
     return "\n".join(lines[starts[-frames:][0]:])
+
+
+@dataclass(frozen=True)
+class KeptFailure:
+    """A failure a rank keeps for ``%ddp debug``: as which rank it failed, and where."""
+
+    rank: int  # the rank it had when it failed (the one the WorkerError named)
+    current_rank: int
+    generation: int
+    exc_type: str
+    message: str
+    where: str  # file:line of the innermost frame, by the kernel's file names
+    function: str
 
 
 @dataclass(frozen=True)

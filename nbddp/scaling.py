@@ -141,8 +141,8 @@ def scaling_report(model: Any, data: Any, *, steps: int = 20, warmup: int = 5, *
         plan = prepare(s, model, data, return_weights=False, **fit_options)
         try:
             job.launch(lambda p: s.client[p.engine_id].apply_async(
-                scaling_task, plan.parcels[p.local], plan.cfg, plan.launch, plan.model_parcels.get(p.local),
-                sizes, warmup, steps))
+                scaling_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg, plan.launch,
+                s.sources.attach(plan.model_parcels.get(p.local), p), sizes, warmup, steps))
         except BaseException:
             plan.discard()
             raise

@@ -22,10 +22,12 @@ from typing import Any
 
 from nbddp import topology
 from nbddp.cluster import Workers
+from nbddp.debugboard import DebugBoard
 from nbddp.errors import ClusterError, FitRunningError, NotStartedError
 from nbddp.group import GroupFormer, GroupState
 from nbddp.resident import ResidentSet
 from nbddp.shipping import BufferPool, remove_files
+from nbddp.sources import SourceLedger
 from nbddp.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
                                  threads_per_worker, validate_start)
 from nbddp.supervisor import Supervisor
@@ -48,6 +50,8 @@ class Session:
         self.file_prefix = f"nbddp-{self.token[:12]}"
         self.send_pool = BufferPool(prefix=f"{self.file_prefix}-k")
         self.resident = ResidentSet()
+        self.sources = SourceLedger()  # which source lines each worker holds (tracebacks show the person's lines)
+        self.debugger = DebugBoard(lambda: self.running)  # ranks in pdb (breakpoint(), post-mortems)
         self._former: GroupFormer | None = None
         self._generations = 0  # numbers every group this kernel formed, across stop() and start()
         self._paths_sent: tuple[Any, ...] = ()  # (sys.path, cwd, generation) the local workers follow
@@ -147,6 +151,7 @@ class Session:
         if running is not None and not running.finished:
             running.hard_stop(reason="nbddp.stop() was called")
         self.supervisor.wait(raise_error=False)
+        self.debugger.close()
         with self.lock:
             if self.workers is not None:
                 if not self.workers.owned and self.workers.controller_problem() is None:
@@ -158,6 +163,7 @@ class Session:
             self._former = None
             self.stopped_explicitly = True
             self.send_pool.close()
+            self.sources.forget()
             remove_files(self.file_prefix)
 
     def restart(self) -> "Session":
@@ -258,6 +264,7 @@ class Session:
             self._generations += 1
             self.group = former.form(self.options, self._generations, probes)
             self.resident.clear()  # joining a group emptied the workers' dataset caches
+            self.debugger.announce(self.client, list(self.group.placements), self.workers.controller_host)
 
     def snapshot(self) -> dict[str, Any]:
         """What ``nbddp.status()`` shows: one consistent view of one generation."""

@@ -34,6 +34,8 @@ import cloudpickle
 
 from nbddp.errors import ShippingError
 from nbddp.modules import register_edited_modules
+from nbddp.sources import NamingPickler
+from nbddp.sources import register as register_sources
 
 _ALIGN = 64
 
@@ -68,6 +70,8 @@ class Parcel:
         return len(self.data) + sum(t.nbytes for t in self.tensors)
 
     pooled: bool = False  # the file belongs to a BufferPool of the process that wrote it
+    source_files: tuple[str, ...] = ()  # files of the code inside, by the kernel's names (nbddp.sources)
+    sources: tuple = ()  # sources.Source: the lines of those files this worker lacks (SourceLedger.attach)
 
     def discard(self) -> None:
         """Done with the parcel: a pooled file goes back to its pool, another is removed.
@@ -213,20 +217,20 @@ def _is_plain_tensor(obj: Any) -> bool:
     )
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle that lifts plain tensors out of the stream.
+class _Pickler(NamingPickler):
+    """cloudpickle that lifts plain tensors out of the stream (unless ``lifted`` is None), keeping code's file names.
 
     The same tensor object seen twice (tied weights) gets one reference, so
     it is still one shared tensor after loading.
     """
 
-    def __init__(self, file: io.BytesIO, lifted: list[Any]):
+    def __init__(self, file: io.BytesIO, lifted: list[Any] | None):
         super().__init__(file, protocol=5)
         self._lifted = lifted
         self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:  # noqa: D401 - pickle hook
-        if not _is_plain_tensor(obj):
+        if self._lifted is None or not _is_plain_tensor(obj):
             return None
         key = id(obj)
         index = self._seen.get(key)
@@ -265,11 +269,19 @@ def dumps(obj: Any, *, what: str = "object", label: str = "object") -> bytes:
     ``label`` is how the person calls the object (``data``), used to name the
     failing part (``data.lock``) and in the hint.
     """
+    return _pickle(obj, None, what, label)[0]
+
+
+def _pickle(obj: Any, lifted: list[Any] | None, what: str, label: str) -> tuple[bytes, tuple[str, ...]]:
+    """(pickle bytes, the files of the code inside); tensors go into ``lifted`` unless it is None."""
     register_edited_modules()
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, lifted)
     try:
-        return cloudpickle.dumps(obj, protocol=5)
+        pickler.dump(obj)
     except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
         raise _explain(obj, what, exc, label) from exc
+    return buf.getvalue(), tuple(sorted(pickler.code_files))
 
 
 def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "object",
@@ -281,17 +293,10 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
         prefix: name of a new file (default ``nbddp-<pid>``), so its owner can
             find and remove it.
     """
-    if not local or _torch() is None:
-        return Parcel(dumps(obj, what=what, label=label))
-    register_edited_modules()
-    buf = io.BytesIO()
-    lifted: list[Any] = []
-    try:
-        _Pickler(buf, lifted).dump(obj)
-    except Exception as exc:  # noqa: BLE001
-        raise _explain(obj, what, exc, label) from exc
+    lifted: list[Any] | None = [] if local and _torch() is not None else None
+    data, files = _pickle(obj, lifted, what, label)
     if not lifted:
-        return Parcel(buf.getvalue())
+        return Parcel(data, source_files=files)
     metas, total = [], 0
     for t in lifted:
         nbytes = t.numel() * t.element_size()
@@ -313,7 +318,7 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
         except BaseException:
             pool.release(path)
             raise
-        return Parcel(buf.getvalue(), path, metas, pooled=True)
+        return Parcel(data, path, metas, pooled=True, source_files=files)
     path = os.path.join(shm_dir(), f"{prefix or f'nbddp-{os.getpid()}'}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -325,7 +330,7 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
         raise
     finally:
         os.close(fd)
-    return Parcel(buf.getvalue(), path, metas)
+    return Parcel(data, path, metas, source_files=files)
 
 
 def _write_tensors(mm: mmap.mmap, tensors: list[Any], metas: list[TensorMeta], total: int) -> None:
@@ -357,6 +362,7 @@ def unpack(parcel: Parcel, *, copy: bool = True) -> Any:
     Views are only for reading straight into existing tensors (the kernel's
     ``load_state_dict``); anything kept must be copied, the default.
     """
+    register_sources(parcel.sources)
     if parcel.path is None:
         return pickle.loads(parcel.data)
     torch = _torch() or __import__("torch")

@@ -21,6 +21,12 @@ this to one piece of work at every tick of its wait (``tasks.RankTasks``):
 * after a stop was requested (an interrupt, ``handle.stop()``), a stalled
   rank that still has not moved ``STOP_GRACE_S`` later cannot stop: the ranks
   still running are killed and replaced (``StuckStop``).
+
+A rank held at a debugger prompt (its beat says ``paused``, or it is on the
+kernel's ``debugboard``) is not stalled, and neither are the ranks waiting
+for it: the quiet time of every rank counts from the last moment a rank was
+seen paused, so no ``WorkerStalled``, kill or replacement happens while one
+is, whatever ``stall_timeout`` says.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class StallWatch:
         now = clock()
         self.seen = {r: Seen(None, now) for r in ranks}
         self.done: set[int] = set()
+        self.held = float("-inf")  # kernel clock: when a rank was last seen paused at a debugger prompt
 
     def feed(self, rank: int, beat: Any) -> None:
         seen = self.seen[rank]
@@ -77,12 +84,18 @@ class StallWatch:
         if seen.beat is None or beat.progress != seen.beat.progress:
             seen.changed = self.clock()
         seen.beat = beat
+        if beat.phase == "paused":
+            self.hold()
+
+    def hold(self) -> None:
+        """A rank is paused at a debugger prompt now: nobody's quiet time counts until it goes on."""
+        self.held = self.clock()
 
     def finish(self, rank: int) -> None:
         self.done.add(rank)
 
     def quiet_s(self, rank: int) -> float:
-        return self.clock() - self.seen[rank].changed
+        return self.clock() - max(self.seen[rank].changed, self.held)
 
     def threshold(self, rank: int) -> float:
         beat = self.seen[rank].beat
@@ -152,6 +165,9 @@ class StallGuard:
             return
         self._next = now + TICK_S
         self.read()
+        board = getattr(self.session, "debugger", None)
+        if board is not None and board.paused():
+            self.watch.hold()
         if force:
             return
         self.stalled = self.watch.stalled(all_quiet=self.fit)

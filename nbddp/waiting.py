@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Protocol
 
+from nbddp.debugging import attend
+
 
 class Stoppable(Protocol):
     """What ``wait_interruptibly`` needs of the work it waits for."""
@@ -50,6 +52,7 @@ def wait_interruptibly(work: Stoppable, timeout: float | None = None, tick_s: fl
     while True:
         try:
             while not work.wait_done(tick_s):
+                attend(work)  # a rank paused at breakpoint(): the prompt opens here, in the waiting cell
                 if deadline is not None and time.monotonic() > deadline:
                     return False
             return True

@@ -228,10 +228,11 @@ def test_text_view_on_a_terminal_rewrites_one_line_and_ends_with_the_summary_onc
 
 
 def _bare_run():
+    from nbddp.debugboard import DebugBoard
     from nbddp.fitting import FitRun
     from nbddp.tasks import RankTasks
 
-    session = SimpleNamespace(world_size=2, backend="gloo", placements=[])
+    session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
     plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1))
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})

@@ -24,6 +24,7 @@ class LiveState:
     stalled: list[dict[str, Any]] = field(default_factory=list)  # ranks that stopped advancing, with their stacks
     # every rank's latest heartbeat: {rank, phase, step, micro, idle_s} (stalls.StallWatch.positions)
     positions: list[dict[str, Any]] = field(default_factory=list)
+    paused: list[dict[str, Any]] = field(default_factory=list)  # ranks at a debugger prompt: {rank, where, function}
 
     @property
     def total_steps(self) -> int:

@@ -75,13 +75,24 @@ def fmt_bytes(n: float | None) -> str:
 def rank_positions(state: Any) -> str:
     """Where every rank is, from its heartbeat: ``"0: step 3 backward · 1: step 3 data, stalled 12 s"``."""
     stalled = {s["rank"]: s for s in state.stalled}
+    paused = {p["rank"]: p for p in state.paused}
     parts = []
     for pos in state.positions:
         text = f"{pos['rank']}: step {pos['step']} {pos['phase']}"
-        if pos["rank"] in stalled:
+        if pos["rank"] in paused:
+            text = f"{pos['rank']}: paused"
+        elif paused:
+            text += f", waiting for rank {min(paused)}"
+        elif pos["rank"] in stalled:
             text += f", stalled {stalled[pos['rank']]['idle_s']:.0f} s"
         parts.append(text)
     return " · ".join(parts)
+
+
+def paused_lines(state: Any) -> list[str]:
+    """``"rank 1 paused at Cell In[3], line 4 (step_fn), %ddp debug 1 to attach"`` for each paused rank."""
+    return [f"rank {p['rank']} paused at {p['where']}" + (f" ({p['function']})" if p.get("function") else "")
+            + f", `%ddp debug {p['rank']}` to attach" for p in state.paused]
 
 
 def progress_line(run: Any) -> str:
@@ -97,6 +108,8 @@ def progress_line(run: Any) -> str:
     positions = "" if ended else rank_positions(run.live_state)
     if positions:
         parts.append(f"ranks {positions}")
+    if not ended:
+        parts += paused_lines(run.live_state)
     return "  ".join(parts)
 
 
@@ -107,6 +120,7 @@ class TextView:
         self.stream = stream or sys.stdout
         self.every = every
         self._last = 0.0
+        self._paused: tuple[int, ...] = ()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
     def start(self, run: Any) -> None:
@@ -118,7 +132,10 @@ class TextView:
         now = time.monotonic()
         if now - self._last < self.every:
             return
-        self._last = now
+        paused = tuple(p["rank"] for p in run.live_state.paused)
+        if paused and paused == self._paused:  # said once: the person may be typing at the prompt below
+            return
+        self._last, self._paused = now, paused
         line = progress_line(run)
         self.stream.write(("\r" + line + "\x1b[K") if self._tty else line + "\n")
         self.stream.flush()

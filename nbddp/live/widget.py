@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from nbddp.live.plot import LossPlot
-from nbddp.live.text import fmt_bytes, fmt_time, progress_fields
+from nbddp.live.text import fmt_bytes, fmt_time, paused_lines, progress_fields
 from nbddp.messages import innermost_frames
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -272,7 +272,9 @@ class WidgetView:
         if stalled and status in ("starting", "training", "validating"):
             status = "stalled"
         self.status.value = status_html(run, status)
-        self.stalls.value = stalls_html(run.live_state) if stalled else ""
+        paused = paused_lines(run.live_state) if not getattr(run, "finished", False) else []
+        self.stalls.value = (stalls_html(run.live_state) if stalled else "") + "".join(
+            f"<div class='nbddp-paused' style='color:#1f77b4;font-size:12px'>{html.escape(p)}</div>" for p in paused)
         self.bar.value = f["fraction"]
         self.percent.value = f"{f['fraction'] * 100:.0f}%"
         self.progress.value = html.escape(progress_text(f))

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import ast
 import builtins
-import linecache
 import os
 import sys
 from typing import Any
 
 from nbddp import shipping
 from nbddp.messages import Health
+from nbddp.sources import register_text
 from nbddp.worker.state import STATE
 from nbddp.worker.task import user_task
 
@@ -45,8 +45,7 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     """
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
-    # tracebacks show the cell's lines
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    register_text(filename, source)  # tracebacks, stacks and pdb show the cell's lines
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):

@@ -56,6 +56,20 @@ class Heartbeat:
         self.step_time_s = 0.0
         self.changed = time.monotonic()
         self._last_step: float | None = None  # set at the first micro-batch: set-up is not a step
+        self.paused_at = ""  # file:line of a debugger prompt holding the rank (worker.debugger)
+        self._before_pause = phase
+
+    def pause(self, where: str) -> None:
+        """A debugger prompt holds the main thread: the phase says ``paused`` until ``resume``."""
+        if not self.paused_at:
+            self._before_pause = self.phase
+        self.paused_at = where
+        self.mark("paused")
+
+    def resume(self) -> None:
+        if self.paused_at:
+            self.paused_at = ""
+            self.mark(self._before_pause)
 
     def mark(self, phase: str) -> None:
         self.phase = phase
@@ -157,15 +171,17 @@ class Monitor(threading.Thread):
 
     def run(self) -> None:
         next_beat = 0.0
+        paused = ""
         while not self.stopping.wait(POLL_S):
             now = time.monotonic()
             size = _size(self.stack_path)
             if size > self._stack_size:
                 self._stack_size = size
                 self._send_stack()
-            if now >= next_beat:
+            if now >= next_beat or BEAT.paused_at != paused:  # a pause is told at once: peers are not stalled
                 next_beat = now + BEAT_S
-                if self.sampled:
+                paused = BEAT.paused_at
+                if self.sampled and not paused:
                     self._sample(now)
                 self._send_beat(now)
 
@@ -185,7 +201,8 @@ class Monitor(threading.Thread):
         self.seq += 1
         beat = Beat(rank=self.rank, seq=self.seq, progress=BEAT.progress, phase=BEAT.phase, step=BEAT.step,
                     micro=BEAT.micro, step_time_s=BEAT.step_time_s, idle_s=idle,
-                    stack=main_thread_stack() if idle >= BEAT_S else "")
+                    stack=main_thread_stack() if idle >= BEAT_S and not BEAT.paused_at else "",
+                    paused_at=BEAT.paused_at)
         self._publish({PUBLISH_KEYS["beat"]: beat})
 
     def _send_stack(self) -> None:

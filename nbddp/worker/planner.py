@@ -99,7 +99,7 @@ def trial_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: 
     """
     device = torch.device(STATE.placement.device)
     outcome, message, shard = "fits", "", 0
-    with user_task(launch.generation), _side_effect_free(device):
+    with user_task(launch.generation, trains=True), _side_effect_free(device):
         reset_peak_memory(device)
         ts = None
         try:
@@ -151,7 +151,7 @@ def scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel
     device = torch.device(STATE.placement.device)
     rank = dist.get_rank()
     rows = []
-    with user_task(launch.generation), _side_effect_free(device):
+    with user_task(launch.generation, trains=True), _side_effect_free(device):
         groups = {k: dist.new_group(list(range(k))) for k in sizes}  # every rank creates every group, in order
         try:
             for k in sizes:

@@ -18,6 +18,7 @@ import types
 from typing import Any, Iterator
 
 from nbddp.messages import ScriptResult
+from nbddp.sources import register_text
 from nbddp.worker.state import STATE
 from nbddp.worker.task import user_task
 
@@ -54,6 +55,7 @@ def _as_main(path: str, argv: list[str], cwd: str | None) -> Iterator[dict[str, 
 def run_script(source: str, path: str, argv: list[str], cwd: str | None, generation: int) -> ScriptResult:
     """Execute the script's ``source`` as ``path``; return this rank's exit status."""
     code = compile(source, path, "exec")
+    register_text(path, source)  # the script's lines, for tracebacks, stacks and pdb (the file may be elsewhere)
     t0 = time.perf_counter()
     status = 0
     here = cwd if STATE.placement.local else None

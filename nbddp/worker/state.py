@@ -29,6 +29,9 @@ class WorkerState:
     return_pool: Any = None  # shipping.BufferPool for the trained weights sent back each fit
     master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
     stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (worker.monitor)
+    debug_address: tuple[str, int, str] | None = None  # the kernel's debugger: host, port, token (worker.debugger)
+    debugger: Any = None  # the worker.debugger.RankPdb holding this rank now
+    failure: Any = None  # the worker.postmortem.Failure kept for %ddp debug
 
 
 STATE = WorkerState()

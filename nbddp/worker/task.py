@@ -6,7 +6,9 @@ process-group generation, edited modules are reloaded, frameworks see this
 generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
 is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
 ``"cell"``, ``"call"``, ``"script"``, ``"push"``), and the modules the task
-imported are noted for the next one.
+imported are noted for the next one. A failure of the person's code is kept
+for ``%ddp debug`` (``worker.postmortem``) until the rank's next fit; a
+debugger line still open when the task ends is closed.
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from nbddp.worker import freshness, torchrun
+from nbddp.worker import debugger, freshness, postmortem, torchrun
 from nbddp.worker.monitor import monitoring
 from nbddp.worker.state import check_generation
 
 
 @contextlib.contextmanager
-def user_task(generation: int | None, phase: str = "call") -> Iterator[None]:
+def user_task(generation: int | None, phase: str = "call", trains: bool | None = None) -> Iterator[None]:
+    """``trains``: the task trains (default: a fit), so a kept failure and the memory its frames hold go first."""
     check_generation(generation)
+    if phase == "fit" if trains is None else trains:
+        postmortem.clear()
     freshness.reload_changed()
     try:
         with monitoring(phase), torchrun.user_code(generation):
             yield
+    except BaseException as exc:
+        postmortem.keep(exc)
+        raise
     finally:
+        debugger.end_of_task()
         freshness.note_imported()
