@@ -46,6 +46,7 @@ __all__ = [
     "WorkerError",
     "WorkerDied",
     "WorkerStalled",
+    "NothingToDebug",
     "__version__",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -83,6 +84,7 @@ _LAZY = {
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
     "WorkerStalled": "nbddp.errors",
+    "NothingToDebug": "nbddp.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,7 +97,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.cells import pull, push, run_cell
     from nbddp.debugging import debug
     from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
-                              WorkerError, WorkerStalled)
+                              WorkerError, WorkerStalled, NothingToDebug)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scaling import scaling_report

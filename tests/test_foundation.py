@@ -20,7 +20,7 @@ PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "
           "debug",
           "History", "FitHandle", "export_checkpoint", "FSDP", "find_batch_size", "scaling_report",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "ShippingError", "WorkerError",
-          "WorkerDied", "WorkerStalled", "__version__", "load_ipython_extension", "unload_ipython_extension",
+          "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__", "load_ipython_extension", "unload_ipython_extension",
           "loggers", "EarlyStopping", "stop_fit", "plot_histories"}
 
 
