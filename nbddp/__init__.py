@@ -37,6 +37,7 @@ __all__ = [
     "NotStartedError",
     "FitRunningError",
     "ClusterError",
+    "SlurmError",
     "ShippingError",
     "WorkerError",
     "WorkerDied",
@@ -69,6 +70,7 @@ _LAZY = {
     "NotStartedError": "nbddp.errors",
     "FitRunningError": "nbddp.errors",
     "ClusterError": "nbddp.errors",
+    "SlurmError": "nbddp.errors",
     "ShippingError": "nbddp.errors",
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
@@ -79,8 +81,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
     from nbddp.batchsize import find_batch_size
     from nbddp.cells import pull, push, run_cell
-    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
-                              WorkerError, WorkerStalled)
+    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, SlurmError,
+                              WorkerDied, WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scaling import scaling_report

@@ -5,8 +5,9 @@ run inside ``user_task``: the task is checked against this engine's
 process-group generation, edited modules are reloaded, frameworks see this
 generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
 is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
-``"cell"``, ``"call"``, ``"script"``, ``"push"``), and the modules the task
-imported are noted for the next one.
+``"cell"``, ``"call"``, ``"script"``, ``"push"``), SIGTERM ends the engine
+at once (``state.exit_on_sigterm``: a Slurm job being cancelled), and the
+modules the task imported are noted for the next one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Iterator
 
 from nbddp.worker import freshness, torchrun
 from nbddp.worker.monitor import monitoring
-from nbddp.worker.state import check_generation
+from nbddp.worker.state import check_generation, exit_on_sigterm
 
 
 @contextlib.contextmanager
@@ -24,7 +25,7 @@ def user_task(generation: int | None, phase: str = "call") -> Iterator[None]:
     check_generation(generation)
     freshness.reload_changed()
     try:
-        with monitoring(phase), torchrun.user_code(generation):
+        with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm():
             yield
     finally:
         freshness.note_imported()
