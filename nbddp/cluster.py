@@ -82,13 +82,13 @@ class Workers:
                 cluster.start_controller_sync()
                 cluster.start_engines_sync(n, environment=dict(engine_env or {}))
             client = cluster.connect_client_sync()
-        except Exception as exc:  # noqa: BLE001 - re-raised with what to try
+        except BaseException as exc:  # noqa: BLE001 - re-raised with what to try (an interrupt too, after cleaning up)
             if not running:
                 try:
                     cluster.stop_cluster_sync()
                 except Exception:  # noqa: BLE001
                     pass
-            if isinstance(exc, ClusterError):  # already says what went wrong (Slurm refused the job...)
+            if isinstance(exc, ClusterError) or not isinstance(exc, Exception):  # Slurm refused the job; an interrupt
                 raise
             raise ClusterError(f"could not start {n} engine(s): {type(exc).__name__}: {exc}") from exc
         connection = os.path.join(cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-client.json")
@@ -136,6 +136,7 @@ class Workers:
                 "(add --profile/--cluster-id to match), or call nbddp.start(n=N) to let nbddp start local workers."
             ) from exc
         workers = cls(cluster, client, owned=False, can_add_engines=False, connection_file=client_file)
+        workers.jobs = SlurmJobs.of(cluster)  # an `ipcluster start --engines=slurm`: its job is watched, never cancelled
         if n:
             workers.wait_for(n, timeout)
         elif not client.ids:
