@@ -305,8 +305,12 @@ class Workers:
         while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def stop(self) -> None:
-        """Stop what this session started; only disconnect from attached clusters."""
+    def stop(self, wait_gone: bool = True) -> None:
+        """Stop what this session started; only disconnect from attached clusters.
+
+        ``wait_gone``: return once ``squeue`` no longer lists this session's Slurm jobs (their teardown,
+        ``COMPLETING``, took about 5 s here); a restart need not wait.
+        """
         try:
             self.client.close()
         except Exception:  # noqa: BLE001
@@ -320,7 +324,8 @@ class Workers:
                 _kill_tree(pid)
             if self.job_ids():  # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
                 self.jobs.cancel()
-                self.jobs.wait_gone()
+                if wait_gone:
+                    self.jobs.wait_gone()
         self.reaper.stop()
 
     # ---- no orphans --------------------------------------------------------

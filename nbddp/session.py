@@ -149,8 +149,11 @@ class Session:
         env = {"OMP_NUM_THREADS": str(per_worker), "MKL_NUM_THREADS": str(per_worker)} if per_worker else {}
         return Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env)
 
-    def stop(self) -> None:
-        """Stop the workers this kernel started; never starts any (a heal under way is cancelled)."""
+    def stop(self, wait_gone: bool = True) -> None:
+        """Stop the workers this kernel started; never starts any (a heal under way is cancelled).
+
+        ``wait_gone=False`` (restart): a cancelled Slurm job may still be on its way out.
+        """
         self.supervisor.closing = True
         running = self.running
         if running is not None and not running.finished:
@@ -160,7 +163,7 @@ class Session:
             if self.workers is not None:
                 if not self.workers.owned and self.workers.controller_problem() is None:
                     self._group_former().leave()  # (through a dead controller it would never return)
-                self.workers.stop()
+                self.workers.stop(wait_gone)
             self.workers = None
             self.group = None
             self.running = None  # whatever ran on them is over
@@ -173,7 +176,7 @@ class Session:
         opts = self.options
         if opts is None:
             raise NotStartedError("nothing to restart: no workers were started in this kernel; call nbddp.start()")
-        self.stop()
+        self.stop(wait_gone=False)
         return self.start(opts.n, backend=opts.backend, cluster=opts.cluster, profile=opts.profile,
                           cluster_id=opts.cluster_id, timeout=opts.timeout, threads=opts.threads,
                           interface=opts.interface, stall_timeout=opts.stall_timeout, slurm=opts.slurm)

@@ -7,6 +7,10 @@ controller over the fake network. The scenarios run in file order on the
 one kernel; each one starts the workers itself when it needs them, so any
 one of them also runs alone (``-k``).
 
+The workers are the kernel's own (``fresh_workers``): a Slurm job started
+by that kernel, never the suite's shared ones, which this module does not
+use (the reference fit is one process, on the same global batch).
+
 Kernel > Interrupt is the real one (``KernelManager.interrupt_kernel``:
 SIGINT to the kernel process), sent only while the cell runs and shows the
 pending job; killing the kernel is a real SIGKILL of that process.
@@ -19,7 +23,6 @@ import time
 
 import pytest
 
-import nbddp
 from slurm_cluster import LoginKernel, private_slurm, slurm_available
 
 _OK, _WHY = slurm_available()
@@ -139,11 +142,22 @@ def test_a_pending_job_is_shown_and_interrupt_cancels_it(slurm, kernel):
     _ok(kernel.run("assert not nbddp.status()['running']"))
 
 
-def test_start_and_a_fit_equal_to_one_machine(slurm, kernel, workers, tmp_path):
+def test_start_and_a_fit_equal_to_one_machine(slurm, kernel):
+    """The reference is one process on one machine, on the same global batch: with ``shuffle=False``, rank r's
+    k-th batch of 16 holds samples r, r+2, ... of the k-th 32, so together they are samples 32k..32k+31, and DDP's
+    averaged gradient is that batch's (no engines are needed here for it)."""
+    import torch
+
     ns: dict = {}
     exec(BUILD, ns)  # noqa: S102 - our own constant, shared with the kernel
-    model, data = ns["build"]()
-    nbddp.dist_fit(model, data, **ns["FIT"])  # the suite's 2 workers on this machine: same global batch (2 x 16)
+    model, (x, y) = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=ns["FIT"]["lr"])
+    for _ in range(ns["FIT"]["epochs"]):
+        step = 2 * ns["FIT"]["batch_size"]  # the global batch: 2 ranks x 16
+        for i in range(0, len(x), step):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i:i + step]), y[i:i + step]).backward()
+            opt.step()
     local = model.state_dict()
 
     job = _running_job(kernel)
@@ -168,8 +182,6 @@ torch.save(model.state_dict(), {str(weights)!r})
     assert sorted(n for _, _, n in where) == ["n1", "n2"] and {j for _, j, _ in where} == {job}
     assert len(set(hosts)) == 2 and sorted(hosts) == sorted(h for h, _, _ in where)
     assert master.startswith("tcp://10.213.") and jobs[0]["nodes"] == "n[1-2]"
-
-    import torch
 
     remote = torch.load(weights)
     for name in local:
