@@ -42,6 +42,7 @@ __all__ = [
     "NotStartedError",
     "FitRunningError",
     "ClusterError",
+    "SlurmError",
     "ShippingError",
     "WorkerError",
     "WorkerDied",
@@ -80,6 +81,7 @@ _LAZY = {
     "NotStartedError": "nbddp.errors",
     "FitRunningError": "nbddp.errors",
     "ClusterError": "nbddp.errors",
+    "SlurmError": "nbddp.errors",
     "ShippingError": "nbddp.errors",
     "WorkerError": "nbddp.errors",
     "WorkerDied": "nbddp.errors",
@@ -96,8 +98,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.history_frames import plot_histories
     from nbddp.cells import pull, push, run_cell
     from nbddp.debugging import debug
-    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, ShippingError, WorkerDied,
-                              WorkerError, WorkerStalled, NothingToDebug)
+    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
+                              SlurmError, WorkerDied, WorkerError, WorkerStalled)
     from nbddp.handle import FitHandle
     from nbddp.history import History
     from nbddp.scaling import scaling_report

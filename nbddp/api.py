@@ -14,7 +14,8 @@ from nbddp.waiting import wait_interruptibly
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
           cluster_id: str | None = None, timeout: float | None = None, threads: int | None = None,
-          interface: str | None = None, stall_timeout: float | None = None) -> dict[str, Any]:
+          interface: str | None = None, stall_timeout: float | None = None,
+          slurm: bool | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
     Args:
@@ -40,12 +41,25 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Any = No
         stall_timeout: the default ``dist_fit(stall_timeout=...)``: seconds a
             rank may go without progress before the fit fails with
             ``WorkerStalled`` (default None: stalls are shown, never fatal).
+        slurm: ``True`` or ``{"partition": ..., "nodes": K, "gpus_per_node": G,
+            "time": "04:00:00", "account": ..., "sbatch": "extra args",
+            "queue_timeout": seconds, "controller_ip": ...}``: the workers are
+            one Slurm job, submitted through ipyparallel's Slurm launcher: one
+            engine per GPU (2 per node without GPUs; ``n`` must spread evenly
+            over the nodes); ``threads`` is its ``--cpus-per-task``. The
+            controller runs here, on the address this machine uses to reach
+            the nodes. While the job waits in the queue, the cell shows its
+            state and Slurm's reason; Kernel > Interrupt cancels it;
+            ``queue_timeout`` cancels it after that many seconds (default: wait).
+            ``stop()``, ``restart()`` and the kernel's death cancel it. See
+            ``docs/multi-node.md``.
 
     Calling it again with the same settings while workers run does nothing
     (a new ``timeout`` or ``stall_timeout`` is applied).
     """
     get_session().start(n, backend=backend, cluster=cluster, profile=profile, cluster_id=cluster_id,
-                        timeout=timeout, threads=threads, interface=interface, stall_timeout=stall_timeout)
+                        timeout=timeout, threads=threads, interface=interface, stall_timeout=stall_timeout,
+                        slurm=slurm)
     return status()
 
 

@@ -23,6 +23,7 @@ from nbddp.reaper import Reaper
 from nbddp.attach import attach_files
 from nbddp.errors import ClusterError
 from nbddp.exits import describe_exit, exit_code, read_tail
+from nbddp.slurm_watch import SlurmJobs
 
 START_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # ipyparallel's own default for reaching a controller
@@ -52,15 +53,18 @@ class Workers:
         self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
         self.controller_helpers: list[Any] = []  # psutil.Process of the controller's schedulers (owned clusters)
         self._endpoint: tuple[str, int] | None = None  # read from the connection file once it could be read
+        self.jobs: SlurmJobs | None = None  # the Slurm jobs holding the engines (engines="slurm" clusters)
 
     # ---- construction ---------------------------------------------------
     @classmethod
     def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
-              engine_env: dict[str, str] | None = None) -> "Workers":
+              engine_env: dict[str, str] | None = None, queue_timeout: float | None = None) -> "Workers":
         """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``.
 
         ``engine_env`` is added to the engines' environment at launch (thread
         counts must be set before torch is imported to take full effect).
+        ``queue_timeout``: how long a Slurm job may wait in the queue (None: as
+        long as Slurm holds it, shown in the cell; Kernel > Interrupt cancels it).
         """
         import ipyparallel as ipp
 
@@ -78,24 +82,29 @@ class Workers:
                 cluster.start_controller_sync()
                 cluster.start_engines_sync(n, environment=dict(engine_env or {}))
             client = cluster.connect_client_sync()
-        except Exception as exc:  # noqa: BLE001 - re-raised with what to try
+        except BaseException as exc:  # noqa: BLE001 - re-raised with what to try (an interrupt too, after cleaning up)
             if not running:
                 try:
                     cluster.stop_cluster_sync()
                 except Exception:  # noqa: BLE001
                     pass
+            if isinstance(exc, ClusterError) or not isinstance(exc, Exception):  # Slurm refused the job; an interrupt
+                raise
             raise ClusterError(f"could not start {n} engine(s): {type(exc).__name__}: {exc}") from exc
         connection = os.path.join(cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-client.json")
         workers = cls(cluster, client, owned=not running, can_add_engines=True, connection_file=connection)
         workers.engine_env = dict(engine_env or {})
+        workers.jobs = SlurmJobs.of(cluster)
         try:
-            workers.wait_for(n, timeout)
+            if workers.owned:  # from now on: a job may wait in the queue for hours, and the kernel may die meanwhile
+                workers.reaper.start(workers.all_pids(), file_prefix, workers.job_ids())
+            workers.wait_started(n, timeout, queue_timeout, show=True)
         except BaseException:
             workers.stop()
             raise
         if workers.owned:
             workers.controller_helpers = _children(getattr(cluster.controller, "process", None))
-            workers.reaper.start(workers.all_pids(), file_prefix)
+            workers.reaper.update(workers.all_pids(), workers.job_ids())
         return workers
 
     @classmethod
@@ -127,6 +136,7 @@ class Workers:
                 "(add --profile/--cluster-id to match), or call nbddp.start(n=N) to let nbddp start local workers."
             ) from exc
         workers = cls(cluster, client, owned=False, can_add_engines=False, connection_file=client_file)
+        workers.jobs = SlurmJobs.of(cluster)  # an `ipcluster start --engines=slurm`: its job is watched, never cancelled
         if n:
             workers.wait_for(n, timeout)
         elif not client.ids:
@@ -190,6 +200,21 @@ class Workers:
         except OSError as exc:
             return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
 
+    def job_problem(self) -> Any:
+        """The Slurm job of these engines that ended (a ``slurm_jobs.JobState``), or None (asked at most once a second)."""
+        return self.jobs.ended() if self.jobs is not None else None
+
+    def job_ids(self) -> list[str]:
+        """The Slurm jobs this session submitted (and must cancel): none for other launchers or attached clusters."""
+        return self.jobs.ids if self.jobs is not None and self.owned else []
+
+    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: bool = False) -> None:
+        """Wait until ``n`` engines registered; a Slurm job's wait is shown (``show``) and bounded by its state."""
+        if self.jobs is None:
+            self.wait_for(n, timeout)
+        else:
+            self.jobs.wait_started(self, n, queue_timeout, timeout, show)
+
     def wait_for(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while len(self.client.ids) < n:
@@ -216,6 +241,10 @@ class Workers:
         """(how the engine with ``pid`` died, the tail of its log) as far as known."""
         launcher = self.launcher_pids().get(pid) or self._launched.get(pid)
         how, tail = "died (exit status unknown: the engine was not started by this session)", ""
+        if launcher is None and self.jobs is not None:
+            jobs = self.jobs.states(max_age=0)
+            how = "died on its Slurm node (" + "; ".join(j.headline() for j in jobs.values()) + ")"
+            tail = self.jobs.tail(self.jobs.ids[-1]) if self.jobs.ids else ""
         if launcher is not None:
             code = exit_code(launcher, wait_s=2.0)
             if code is None:  # ipyparallel may have noticed the exit first
@@ -251,6 +280,8 @@ class Workers:
         """SIGKILL every engine this session launched, with its nanny (when the controller is gone, nothing else can)."""
         for pid in self.launcher_pids():
             _kill_tree(pid, wait_s=0.0)  # a killed nanny may stay a zombie where nobody reaps orphans
+        if self.job_ids():
+            self.jobs.cancel()
 
     def signal(self, engine_ids: list[int], signum: int) -> None:
         if engine_ids:
@@ -265,8 +296,8 @@ class Workers:
                 "then call nbddp.restart()."
             )
         self.cluster.start_engines_sync(count, environment=dict(self.engine_env))
-        self.wait_for(total, timeout)
-        self.reaper.update(self.all_pids())
+        self.reaper.update(self.all_pids(), self.job_ids())
+        self.wait_started(total, timeout, queue_timeout=timeout)  # (a heal must not wait for a queue forever)
 
     def forget_dead(self, engine_ids: list[int], timeout: float = 10.0) -> None:
         """Wait until the controller has unregistered ``engine_ids``."""
@@ -274,8 +305,12 @@ class Workers:
         while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def stop(self) -> None:
-        """Stop what this session started; only disconnect from attached clusters."""
+    def stop(self, wait_gone: bool = True) -> None:
+        """Stop what this session started; only disconnect from attached clusters.
+
+        ``wait_gone``: return once ``squeue`` no longer lists this session's Slurm jobs (their teardown,
+        ``COMPLETING``, took about 5 s here); a restart need not wait.
+        """
         try:
             self.client.close()
         except Exception:  # noqa: BLE001
@@ -287,6 +322,10 @@ class Workers:
                 pass
             for pid in self.all_pids():
                 _kill_tree(pid)
+            if self.job_ids():  # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
+                self.jobs.cancel()
+                if wait_gone:
+                    self.jobs.wait_gone()
         self.reaper.stop()
 
     # ---- no orphans --------------------------------------------------------

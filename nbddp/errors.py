@@ -33,6 +33,21 @@ class ClusterError(NbddpError):
     """Engines or their controller could not be started, reached or replaced."""
 
 
+class SlurmError(ClusterError):
+    """Slurm refused, held, cancelled or ended the job holding the workers, or cannot be used from here.
+
+    Attributes:
+        job_id: the Slurm job's id ("" when no job was submitted).
+        state: Slurm's state of the job when the error was raised (``"CANCELLED"``, ``"TIMEOUT"``,
+            ``"NODE_FAIL"``, ``"PENDING"``...; "" when no job was submitted).
+    """
+
+    def __init__(self, message: str, job_id: str = "", state: str = ""):
+        super().__init__(message)
+        self.job_id = job_id
+        self.state = state
+
+
 class ShippingError(NbddpError, TypeError):
     """An object could not be pickled for the workers (a ``TypeError`` too, as pickle's own errors are)."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from nbddp.messages import Health
 from nbddp.session import get_session
+from nbddp.slurm_watch import job_lines
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -35,7 +36,7 @@ class StatusTable:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(row[c]))}</td>" for c in COLUMNS) + "</tr>"
                        for row in self.rows)
-        return (f"<div><p>{html.escape(self.summary)}</p>"
+        return (f"<div><p>{html.escape(self.summary).replace(chr(10), '<br>')}</p>"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
 
 
@@ -55,6 +56,7 @@ def status_table() -> StatusTable | str:
     owner = "started by this kernel" if st["owned"] else "attached"
     summary = (f"nbddp: {st['world_size']} worker(s), backend {st['backend']}, {owner}, "
                f"process-group generation {st['generation']}")
+    summary = "\n".join([summary, *job_lines(st.get("slurm") or [])])  # the Slurm job(s) holding the workers
     return StatusTable(rows, summary)
 
 

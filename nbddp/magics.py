@@ -40,6 +40,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 @argument("--threads", type=int, default=None, help="CPU threads per worker (default: cores / workers)")
 @argument("--interface", default=None, help="network interface for gloo/NCCL across hosts (default: detected)")
 @argument("--stall-timeout", type=float, default=None, help="default dist_fit(stall_timeout=...) in seconds")
+@argument("--slurm", action="store_true", help="the workers are one Slurm job (ipyparallel's Slurm launcher)")
+@argument("--partition", default=None, help="Slurm partition (with --slurm)")
+@argument("--nodes", type=int, default=None, help="Slurm nodes to spread the workers over (with --slurm, default 1)")
+@argument("--gpus-per-node", type=int, default=None, help="GPUs per node, one worker each (with --slurm)")
+@argument("--time", default=None, help="Slurm time limit, e.g. 30, 04:00:00, 1-12:00:00 (with --slurm)")
+@argument("--account", default=None, help="Slurm account (with --slurm)")
+@argument("--sbatch", default=None, help='extra sbatch arguments, quoted: --sbatch "--qos=high --exclusive" (with --slurm)')
+@argument("--queue-timeout", type=float, default=None, help="cancel the job after waiting this many s in the queue")
+@argument("--controller-ip", default=None, help="this machine's address the nodes reach (default: detected)")
 def _start(): """Start (or attach to) the workers; the same as nbddp.start()."""  # noqa: E704
 
 
@@ -102,6 +111,23 @@ def usage() -> str:
     return "usage:\n  " + "\n  ".join(lines)
 
 
+SLURM_FLAGS = ("partition", "nodes", "gpus_per_node", "time", "account", "sbatch", "queue_timeout", "controller_ip")
+
+
+def slurm_settings(args: Any) -> dict[str, Any] | None:
+    """``%ddp start --slurm --nodes 2 ...`` -> ``start(slurm={"nodes": 2, ...})``; Slurm flags need ``--slurm``."""
+    given = {k: getattr(args, k) for k in SLURM_FLAGS if getattr(args, k) is not None}
+    extra = given.get("sbatch")
+    if extra and len(extra) >= 2 and extra[0] == extra[-1] and extra[0] in "'\"":  # magics keep the quotes
+        given["sbatch"] = extra[1:-1]
+    if not args.slurm:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise UsageError(f"%ddp start {flags} only mean something with --slurm (the workers as a Slurm job)")
+        return None
+    return given
+
+
 def parse_ranks(text: str | None) -> list[int] | None:
     """``"0,2"`` -> ``[0, 2]``; ``None`` -> all ranks."""
     if text is None:
@@ -156,7 +182,7 @@ class DDPMagics(Magics):
 
         api.start(args.n, backend=args.backend, profile=args.profile, cluster_id=args.cluster_id,
                   timeout=args.timeout, threads=args.threads, interface=args.interface,
-                  stall_timeout=args.stall_timeout)
+                  stall_timeout=args.stall_timeout, slurm=slurm_settings(args))
         _show(status_table())
 
     def _do_stop(self, args: Any) -> None:

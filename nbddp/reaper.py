@@ -4,8 +4,10 @@
 ``cluster.Workers`` in its own session (so a signal to the
 kernel's process group does not reach it). Every half second it checks the
 kernel; when the kernel is gone (even SIGKILLed) it kills every pid listed
-in PIDFILE, and their children, and removes the session's shared-memory
-files (``/dev/shm/FILE_PREFIX*``). When PIDFILE disappears (a clean
+in PIDFILE, and their children, cancels the Slurm jobs listed there
+(``slurm:JOBID`` lines: engines on other machines that no local kill
+reaches), and removes the session's shared-memory files
+(``/dev/shm/FILE_PREFIX*``). When PIDFILE disappears (a clean
 ``nbddp.stop()``), it simply exits.
 """
 
@@ -16,8 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from nbddp.proc import pid_alive
+
+SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 
 
 class Reaper:
@@ -35,22 +40,22 @@ class Reaper:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def start(self, pids: list[int], file_prefix: str = "") -> None:
+    def start(self, pids: list[int], file_prefix: str = "", jobs: Sequence[str] = ()) -> None:
         fd, self.pidfile = tempfile.mkstemp(prefix="nbddp-pids-")
         os.close(fd)
-        self.update(pids)
+        self.update(pids, jobs)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nbddp.reaper", str(os.getpid()), self.pidfile, file_prefix],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
 
-    def update(self, pids: list[int]) -> None:
-        """Replace the list of pids to kill if the kernel dies."""
+    def update(self, pids: list[int], jobs: Sequence[str] = ()) -> None:
+        """Replace the list of pids to kill (and Slurm jobs to cancel) if the kernel dies."""
         if self.pidfile:
             tmp = self.pidfile + ".tmp"
             with open(tmp, "w") as f:
-                f.write("\n".join(str(p) for p in pids))
+                f.write("\n".join([*(str(p) for p in pids), *(f"{SLURM_PREFIX}{j}" for j in jobs)]))
             os.replace(tmp, self.pidfile)
 
     def stop(self) -> None:
@@ -70,28 +75,36 @@ class Reaper:
             self.process = None
 
 
-def _pids(pidfile: str) -> list[int] | None:
+def _pids(pidfile: str) -> tuple[list[int], list[str]] | None:
+    """(pids, Slurm job ids) listed in ``pidfile``; None once it is gone."""
     try:
         with open(pidfile) as f:
-            return [int(x) for x in f.read().split()]
+            words = f.read().split()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
-        return []
+    except OSError:
+        return [], []
+    jobs = [w[len(SLURM_PREFIX):] for w in words if w.startswith(SLURM_PREFIX)]
+    return [int(w) for w in words if w.isdigit()], jobs
 
 
 def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float = 0.5) -> int:
     import psutil
 
     last: list[int] = []
+    jobs: list[str] = []
     while True:
-        pids = _pids(pidfile)
-        if pids is None:
+        listed = _pids(pidfile)
+        if listed is None:
             return 0
-        last = pids or last
+        last, jobs = (listed if listed[0] or listed[1] else (last, jobs))
         if not pid_alive(kernel_pid):
             break
         time.sleep(interval)
+    if jobs:  # first: the job's engines run elsewhere, and this is the only way to them
+        from nbddp.slurm_jobs import cancel
+
+        cancel(jobs)
     procs = []
     for pid in last:
         try:

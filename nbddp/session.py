@@ -27,6 +27,7 @@ from nbddp.errors import ClusterError, FitRunningError, NotStartedError
 from nbddp.group import GroupFormer, GroupState
 from nbddp.resident import ResidentSet
 from nbddp.shipping import BufferPool, remove_files
+from nbddp.slurm import slurm_request
 from nbddp.sources import SourceLedger
 from nbddp.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
                                  threads_per_worker, validate_start)
@@ -92,23 +93,27 @@ class Session:
     # ---- lifecycle -------------------------------------------------------
     def start(self, n: int | None = None, *, backend: str | None = None, cluster: Any = None,
               profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
-              threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None) -> "Session":
+              threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
+              slurm: Any = None) -> "Session":
         attach = profile is not None or cluster_id is not None
         if attach and cluster is not None:
             raise ValueError("start() takes either cluster=... or profile=/cluster_id=..., not both")
-        gpus = 0 if attach or cluster is not None else local_gpu_count()
-        n, backend = validate_start(n, backend, timeout, threads, gpus, attach or cluster is not None)
+        request = slurm_request(slurm, cluster, attach)  # checked (and sbatch found) before anything starts
+        remote = attach or cluster is not None or request is not None
+        n, backend = validate_start(n, backend, timeout, threads, 0 if remote else local_gpu_count(), remote)
+        if request is not None:
+            n, backend = request.layout(n, backend)
         stall_timeout = check_stall_timeout(stall_timeout, "start")
         if not attach:  # engines started from here inherit this environment: a bad value fails now, not in 7 s
             reason_to_leave_alone(os.environ)
         self.wait_healed(raise_error=False)
         with self.lock:
             if self.started:
-                return self._start_again(n, backend, attach, cluster, timeout, stall_timeout)
+                return self._start_again(n, backend, attach, cluster, timeout, stall_timeout, request)
             timeout = DEFAULT_PG_TIMEOUT_S if timeout is None else float(timeout)
             self.options = StartOptions(n, backend, cluster, profile, cluster_id, timeout, threads, interface,
-                                        stall_timeout)
-            self.workers = self._launch(n, cluster, profile, cluster_id, threads)
+                                        stall_timeout, request)
+            self.workers = self._launch(n, cluster, profile, cluster_id, threads, request)
             self.supervisor.closing = False
             try:
                 self.form_group(reprobe=True)
@@ -120,9 +125,9 @@ class Session:
         return self
 
     def _start_again(self, n: int | None, backend: str | None, attach: bool, cluster: Any, timeout: float | None,
-                     stall_timeout: float | None) -> "Session":
+                     stall_timeout: float | None, request: Any = None) -> "Session":
         same = (n in (None, self.world_size)) and (backend in (None, self.backend))
-        if not same or attach or cluster is not None:
+        if not same or attach or cluster is not None or request not in (None, self.options.slurm):
             raise ClusterError(
                 f"workers are already running ({self.world_size} x {self.backend}); "
                 "call nbddp.stop() first, or nbddp.restart() to rebuild them"
@@ -134,9 +139,13 @@ class Session:
         return self  # already running as asked: %ddp start twice is harmless
 
     def _launch(self, n: int | None, cluster: Any, profile: str | None, cluster_id: str | None,
-                threads: int | None) -> Workers:
+                threads: int | None, request: Any = None) -> Workers:
         if profile is not None or cluster_id is not None:
             return Workers.attach(profile, cluster_id, n)
+        if request is not None:  # a Slurm job: threads are its --cpus-per-task (the nodes' cores are not ours to count)
+            env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
+            return Workers.start(n, request.cluster(n, threads), file_prefix=self.file_prefix, engine_env=env,
+                                 queue_timeout=request.queue_timeout)
         n_local = n or 2
         # CPU threads per worker, fixed in the environment before torch is imported (as torchrun
         # does); join_process_group sets the same number again once ranks are known
@@ -144,8 +153,11 @@ class Session:
         env = {"OMP_NUM_THREADS": str(per_worker), "MKL_NUM_THREADS": str(per_worker)} if per_worker else {}
         return Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env)
 
-    def stop(self) -> None:
-        """Stop the workers this kernel started; never starts any (a heal under way is cancelled)."""
+    def stop(self, wait_gone: bool = True) -> None:
+        """Stop the workers this kernel started; never starts any (a heal under way is cancelled).
+
+        ``wait_gone=False`` (restart): a cancelled Slurm job may still be on its way out.
+        """
         self.supervisor.closing = True
         running = self.running
         if running is not None and not running.finished:
@@ -156,7 +168,7 @@ class Session:
             if self.workers is not None:
                 if not self.workers.owned and self.workers.controller_problem() is None:
                     self._group_former().leave()  # (through a dead controller it would never return)
-                self.workers.stop()
+                self.workers.stop(wait_gone)
             self.workers = None
             self.group = None
             self.running = None  # whatever ran on them is over
@@ -170,10 +182,10 @@ class Session:
         opts = self.options
         if opts is None:
             raise NotStartedError("nothing to restart: no workers were started in this kernel; call nbddp.start()")
-        self.stop()
+        self.stop(wait_gone=False)
         return self.start(opts.n, backend=opts.backend, cluster=opts.cluster, profile=opts.profile,
                           cluster_id=opts.cluster_id, timeout=opts.timeout, threads=opts.threads,
-                          interface=opts.interface, stall_timeout=opts.stall_timeout)
+                          interface=opts.interface, stall_timeout=opts.stall_timeout, slurm=opts.slurm)
 
     def _regroup(self, timeout: float) -> None:
         """Form the process group again (same engines) with a new collective timeout."""
@@ -218,6 +230,9 @@ class Session:
         if problem is not None:
             raise ClusterError(f"{problem}, so the workers cannot be reached. Run nbddp.restart() to start fresh "
                                "workers (the old ones are stopped first), or nbddp.stop().")
+        ended = self.workers.job_problem()
+        if ended is not None:
+            raise self.supervisor.job_lost(ended)
 
     def follow_kernel_paths(self) -> None:
         """Workers on this host import from the kernel's ``sys.path`` and work in its folder (when they changed).
@@ -284,6 +299,7 @@ class Session:
             "healing": self.supervisor.healing,
             "ranks": topology.describe(list(group.placements)),
             "fit_running": self.busy,
+            "slurm": workers.jobs.describe() if workers.jobs is not None else None,  # job, state, nodes, elapsed
         }
 
 

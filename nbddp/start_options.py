@@ -28,6 +28,7 @@ class StartOptions:
     threads: int | None
     interface: str | None
     stall_timeout: float | None = None
+    slurm: Any = None  # a slurm.SlurmRequest: the engines are a Slurm job (start(slurm=...))
 
     @property
     def attach(self) -> bool:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from nbddp.errors import ClusterError
+from nbddp.errors import ClusterError, SlurmError
 
 PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
 PING_TIMEOUT_S = 5.0
@@ -82,6 +82,20 @@ class Supervisor:
             killed = " The engines this kernel started were stopped."
         return ClusterError(f"{problem} while {what} ran, so its results cannot come back.{killed} "
                             "Run nbddp.restart() to start fresh workers (or nbddp.stop()).")
+
+    def job_lost(self, job: Any, what: str | None = None) -> SlurmError:
+        """The Slurm job holding the engines is over (``job``: its ``slurm_jobs.JobState``).
+
+        Its engines are gone with it, so nothing is healed: a replacement would
+        be another job in the queue that nobody asked for. ``nbddp.restart()``
+        submits a new one.
+        """
+        from nbddp.slurm_watch import ended_words
+
+        during = f" while {what} ran" if what else ""
+        return SlurmError(f"{ended_words(job)}{during}; the workers were in that job, so they are gone. "
+                          "Run nbddp.restart() (%ddp restart) to submit a new job, or nbddp.stop().",
+                          job.job_id, job.state)
 
     # ---- healing ------------------------------------------------------------
     def _heal_thread(self, killed: list[int]) -> None:

@@ -13,7 +13,9 @@ This is the fault contract's kernel half (``design.md``):
   are shown, and fail the work after a ``stall_timeout``; a process-group
   timeout's error carries the ranks' last stacks;
 * about once a second the controller is checked: when it died, the wait
-  fails within seconds instead of hanging (``Supervisor.controller_lost``).
+  fails within seconds instead of hanging (``Supervisor.controller_lost``);
+  so is the Slurm job holding the engines, when there is one
+  (``Supervisor.job_lost``: cancelled, out of time, a node lost).
 
 ``fail()`` builds the error to raise; killing the stuck ranks and replacing
 them is the supervisor's (``supervisor.Supervisor.recover``).
@@ -25,7 +27,7 @@ import re
 import time
 from typing import Any, Callable
 
-from nbddp.errors import RankFailure, WorkerDied, WorkerError
+from nbddp.errors import ClusterError, RankFailure, WorkerDied, WorkerError
 from nbddp.stalls import StallGuard
 
 GRACE_S = 1.5
@@ -99,6 +101,9 @@ class RankTasks:
         problem = workers.controller_problem()
         if problem is not None:
             raise self.session.supervisor.controller_lost(problem, self.what)
+        ended = workers.job_problem()  # a Slurm job cancelled, out of time, or a node lost
+        if ended is not None:
+            raise self.session.supervisor.job_lost(ended, self.what)
 
     def _sleep(self, tick_s: float) -> None:
         # wait on any pending result rather than sleeping blindly: returns early when one finishes
@@ -109,8 +114,11 @@ class RankTasks:
             except Exception:  # noqa: BLE001
                 time.sleep(tick_s)
 
-    def fail(self) -> WorkerError:
+    def fail(self) -> WorkerError | ClusterError:
         """Kill stuck ranks, hand the rest to the supervisor, and build the error to raise."""
+        ended = self.session.workers.job_problem() if self.session.workers is not None else None
+        if ended is not None:  # the ranks died because their Slurm job ended: that is the cause, and nothing heals
+            return self.session.supervisor.job_lost(ended, self.what)
         stuck = self.pending
         self.stalls.tick(force=True)  # the last beats: a process-group timeout's error shows where every rank was
         placements = self.session.group.by_rank()

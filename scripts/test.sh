@@ -14,6 +14,13 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
     || echo "warning: could not install ${need[*]}; the tests that need them will skip and say why"
 fi
+# Slurm and munge: tests/test_slurm.py starts a private Slurm (their install scripts start no service; ~30 s).
+if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ] && command -v sbatch >/dev/null 2>&1; } \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+     slurmctld slurmd slurm-client munge >/dev/null) \
+    || echo "warning: could not install Slurm; tests/test_slurm.py will skip and say why"
+fi
 
 QUICK=(-m "not (slow or notebook or browser or faults or bench or netns or slurm)")
 tier=()

@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["FakeCluster", "FakeHost", "fake_hosts", "netns_available"]
+__all__ = ["FakeCluster", "FakeHost", "fake_hosts", "fake_network", "host_command", "netns_available"]
 
 _NETNS_ETC = Path("/etc/netns")
 _KILL_GRACE_S = 5.0
@@ -211,7 +211,7 @@ class FakeCluster:
             py_args = [os.fspath(source)]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env["NBDDP_FAKE_HOSTS"] = json.dumps(self.describe())
-        cmd = _host_command(host, [sys.executable, *py_args, *args])
+        cmd = host_command(host, [sys.executable, *py_args, *args])
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -321,6 +321,30 @@ def fake_hosts(
             f"exist: with n_hosts={n_hosts} the hosts are 0..{n_hosts - 1}."
         )
 
+    with fake_network(n_hosts, profile_dir) as cluster, contextlib.ExitStack() as stack:
+        procs: list[subprocess.Popen[bytes]] = []
+        stack.callback(_stop_processes, cluster, procs)
+        controller = _start_controller(cluster, procs, start_timeout)
+        _start_engines(
+            cluster, procs, controller, hosts_with_engines, engines_per_host, engine_env,
+            start_timeout,
+        )  # fmt: skip
+        yield cluster
+
+
+@contextlib.contextmanager
+def fake_network(
+    n_hosts: int, profile_dir: str | os.PathLike[str] | None = None
+) -> Iterator[FakeCluster]:
+    """The fake hosts alone, with no process on them (``fake_hosts`` starts ipyparallel there).
+
+    For tests that run something else on the hosts (``tests/slurm_cluster.py``
+    starts a Slurm): start processes with :func:`host_command`. On exit every
+    process left inside the namespaces is killed, then the namespaces are
+    deleted, even if the body raised.
+    """
+    if not 1 <= n_hosts <= 250:
+        raise ValueError(f"n_hosts must be between 1 and 250, got {n_hosts}")
     run_id = secrets.token_hex(3)
     net = secrets.randbelow(256)
     prefix = f"nbddp-{run_id}"
@@ -353,14 +377,7 @@ def fake_hosts(
         # torn down too; runs after the processes' cleanup (LIFO).
         stack.callback(_delete_network, cluster)
         _create_network(cluster)
-
-        procs: list[subprocess.Popen[bytes]] = []
-        stack.callback(_stop_processes, cluster, procs)
-        controller = _start_controller(cluster, procs, start_timeout)
-        _start_engines(
-            cluster, procs, controller, hosts_with_engines, engines_per_host, engine_env,
-            start_timeout,
-        )  # fmt: skip
+        stack.callback(_stop_processes, cluster, [])
         yield cluster
 
 
@@ -483,7 +500,7 @@ def _spawn(
     """
     with log.open("wb") as out:
         return subprocess.Popen(
-            _host_command(host, [sys.executable, *py_args]),
+            host_command(host, [sys.executable, *py_args]),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -492,7 +509,7 @@ def _spawn(
         )
 
 
-def _host_command(host: FakeHost, argv: list[str]) -> list[str]:
+def host_command(host: FakeHost, argv: list[str]) -> list[str]:
     """``argv`` as run on ``host``: its network namespace, /etc/hosts, name.
 
     ``ip netns exec`` and the trampoline both ``exec``: the pid of the

@@ -79,7 +79,7 @@ def test_restart_and_ready_checks_on_a_session_that_never_started():
 
 def test_a_failed_heal_is_reported_at_the_next_use():
     s = Session()
-    s.workers = SimpleNamespace(controller_problem=lambda: None)  # "started", as far as ensure_ready can tell
+    s.workers = SimpleNamespace(controller_problem=lambda: None, job_problem=lambda: None)  # "started", for ensure_ready
     s.group = SimpleNamespace(generation=1, placements=(), world_size=0)
 
     def failing_heal(killed):

@@ -32,7 +32,7 @@ def probe(engine_id: int, controller_host: str, token_path: str, token: str, ker
             same = f.read() == token
     except OSError:
         same = False
-    address = _address_towards(controller_host)
+    address = address_towards(controller_host)
     interfaces = {}
     for name, addrs in psutil.net_if_addrs().items():
         for a in addrs:
@@ -53,7 +53,7 @@ def probe(engine_id: int, controller_host: str, token_path: str, token: str, ker
     )
 
 
-def _address_towards(host: str) -> str:
+def address_towards(host: str) -> str:
     """The local address used to reach ``host`` (no packet is sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -8,6 +8,7 @@ the namespace of ``%%ddp`` cells, the stop flag) lives in one object,
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -66,6 +67,28 @@ def stop_on_sigint() -> Iterator[WorkerState]:
         yield STATE
     finally:
         STATE.busy = False
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """While a task runs, SIGTERM ends this engine at once (exit status 143).
+
+    The engine's own SIGTERM handler stops its event loop, which a running
+    task blocks: the engine would live on until the task ended or SIGKILL
+    came. Slurm cancelling a job (``scancel``, the time limit) sends SIGTERM
+    and waits ``KillWait`` (30 s by default) before SIGKILL, and until then
+    the job only says ``COMPLETING``; a task cannot finish once its job is
+    going, so leaving now lets the kernel learn the job's final state within
+    seconds. Only in the main thread (where engine tasks run).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def check_generation(generation: int | None) -> None:

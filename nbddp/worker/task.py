@@ -5,10 +5,11 @@ run inside ``user_task``: the task is checked against this engine's
 process-group generation, edited modules are reloaded, frameworks see this
 generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
 is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
-``"cell"``, ``"call"``, ``"script"``, ``"push"``), and the modules the task
-imported are noted for the next one. A failure of the person's code is kept
-for ``%ddp debug`` (``worker.postmortem``) until the rank's next fit; a
-debugger line still open when the task ends is closed.
+``"cell"``, ``"call"``, ``"script"``, ``"push"``), SIGTERM ends the engine
+at once (``state.exit_on_sigterm``: a Slurm job being cancelled), and the
+modules the task imported are noted for the next one. A failure of the
+person's code is kept for ``%ddp debug`` (``worker.postmortem``) until the
+rank's next fit; a debugger line still open when the task ends is closed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Iterator
 
 from nbddp.worker import debugger, freshness, postmortem, torchrun
 from nbddp.worker.monitor import monitoring
-from nbddp.worker.state import check_generation
+from nbddp.worker.state import check_generation, exit_on_sigterm
 
 
 @contextlib.contextmanager
@@ -29,7 +30,7 @@ def user_task(generation: int | None, phase: str = "call", trains: bool | None =
         postmortem.clear()
     freshness.reload_changed()
     try:
-        with monitoring(phase), torchrun.user_code(generation):
+        with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm():
             yield
     except BaseException as exc:
         postmortem.keep(exc)

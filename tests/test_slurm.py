@@ -1,0 +1,292 @@
+"""``%ddp start --slurm`` against a real, private Slurm (tests/slurm_cluster.py).
+
+One Slurm for the module: slurmctld and the notebook (a real ipykernel) on
+the login host, a slurmd on each of two node hosts (network namespaces), so
+the two ranks run on different hosts, in a job, and reach the kernel's
+controller over the fake network. The scenarios run in file order on the
+one kernel; each one starts the workers itself when it needs them, so any
+one of them also runs alone (``-k``).
+
+The workers are the kernel's own (``fresh_workers``): a Slurm job started
+by that kernel, never the suite's shared ones, which this module does not
+use (the reference fit is one process, on the same global batch).
+
+Kernel > Interrupt is the real one (``KernelManager.interrupt_kernel``:
+SIGINT to the kernel process), sent only while the cell runs and shows the
+pending job; killing the kernel is a real SIGKILL of that process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from slurm_cluster import LoginKernel, private_slurm, slurm_available
+
+_OK, _WHY = slurm_available()
+pytestmark = [pytest.mark.slurm, pytest.mark.notebook, pytest.mark.netns, pytest.mark.fresh_workers,
+              pytest.mark.timeout(400), pytest.mark.skipif(not _OK, reason=f"Slurm tests skipped: {_WHY}")]
+
+START = "%ddp start -n 2 --slurm --nodes 2 --time 15"
+# the model, data and fit, built the same way in the test process (one machine) and in the kernel
+BUILD = r"""
+import torch
+
+FIT = dict(epochs=2, batch_size=16, shuffle=False, seed=0, optimizer=torch.optim.SGD, lr=0.05, live=False)
+
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(128, 1, generator=g)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)), (x, y)
+"""
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    t0 = time.monotonic()
+    with private_slurm() as cluster:
+        TIMES["slurm start"] = time.monotonic() - t0
+        yield cluster
+    print("\nSLURM-TIMES " + json.dumps({k: round(v, 2) for k, v in TIMES.items()}))
+
+
+@pytest.fixture(scope="module")
+def kernel(slurm):
+    t0 = time.monotonic()
+    k = LoginKernel(slurm)
+    try:
+        _ok(k.run("%load_ext nbddp\nimport json, os, time, nbddp\n" + BUILD))
+        TIMES["kernel start"] = time.monotonic() - t0
+        yield k
+        if k.alive():
+            k.run("nbddp.stop()")
+    finally:
+        k.shutdown()
+
+
+def _ok(reply):
+    assert reply.status == "ok", reply.text[-4000:]
+    return reply
+
+
+def _nbddp_jobs(slurm, all_states=False):
+    return [j for j in slurm.jobs(all_states) if j["name"].startswith("nbddp-")]
+
+
+def _running_job(kernel) -> str:
+    """Start the workers in the kernel unless they run (restart them if their job ended); the id of their job."""
+    reply = _ok(kernel.run("print('JOB', json.dumps(nbddp.status().get('slurm')))"))
+    jobs = json.loads(reply.text.split("JOB ", 1)[1])
+    if not jobs or jobs[-1]["state"] != "RUNNING":
+        t0 = time.monotonic()
+        _ok(kernel.run(START if not jobs else "%ddp restart"))
+        TIMES.setdefault("job start (submit to group formed)", time.monotonic() - t0)
+        reply = _ok(kernel.run("print('JOB', json.dumps(nbddp.status().get('slurm')))"))
+        jobs = json.loads(reply.text.split("JOB ", 1)[1])
+    return jobs[-1]["job"]
+
+
+def test_requests_slurm_refuses_get_slurms_own_message_at_once(slurm, kernel):
+    reply = kernel.run("%ddp start -n 2 --slurm --partition nope")
+    assert reply.ename == "SlurmError", reply.text[-3000:]
+    assert "Slurm refused the job: sbatch: error: invalid partition specified: nope" in reply.evalue
+    reply = kernel.run('%ddp start -n 2 --slurm --sbatch "--constraint=nope --comment=extra"')  # on sbatch's line
+    assert reply.ename == "SlurmError" and "Invalid feature specification" in reply.evalue, reply.text[-3000:]
+    reply = kernel.run("%ddp start -n 3 --slurm --nodes 3")  # the partition has 2 nodes
+    assert reply.ename == "SlurmError", reply.text[-3000:]
+    assert "PENDING (PartitionNodeLimit): Slurm can never start this job as asked, so nbddp cancelled it" in reply.evalue
+    assert reply.seconds < 15, reply.seconds
+    assert _nbddp_jobs(slurm) == []
+    TIMES["rejected request"] = reply.seconds
+
+
+def test_a_pending_job_is_shown_and_interrupt_cancels_it(slurm, kernel):
+    blocker = slurm.run("sbatch", "--parsable", "-N2", "--exclusive", "--job-name=blocker", "--wrap",
+                        "sleep 600").stdout.strip()
+    try:
+        slurm.wait_for(lambda: [j for j in slurm.jobs() if j["id"] == blocker and j["state"] == "RUNNING"], 30,
+                       "the blocking job to run")
+        # queue_timeout: cancelled, named, with Slurm's reason
+        reply = kernel.run(START + " --queue-timeout 2")
+        assert reply.ename == "SlurmError", reply.text[-3000:]
+        assert "PENDING (Resources) for 0:0" in reply.evalue and "longer than queue_timeout=2 s" in reply.evalue
+
+        sent = []
+
+        def interrupt_when_shown(so_far) -> None:  # like tests/interrupts.py: only while the cell runs, once
+            last = so_far.displays[-1] if so_far.displays else ""
+            if not sent and "PENDING (Resources), " in last and _clock(last) >= 3:
+                sent.append(time.monotonic())
+                kernel.interrupt()
+
+        reply = kernel.run(START, timeout=120, on_output=interrupt_when_shown)
+        assert sent, reply.displays
+        assert reply.ename == "KeyboardInterrupt", reply.text[-3000:]
+        assert time.monotonic() - sent[0] < 10
+        shown = [d for d in reply.displays if "PENDING" in d]
+        job = shown[0].split()[2].rstrip(":")
+        assert shown[0].startswith(f"Slurm job {job}: PENDING (Resources), 0:0"), shown
+        assert len({_clock(d) for d in shown}) >= 2, shown  # one line, kept current: 0:01, 0:02, 0:03...
+        assert reply.displays[-1].startswith(f"Slurm job {job}: cancelled (interrupted while PENDING (Resources))")
+        states = {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}
+        assert states[job] == "CANCELLED" and [j["id"] for j in slurm.jobs()] == [blocker]
+        TIMES["pending shown, then interrupted"] = reply.seconds
+    finally:
+        slurm.run("scancel", blocker)
+    _ok(kernel.run("assert not nbddp.status()['running']"))
+
+
+def test_start_and_a_fit_equal_to_one_machine(slurm, kernel):
+    """The reference is one process on one machine, on the same global batch: with ``shuffle=False``, rank r's
+    k-th batch of 16 holds samples r, r+2, ... of the k-th 32, so together they are samples 32k..32k+31, and DDP's
+    averaged gradient is that batch's (no engines are needed here for it)."""
+    import torch
+
+    ns: dict = {}
+    exec(BUILD, ns)  # noqa: S102 - our own constant, shared with the kernel
+    model, (x, y) = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=ns["FIT"]["lr"])
+    for _ in range(ns["FIT"]["epochs"]):
+        step = 2 * ns["FIT"]["batch_size"]  # the global batch: 2 ranks x 16
+        for i in range(0, len(x), step):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i:i + step]), y[i:i + step]).backward()
+            opt.step()
+    local = model.state_dict()
+
+    job = _running_job(kernel)
+    status = _ok(kernel.run("%ddp status")).displays[-1]
+    assert f"Slurm job {job}: RUNNING on n[1-2], elapsed " in status and " of 15:00" in status, status
+    weights = slurm.root / "slurm-weights.pt"
+    t0 = time.monotonic()
+    reply = _ok(kernel.run(f"""
+def where():
+    import os, socket
+    return socket.gethostname(), os.environ["SLURM_JOB_ID"], os.environ["SLURMD_NODENAME"]
+print("WHERE", json.dumps(nbddp.run(where)))
+st = nbddp.status()
+print("HOSTS", json.dumps([st["hosts"], st["master"], st["slurm"]]))
+model, data = build()
+nbddp.dist_fit(model, data, **FIT)
+torch.save(model.state_dict(), {str(weights)!r})
+"""))
+    TIMES["fit on the Slurm job"] = time.monotonic() - t0
+    where = json.loads(reply.text.split("WHERE ", 1)[1].splitlines()[0])
+    hosts, master, jobs = json.loads(reply.text.split("HOSTS ", 1)[1].splitlines()[0])
+    assert sorted(n for _, _, n in where) == ["n1", "n2"] and {j for _, j, _ in where} == {job}
+    assert len(set(hosts)) == 2 and sorted(hosts) == sorted(h for h, _, _ in where)
+    assert master.startswith("tcp://10.213.") and jobs[0]["nodes"] == "n[1-2]"
+
+    remote = torch.load(weights)
+    for name in local:
+        torch.testing.assert_close(remote[name], local[name], rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
+
+
+def test_stop_leaves_no_job_in_squeue(slurm, kernel):
+    job = _running_job(kernel)
+    reply = _ok(kernel.run("%ddp stop"))
+    assert [j for j in slurm.jobs() if j["id"] == job] == []  # not even COMPLETING
+    assert {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}[job] == "CANCELLED"
+    TIMES["stop"] = reply.seconds
+
+
+def test_scancel_mid_fit_is_a_clear_error_then_restart_submits_a_new_job(slurm, kernel):
+    job = _running_job(kernel)
+    message, took = _fail_a_fit(slurm, kernel, "cancelled", lambda: slurm.run("scancel", job), (job, "CANCELLED"))
+    assert f"Slurm job {job} was cancelled" in message and "nbddp.restart()" in message
+    TIMES["scancel to error"] = took
+    # the next call says so too, until restart submits a new job
+    reply = kernel.run("nbddp.run(len, [])")
+    assert reply.ename == "SlurmError" and f"Slurm job {job} was cancelled" in reply.evalue
+    t0 = time.monotonic()
+    _ok(kernel.run("%ddp restart"))
+    TIMES["restart (a new job)"] = time.monotonic() - t0
+    new = _running_job(kernel)
+    assert new != job and [j["id"] for j in _nbddp_jobs(slurm)] == [new]
+    _ok(kernel.run("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
+
+
+def test_a_node_going_down_mid_fit_names_node_fail(slurm, kernel):
+    job = _running_job(kernel)
+    try:
+        message, took = _fail_a_fit(slurm, kernel, "node-down", lambda: slurm.run(
+            "scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=nbddp-test"), (job, "NODE_FAIL"))
+    finally:
+        slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
+    assert f"Slurm job {job} lost a node: NODE_FAIL (NodeDown)" in message, message
+    TIMES["node down to error"] = took
+    slurm.wait_for(lambda: "idle" in slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout, 30, "n2 to be back")
+
+
+def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str]) -> tuple[str, float]:
+    """Run a long fit, do ``fault()`` once it trains; the SlurmError's message, and how long it took to come."""
+    mark = slurm.root / f"fit-{name}"
+    msg_id = kernel.kc.execute(f"""
+def slow_step(model, batch):
+    import time
+    open({str(mark)!r}, "a").close()
+    time.sleep(0.05)
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+model, data = build()
+try:
+    nbddp.dist_fit(model, data, epochs=500, batch_size=8, step_fn=slow_step, live=False)
+except nbddp.SlurmError as e:
+    print("FAILED", json.dumps([e.job_id, e.state, str(e)]))
+""")
+    slurm.wait_for(mark.exists, 120, "the fit to start")
+    t0 = time.monotonic()
+    fault()
+    reply = _wait_reply(kernel, msg_id, 60)
+    took = time.monotonic() - t0
+    assert "FAILED " in reply, reply[-3000:]
+    job_id, state, message = json.loads(reply.split("FAILED ", 1)[1].splitlines()[0])
+    assert took < 10, (took, message)
+    assert (job_id, state) == expect, message
+    return message, took
+
+
+def test_killing_the_kernel_leaves_no_job_in_squeue_within_15_s(slurm, kernel):
+    from faultkit import record_time
+
+    job = _running_job(kernel)
+    assert [j["id"] for j in _nbddp_jobs(slurm)] == [job]
+    t0 = time.monotonic()
+    kernel.kill()
+    slurm.wait_for(lambda: not _nbddp_jobs(slurm), 15, "the reaper to cancel the dead kernel's job", interval=0.1)
+    took = time.monotonic() - t0
+    assert {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}[job] == "CANCELLED"
+    TIMES["kernel killed: job gone"] = took
+    record_time("Slurm kernel SIGKILL: job gone from squeue", gone_s=took)
+
+
+def _clock(line: str) -> int:
+    """Seconds of the clock that ends a job line ("..., 1:05" -> 65)."""
+    minutes, _, seconds = line.rsplit(", ", 1)[-1].partition(":")
+    return int(minutes) * 60 + int(seconds) if minutes.isdigit() and seconds.isdigit() else -1
+
+
+def _wait_reply(kernel: LoginKernel, msg_id: str, timeout: float) -> str:
+    """The output of the cell sent as ``msg_id`` (``kc.execute``), once the kernel is idle after it."""
+    text, deadline = "", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=0.2)
+        except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            text += content["text"]
+        elif kind == "error":
+            text += "\n".join(content["traceback"])
+        elif kind == "status" and content["execution_state"] == "idle":
+            return text
+    raise AssertionError(f"the cell did not finish within {timeout} s; so far: {text[-3000:]}")
