@@ -30,6 +30,8 @@ __all__ = [
     "find_batch_size",
     "scaling_report",
     "FSDP",
+    "Pipeline",
+    "TensorParallel",
     "stacks",
     "History",
     "FitHandle",
@@ -62,6 +64,8 @@ _LAZY = {
     "find_batch_size": "nbddp.batchsize",
     "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
+    "Pipeline": "nbddp.topologies",
+    "TensorParallel": "nbddp.topologies",
     "stacks": "nbddp.rank_stacks",
     "History": "nbddp.history",
     "FitHandle": "nbddp.handle",
@@ -86,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.scaling import scaling_report
     from nbddp.scripts import run_script
     from nbddp.sharding import FSDP
+    from nbddp.topologies import Pipeline, TensorParallel
     from nbddp.rank_stacks import stacks
 
 

@@ -18,6 +18,7 @@ from nbddp import shipping
 from nbddp.errors import ShippingError
 from nbddp.messages import FitLaunch
 from nbddp.options import FitConfig, check_device_rules, make_config
+from nbddp.topologies import data_parallel_size
 
 
 @dataclass
@@ -161,7 +162,17 @@ def check_units(model: Any, cfg: FitConfig) -> None:
             raise ValueError(f"{where}: {exc}") from None
 
 
+def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any) -> None:
+    """A model-parallel strategy and its mesh, for these workers and this model (``topology_checks``)."""
+    from nbddp.topology_checks import check_batch, check_model, resolve
+
+    cfg.strategy, cfg.mesh = resolve(cfg.strategy, cfg.mesh, world)
+    check_batch(cfg.strategy, cfg.batch_size, step_fn)
+    check_model(model, cfg.strategy, cfg.mesh)
+
+
 def check_shard(cfg: FitConfig, n: int, world: int) -> None:
+    """``world``: the data-parallel ranks (the ranks of one pipeline or TP group share a shard)."""
     shard = n // world if cfg.drop_last else -(-n // world)
     if shard < cfg.batch_size:
         raise ValueError(
@@ -190,8 +201,9 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
     check_units(model, cfg)
+    check_topology(model, cfg, session.world_size, step_fn)
     if n_train is not None:
-        check_shard(cfg, n_train, session.world_size)
+        check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, session.world_size))
     keys = session.resident.key_specs([spec, val_spec])
     launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
                        resident=session.resident.to_keep(keys), keep=keep)

@@ -17,7 +17,7 @@ from nbddp.errors import NotStartedError
 
 
 PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "stacks",
-          "History", "FitHandle", "export_checkpoint", "FSDP", "find_batch_size", "scaling_report",
+          "History", "FitHandle", "export_checkpoint", "FSDP", "Pipeline", "TensorParallel", "find_batch_size", "scaling_report",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "ShippingError", "WorkerError",
           "WorkerDied", "WorkerStalled", "__version__", "load_ipython_extension", "unload_ipython_extension"}
 

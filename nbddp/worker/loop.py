@@ -31,7 +31,7 @@ from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup
-from nbddp.worker.batches import move, run_batch
+from nbddp.worker.batches import move
 from nbddp.worker.data import SkipSampler
 from nbddp.worker.prefetch import prefetch
 from nbddp.worker.monitor import BEAT
@@ -84,7 +84,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps, steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step,
                        batch_size=cfg.batch_size)
-    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes())
+    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
+                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world))
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
@@ -167,11 +168,7 @@ def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
     BEAT.mark("forward")
     batch = move(batch, ts.device, ts.non_blocking)
     with ts.strategy.gradient_sync(last_micro):
-        with ts.autocast():
-            loss, n, extras, _, _ = run_batch(ts.strategy.wrapped, batch, ts.loss_fn, ts.step_fn)
-        BEAT.mark("backward")
-        scaled = loss.float() if window == 1 else loss.float() / window  # no extra autograd node per step
-        (ts.scaler.scale(scaled) if ts.scaler is not None else scaled).backward()
+        loss, n, extras = ts.strategy.train_micro_batch(ts, batch, window)
     ts.reporter.add(loss, n, extras)
     return last_micro
 

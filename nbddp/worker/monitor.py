@@ -56,9 +56,13 @@ class Heartbeat:
         self.step_time_s = 0.0
         self.changed = time.monotonic()
         self._last_step: float | None = None  # set at the first micro-batch: set-up is not a step
+        # inside a step whose communication nbddp does not mark (a pipeline schedule): the monitor shows a
+        # rank blocked in torch.distributed as "collective", i.e. waiting for a peer, not stalled itself
+        self.watch_waits = False
+        self.marked = phase
 
     def mark(self, phase: str) -> None:
-        self.phase = phase
+        self.phase = self.marked = phase
         self.progress += 1
         self.changed = time.monotonic()
 
@@ -167,6 +171,8 @@ class Monitor(threading.Thread):
                 next_beat = now + BEAT_S
                 if self.sampled:
                     self._sample(now)
+                elif BEAT.watch_waits:
+                    self._see_waits()
                 self._send_beat(now)
 
     def _sample(self, now: float) -> None:
@@ -179,6 +185,14 @@ class Monitor(threading.Thread):
             BEAT.phase = phase
             BEAT.progress += 1
             BEAT.changed = now
+
+    def _see_waits(self) -> None:
+        """A rank blocked in a send or receive is waiting ("collective"); computing, it is in its marked phase.
+
+        Not progress either way: a stage that waits for a stalled peer stays
+        quiet, but ahead of it, so the peer is the one shown stalled.
+        """
+        BEAT.phase = "collective" if in_collective(user_frames(main_frame())) else BEAT.marked
 
     def _send_beat(self, now: float) -> None:
         idle = now - BEAT.changed

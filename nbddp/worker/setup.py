@@ -79,7 +79,7 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     if model_parcel is not None:
         parts["model"] = unpack(model_parcel, copy=False)["model"]
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
-    strategy = make_strategy(cfg.strategy, device, cfg.precision)
+    strategy = make_strategy(cfg.strategy, device, cfg.precision, cfg.mesh)
     strategy.group = within[2] if within else None
     seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
     model = strategy.build(parts["model"])
@@ -97,10 +97,12 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     data_spec, val_spec = parts["data"], parts.get("val_data")
     keep_only(STATE.dataset_cache, list(launch.resident))
     train_ds = materialise(data_spec, STATE.dataset_cache)
-    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
+    strategy.sample_data = (train_ds, data_spec.collate_fn, cfg.batch_size)
+    shard, shards = strategy.data_shard(rank, world)  # the ranks of one model copy read the same batches
+    loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, shard, shards, device, strategy.whole_batches)
     vloader = None
     if val_spec is not None:
-        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, rank, world, device)
+        vloader = val_loader(materialise(val_spec, STATE.dataset_cache), val_spec, cfg, shard, shards, device)
     if len(loader) == 0:
         raise ValueError(
             f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
@@ -118,6 +120,7 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
     """Phase 2 (collective): wrap, build the optimizer and scheduler, load the checkpoint."""
     identical = isinstance(parts["model"], nn.Module) or resume_path is not None
     ts.strategy.wrap(ts.model, identical)
+    ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
     ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
     ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
     if resume_path:

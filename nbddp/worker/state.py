@@ -29,6 +29,7 @@ class WorkerState:
     return_pool: Any = None  # shipping.BufferPool for the trained weights sent back each fit
     master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
     stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (worker.monitor)
+    mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (worker.mesh)
 
 
 STATE = WorkerState()

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from nbddp.worker.batches import move, run_batch
+from nbddp.worker.batches import move
 from nbddp.worker.monitor import BEAT
 from nbddp.worker.trainstate import TrainState
 
@@ -56,15 +56,18 @@ def validate(ts: TrainState) -> dict[str, Any]:
     loss_sum, n_sum = 0.0, 0
     sums: dict[str, float] = {}
     loader = ts.vloader
-    batches = (lockstep_batches(loader, len(loader.dataset), ts.world) if ts.strategy.lockstep_validation
+    shards = ts.strategy.data_shard(ts.rank, ts.world)[1]  # ranks that share a model copy read the same batches
+    batches = (lockstep_batches(loader, len(loader.dataset), shards) if ts.strategy.lockstep_validation
                else ((b, True) for b in loader))
     with torch.no_grad():
         for batch, counted in batches:
             BEAT.mark("validation")  # every batch: a long validation is progress, not a stall
-            batch = move(batch, ts.device)
-            with ts.autocast():
-                loss, n, extras, output, target = run_batch(module, batch, ts.loss_fn, ts.step_fn)
-            if not counted:  # keep the same keys on every rank: the reduction below is one flat vector
+            result = ts.strategy.eval_batch(ts, move(batch, ts.device))
+            if result is None:
+                continue  # this rank holds no loss (a pipeline stage before the last)
+            loss, n, extras, output, target = result
+            # one rank per model copy counts; every rank keeps the same keys: the reduction below is one flat vector
+            if not counted or not ts.strategy.reports_metrics:
                 for k in extras:
                     sums.setdefault(k, 0.0)
                 continue

@@ -60,22 +60,12 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         if self.group is not None:
             mesh = DeviceMesh.from_group(self.group, self.device.type)
         else:
             mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        kwargs: dict[str, Any] = {"mesh": mesh}
-        if self.spec.reshard_after_forward is not None:
-            kwargs["reshard_after_forward"] = self.spec.reshard_after_forward
-        if self.precision == "bf16-mixed":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if self.spec.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for unit in blocks.units(model, self.spec.shard_modules):
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        shard(model, self.spec, self.precision, mesh)
         if self.meta_built:
             self._materialise(model)
         self.wrapped = self.module = model
@@ -109,11 +99,7 @@ class FSDPStrategy(Strategy):
         self.wrapped.reshard()  # the root keeps its gathered parameters after a forward without backward
 
     def param_bytes(self) -> int:
-        total = 0
-        for p in self.module.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-        return total
+        return local_param_bytes(self.module)
 
     # ---- weights and checkpoints -----------------------------------------------
     def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
@@ -127,6 +113,32 @@ class FSDPStrategy(Strategy):
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer)
+
+
+def shard(model: nn.Module, spec: Any, precision: str, mesh: Any) -> nn.Module:
+    """``fully_shard`` each unit (``spec.shard_modules``, or the repeated blocks), then the root, over ``mesh``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if spec.reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = spec.reshard_after_forward
+    if precision == "bf16-mixed":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in blocks.units(model, spec.shard_modules):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """Parameter bytes this rank holds: a DTensor's local shard, a plain parameter whole."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _holds_tensors(module: nn.Module) -> bool:

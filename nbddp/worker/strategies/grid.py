@@ -1,0 +1,106 @@
+"""What pipeline and tensor parallelism share: a ``(dp, mp)`` mesh, data parallelism over ``dp``, clipping, weights.
+
+* The ``mp`` ranks of a group hold one copy of the model between them and
+  read the same batches (``data_shard``: the shard of their ``dp`` rank); one
+  of them counts the loss (``reports_metrics``), so the reduced metrics are
+  over the ``dp`` replicas.
+* Over ``dp``: replicas average their gradients once per optimizer step
+  (``gradients.average_gradients``), or FSDP2 shards each copy over its
+  replicas (``fsdp.shard`` on the mesh's ``dp`` dimension).
+* Clipping uses the global norm over every stage and shard (``gradients``).
+* Weights and checkpoints: DCP directories (``worker/dcp.py``: every rank
+  writes what it holds, the full state dict's names); the full weights are
+  gathered for rank 0 by the subclass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from nbddp.topologies import layout
+from nbddp.worker import dcp
+from nbddp.worker.strategies.base import Strategy
+from nbddp.worker.strategies.fsdp import local_param_bytes
+from nbddp.worker.strategies.gradients import average_gradients, clip_global, replicated_dims
+
+
+class MeshStrategy(Strategy):
+    lockstep_validation = True  # the ranks of a model copy evaluate together
+
+    def __init__(self, device: torch.device, spec: Any, precision: str, mesh: dict[str, int]):
+        super().__init__(device)
+        self.spec, self.precision = spec, precision
+        self.layout = layout(mesh, mesh["dp"] * mesh[spec.mp_dim])
+        self.mesh: Any = None  # worker.mesh.RankMesh, built in wrap
+        self.rank = 0  # this rank's index among the fit's ranks
+
+    @property
+    def replicated(self) -> bool:
+        """Replicas over ``dp`` that average gradients (``dp="ddp"`` with more than one of them)."""
+        return self.spec.dp == "ddp" and self.layout.dp > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.spec.dp != "ddp" and self.layout.dp > 1
+
+    # ---- data and reports ----------------------------------------------------
+    def data_shard(self, rank: int, world: int) -> tuple[int, int]:
+        self.rank = rank
+        return self.layout.coords(rank)[0], self.layout.dp
+
+    def build(self, factory: Any) -> nn.Module:
+        """The module where it was built (shipped views stay shared): each rank moves only what it keeps."""
+        model = factory() if not isinstance(factory, nn.Module) and callable(factory) else factory
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def build_mesh(self) -> Any:
+        from nbddp.worker.mesh import build_mesh
+
+        self.mesh = build_mesh(self.layout, self.device.type, self.group)
+        return self.mesh
+
+    # ---- the step ------------------------------------------------------------
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        yield
+        if enabled and self.replicated:
+            average_gradients(self.parameters(), self.mesh.dp_group, self.layout.dp)
+
+    def copies(self, grad: torch.Tensor) -> int:
+        """How many of the fit's ranks hold this same gradient (see ``gradients``)."""
+        mesh = getattr(grad, "device_mesh", None)
+        return replicated_dims(grad) * (self.same_params // (mesh.size() if mesh is not None else 1))
+
+    @property
+    def same_params(self) -> int:
+        """How many ranks hold the same set of parameters (in some layout)."""
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_global(list(self.parameters()), max_norm, self.copies, self.group, self.device)
+
+    def param_bytes(self) -> int:
+        return local_param_bytes(self.module)
+
+    # ---- checkpoints -------------------------------------------------------------
+    def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
+        dcp.save(directory, step, self.module, optimizer, extra, rank)
+
+    def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
+        return dcp.load(path, self.module, optimizer)
+
+
+def full_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict on the CPU, every DTensor gathered (a collective over its mesh)."""
+    out = {}
+    for k, v in state.items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        out[k] = v.detach().cpu()
+    return out
