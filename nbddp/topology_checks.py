@@ -33,10 +33,6 @@ def _mesh_for(strategy: Any, mesh: dict[str, int] | None, world: int) -> dict[st
     if dim not in mesh or mesh[dim] < 2:
         raise ValueError(f"strategy=nbddp.{type(strategy).__name__}(...) needs a '{dim}' dimension of 2 or more in "
                          f"mesh=..., got mesh={mesh}")
-    other = "tp" if dim == "pp" else "pp"
-    if mesh.get(other, 1) > 1:
-        raise ValueError(f"mesh={mesh} has a '{other}' dimension, but strategy=nbddp.{type(strategy).__name__}(...) "
-                         f"trains over '{dim}'")
     full = {"dp": mesh.get("dp", world // mesh[dim] if world % mesh[dim] == 0 else 0), dim: mesh[dim]}
     if full["dp"] * full[dim] != world:
         raise ValueError(f"dist_fit(mesh={mesh}) spans {mesh.get('dp', 1) * mesh[dim]} ranks, but {world} workers "

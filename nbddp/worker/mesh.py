@@ -43,9 +43,7 @@ class RankMesh:
 
     def sub(self, name: str) -> Any:
         """The 1-D mesh of dimension ``name`` (``"dp"``, ``"pp"``, ``"tp"``)."""
-        if self.device_mesh.ndim == 1:
-            if name != self.layout.kind:
-                raise KeyError(name)
+        if self.device_mesh.ndim == 1:  # (kind,): dp is 1, and nothing asks for it
             return self.device_mesh
         return self.device_mesh[name]
 

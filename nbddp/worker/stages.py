@@ -62,8 +62,8 @@ def balanced_cuts(sizes: list[int], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                if prefix[i] == prefix[j]:
-                    continue  # a stage without parameters would have nothing to train
+                if prefix[i] == prefix[j] or (j > 0 and sizes[j] == 0):
+                    continue  # no stage without parameters, none that begins with one (an activation stays put)
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
                 if cost < best[k][i]:
                     best[k][i], back[k][i] = cost, j

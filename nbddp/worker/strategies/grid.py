@@ -90,10 +90,10 @@ class MeshStrategy(Strategy):
 
     # ---- checkpoints -------------------------------------------------------------
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
-        dcp.save(directory, step, self.module, optimizer, extra, rank)
+        dcp.save(directory, step, self.module, optimizer, extra, rank, flat=True)
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
-        return dcp.load(path, self.module, optimizer)
+        return dcp.load(path, self.module, optimizer, flat=True)
 
 
 def full_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:

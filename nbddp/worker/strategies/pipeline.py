@@ -111,9 +111,7 @@ class PipelineStrategy(MeshStrategy):
         """A micro-batch of the training data, for its shapes (RNG left as it was)."""
         from nbddp.worker.checkpoint import rng_state, set_rng_state
 
-        if self.sample_data is None:
-            raise RuntimeError("the pipeline needs a sample of the training data to learn its shapes")
-        ds, collate, batch_size = self.sample_data
+        ds, collate, batch_size = self.sample_data  # set by setup.build
         rows = min(len(ds), max(1, batch_size // self.spec.microbatches))
         saved = rng_state()
         try:
