@@ -375,20 +375,7 @@ def test_bad_topologies_fail_before_training_with_the_fix(workers):
     assert nbddp.status()["running"], "nothing reached the workers"
 
 
-def test_a_pipeline_refuses_dict_batches_and_untraceable_models_on_the_workers(workers):
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
-            self.head = nn.Linear(6, 3)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x) if x.sum() > 0 else -block(x)  # data-dependent: torch.export refuses it
-            return self.head(x)
-
-    with pytest.raises(nbddp.WorkerError, match=r"could not trace Branchy into stages .*nn.Sequential"):
-        fit(Branchy().double(), data(), nbddp.Pipeline(microbatches=2, split=["blocks.1"]))
+def test_a_pipeline_refuses_dict_batches_on_the_workers(workers):
     dicts = [{"x": x, "labels": y} for x, y in zip(*data(16))]
     with pytest.raises(nbddp.WorkerError, match=r"Pipeline trains on \(x, y\) or \(x1, \.\.\., y\) batches"):
         fit(mlp(), dicts, nbddp.Pipeline(microbatches=2))
@@ -425,3 +412,33 @@ def test_a_rank_waiting_in_a_collective_is_waiting_and_its_peer_is_stalled():
     now[0] = MIN_STALL_S + 1
     assert [s["rank"] for s in watch.stalled()] == [1]
     assert [p["phase"] for p in watch.positions()] == ["waiting", "forward"]
+
+
+class Branchy(nn.Module):
+    def __init__(self, used=(0, 1)):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+        self.used = used
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for i in self.used:
+            x = self.blocks[i](x) if x.sum() > 0 else -self.blocks[i](x)  # data-dependent: torch.export refuses it
+        return self.head(x)
+
+
+class Skips(Branchy):
+    def forward(self, x):
+        for i in self.used:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+def test_a_model_that_cannot_be_traced_into_its_stages_is_refused_with_the_fix():
+    from nbddp.worker.stages import stage_modules
+
+    example = (torch.randn(2, 6),)
+    with pytest.raises(RuntimeError, match=r"could not trace Branchy into stages .*Write the model as an nn.Sequential"):
+        stage_modules(Branchy(), ["blocks.1"], example)
+    with pytest.raises(RuntimeError, match=r"tracing Skips gave 1 stages, not 2: a cut point in \['blocks.1'\] is not"):
+        stage_modules(Skips(used=(0, 2)), ["blocks.1"], example)
