@@ -36,7 +36,7 @@ cells = [
         "\n"
         "def make_model(d=32):\n"
         "    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(2, d), Block(d), Block(d), Block(d), nn.Linear(d, 4))\n"
+        "    return nn.Sequential(nn.Linear(2, d), Block(d), Block(d), Block(d), Block(d), nn.Linear(d, 4))\n"
         "\n"
         "g = torch.Generator().manual_seed(0)\n"
         "x = torch.randn(512, 2, generator=g)\n"
