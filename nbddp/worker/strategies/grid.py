@@ -19,6 +19,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from nbddp.topologies import layout
@@ -104,3 +105,39 @@ def full_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
             v = v.full_tensor()
         out[k] = v.detach().cpu()
     return out
+
+
+def send_state(state: dict[str, torch.Tensor], dst: int, group: Any, device: torch.device) -> None:
+    """Send a state dict to global rank ``dst``: its names, dtypes and shapes, then one flat tensor per dtype.
+
+    Point to point and flat: ``gather_object`` would pickle every tensor and, on
+    gloo, took tens of seconds for a 67 MB stage (measured here).
+    """
+    meta = [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()]
+    dist.send_object_list([meta], dst=dst, group=group, device=device if device.type == "cuda" else None)
+    for dtype in sorted({m[1] for m in meta}):
+        flat = torch.cat([state[k].reshape(-1) for k, d, _ in meta if d == dtype]) if meta else torch.empty(0)
+        dist.send(flat.to(device), dst=dst, group=group)
+
+
+def recv_state(src: int, group: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Receive what ``send_state`` sent from global rank ``src``, on the CPU."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group, device=device if device.type == "cuda" else None)
+    meta, out = box[0], {}
+    for dtype in sorted({m[1] for m in meta}):
+        parts = [(k, shape) for k, d, shape in meta if d == dtype]
+        flat = torch.empty(sum(_numel(shape) for _, shape in parts), dtype=getattr(torch, dtype), device=device)
+        dist.recv(flat, src=src, group=group)
+        flat, offset = flat.cpu(), 0
+        for k, shape in parts:
+            out[k] = flat[offset:offset + _numel(shape)].view(shape).clone()
+            offset += _numel(shape)
+    return {k: out[k] for k, _, _ in meta}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -32,7 +32,7 @@ import torch.nn as nn
 from nbddp.worker import stages as cut
 from nbddp.worker.batches import BatchError, default_loss
 from nbddp.worker.monitor import BEAT
-from nbddp.worker.strategies.grid import MeshStrategy, full_tensors
+from nbddp.worker.strategies.grid import MeshStrategy, full_tensors, recv_state, send_state
 
 
 class PipelineStrategy(MeshStrategy):
@@ -196,18 +196,18 @@ class PipelineStrategy(MeshStrategy):
 
     # ---- weights ------------------------------------------------------------------
     def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
-        """Every stage's owner sends its full part to rank 0 (under FSDP, gathered over ``dp`` first)."""
+        """The first pipeline's stage owners send their parts to rank 0 (under FSDP, gathered over ``dp`` first)."""
         state = full_tensors(self.module.state_dict()) if self.sharded else \
             {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-        mine = state if self.mesh.dp_rank == 0 else None
-        parts: list[Any] = [None] * dist.get_world_size(self.group) if rank == 0 else None
-        dist.gather_object(mine, parts, dst=_global(self.group, 0), group=self.group)
-        if rank != 0:
+        if self.mesh.dp_rank != 0:
             return None
-        full: dict[str, torch.Tensor] = {}
-        for part in parts:
-            full.update(part or {})
-        return full
+        owners = [_global(self.group, r) for r in self.layout.mp_ranks(0)]  # fit ranks 0..pp-1
+        if rank != 0:
+            send_state(state, owners[0], self.mesh.mp_group, self.device)
+            return None
+        for src in owners[1:]:
+            state.update(recv_state(src, self.mesh.mp_group, self.device))
+        return state
 
 
 def _global(group: Any, rank: int) -> int:
