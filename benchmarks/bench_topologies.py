@@ -8,21 +8,29 @@ rows per rank, a 2-stage pipeline (1F1B, 4 micro-batches) and 2-way tensor
 parallelism read ``B`` rows per model copy. Measured in one run, alternating:
 
 * **memory per rank**: private (anonymous) resident memory added during the
-  fit, sampled every 20 ms (``bench_fsdp.PeakSampler``), and the parameter
-  bytes each rank holds (``History.ranks[i]["param_bytes"]``);
+  fit, sampled every 20 ms (``bench_fsdp.PeakSampler``), on fresh workers
+  for each strategy (``nbddp.restart()`` and a tiny fit of it first) started
+  with ``MALLOC_MMAP_THRESHOLD_=65536``, so that resident memory follows the
+  live tensors and one strategy's freed memory is not reused by the next, as
+  ``bench_fsdp.py`` measures; and the parameter bytes each rank holds
+  (``History.ranks[i]["param_bytes"]``);
 * **throughput**: samples/s over the timed fit's ``train_s``;
 * **a pipeline's idle share**: for GPipe with ``m`` = 2, 4, 8 micro-batches,
   the time each stage waits in the schedule's sends and receives (torch's
   ``_wait_batch_p2p``, timed on the workers) over its training time, against
   the schedule's theory for ``p`` stages, ``(p - 1) / (m + p - 1)``. The
-  measured share also holds the transfers themselves and any imbalance
-  between the stages.
+  first stage's is the one to compare: it waits for the whole drain of the
+  pipeline inside the schedule, while the last stage's tail of idle time
+  falls after the schedule (in the next step's first receive or the metrics'
+  reduction) and is not counted. The measured share also holds the
+  transfers themselves and each micro-batch's fixed costs.
 
     python benchmarks/bench_topologies.py [--quick]     # -> benchmarks/results/<date>_topologies.json
 """
 
 from __future__ import annotations
 
+import os
 import sys as _sys
 import time
 from pathlib import Path as _Path
@@ -126,7 +134,7 @@ def idle_shares(width: int, blocks: int, batch: int, steps: int) -> list[dict[st
         waited = nbddp.run(_waited)
         train_s = h.timings["train_s"]
         rows.append({"microbatches": m, "theory": (STAGES - 1) / (m + STAGES - 1),
-                     "measured": [w / train_s for w in waited], "train_s": train_s})
+                     "per_stage": [w / train_s for w in waited], "train_s": train_s})
     return rows
 
 
@@ -150,27 +158,44 @@ def main(quick: bool = False) -> dict:
             for name, (strategy, dp) in strategies().items():
                 runs.setdefault(name, []).append(one_fit(strategy, dp, width, blocks, batch, steps))
         idle = idle_shares(width, blocks, batch, steps)
+        memory = memory_runs(width, blocks, batch, quick)
     finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         common.nbddp_stop()
     out["runs"] = runs
     out["idle"] = idle
-    out["summary"] = summarize(runs, idle)
+    out["memory_runs"] = memory
+    out["summary"] = summarize(runs, idle, memory)
     return out
 
 
-def summarize(runs: dict[str, list[dict]], idle: list[dict]) -> dict[str, Any]:
+def memory_runs(width: int, blocks: int, batch: int, quick: bool) -> dict[str, dict]:
+    """Each strategy on fresh workers (the smoke run reuses the warm ones: it only checks that the code works)."""
+    import nbddp
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the engines restart() starts
+    memory = {}
+    for name, (strategy, dp) in strategies().items():
+        if not quick:
+            nbddp.restart()
+            one_fit(strategy, dp, 64, 2, 16, 1)  # what a first fit imports is not the model's
+        memory[name] = one_fit(strategy, dp, width, blocks, batch, 2)
+    return memory
+
+
+def summarize(runs: dict[str, list[dict]], idle: list[dict], memory: dict[str, dict]) -> dict[str, Any]:
     def med(name: str, key: str) -> float | None:
         return common.median(v for r in runs[name] for v in (r[key] if isinstance(r[key], list) else [r[key]]))
 
     speed = {s: med(s, "samples_per_s") for s in runs}
     return {
         "params": runs["ddp"][0]["params"],
-        "private_memory_per_rank": {s: max(max(r["private_added_bytes"]) for r in runs[s]) for s in runs},
+        "private_memory_per_rank": {s: max(m["private_added_bytes"]) for s, m in memory.items()},
         "param_bytes_per_rank": {s: runs[s][0]["param_bytes"] for s in runs},
         "samples_per_s": speed,
         "throughput_ratio_over_ddp": {s: common.ratio(v, speed["ddp"]) for s, v in speed.items()},
-        "pipeline_idle_share": {r["microbatches"]: {"theory": r["theory"], "measured": common.median(r["measured"])}
-                                for r in idle},
+        "pipeline_idle_share": {r["microbatches"]: {"theory": r["theory"], "measured": r["per_stage"][0],
+                                                    "per_stage": r["per_stage"]} for r in idle},
     }
 
 

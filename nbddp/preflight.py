@@ -167,7 +167,7 @@ def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any) -> None
     from nbddp.topology_checks import check_batch, check_model, resolve
 
     cfg.strategy, cfg.mesh = resolve(cfg.strategy, cfg.mesh, world)
-    check_batch(cfg.strategy, cfg.batch_size, step_fn)
+    check_batch(cfg.strategy, cfg.batch_size, step_fn, cfg.precision)
     check_model(model, cfg.strategy, cfg.mesh)
 
 

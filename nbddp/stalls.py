@@ -111,15 +111,16 @@ class StallWatch:
         """Every rank's latest position, for the live view.
 
         A rank quiet in a collective (or a pipeline stage blocked on a send or
-        receive) for ``WAITING_S`` is shown ``"waiting"``: it waits for a peer,
-        which is the one that ``stalled()`` names if any.
+        receive) for ``WAITING_S``, and not stalled itself, is shown
+        ``"waiting"``: it waits for a peer, the one that ``stalled()`` names.
         """
         out = []
+        stalled = {s["rank"] for s in self.stalled()}
         for rank, seen in sorted(self.seen.items()):
             beat = seen.beat
             if beat is not None:
                 phase = "done" if rank in self.done else beat.phase
-                if phase == "collective" and self.quiet_s(rank) >= WAITING_S:
+                if phase == "collective" and self.quiet_s(rank) >= WAITING_S and rank not in stalled:
                     phase = "waiting"
                 out.append({"rank": rank, "phase": phase, "step": beat.step, "micro": beat.micro,
                             "idle_s": self.quiet_s(rank)})

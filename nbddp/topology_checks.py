@@ -78,8 +78,13 @@ def _check_pipeline(p: Pipeline, pp: int) -> None:
                          "stages per rank")
 
 
-def check_batch(strategy: Any, batch_size: int, step_fn: Any = None) -> None:
+def check_batch(strategy: Any, batch_size: int, step_fn: Any = None, precision: str = "32-true") -> None:
     """A pipeline's batch must split into equal micro-batches, and its loss is the last stage's."""
+    if is_model_parallel(strategy) and precision == "16-mixed":
+        raise ValueError(f"dist_fit(precision='16-mixed') cannot train under nbddp.{type(strategy).__name__}: its "
+                         "gradient scaler decides on each rank alone whether a step overflowed, and the ranks of a "
+                         "pipeline or TP group hold different gradients, so they would not skip the same steps. "
+                         "Use precision='bf16-mixed'")
     if not isinstance(strategy, Pipeline):
         return
     if batch_size % strategy.microbatches:

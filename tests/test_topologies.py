@@ -140,12 +140,13 @@ def same_as_one_process(strategy, model_fn=mlp, xy=None, ref=None, **kw):
 # ---- correctness -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule,optimizer,lr", [("gpipe", torch.optim.SGD, 0.1), ("gpipe", torch.optim.AdamW, 1e-2),
-                                                   ("1f1b", torch.optim.SGD, 0.1), ("1f1b", torch.optim.AdamW, 1e-2)])
-def test_a_pipeline_trains_the_weights_one_process_trains(workers, schedule, optimizer, lr):
-    h, trained, expected, _ = same_as_one_process(nbddp.Pipeline(stages=2, microbatches=4, schedule=schedule),
-                                                  optimizer=optimizer, lr=lr)
-    assert max_diff(trained, expected) < 1e-5
+def test_a_pipeline_trains_the_weights_one_process_trains(workers):
+    """GPipe and 1F1B, SGD and AdamW (one test: four small fits on warm workers)."""
+    for schedule in ("gpipe", "1f1b"):
+        for optimizer, lr in ((torch.optim.SGD, 0.1), (torch.optim.AdamW, 1e-2)):
+            h, trained, expected, _ = same_as_one_process(nbddp.Pipeline(stages=2, microbatches=4, schedule=schedule),
+                                                          optimizer=optimizer, lr=lr)
+            assert max_diff(trained, expected) < 1e-5, (schedule, optimizer)
     assert [r["stage"] for r in h.ranks] == [0, 1] and [r["dp_rank"] for r in h.ranks] == [0, 0]
     sizes = [sum(p.numel() * 8 for p in part.parameters()) for part in (expected[:4], expected[4:])]
     assert [r["param_bytes"] for r in h.ranks] == sizes, "each rank holds its stage's parameters only"
@@ -382,6 +383,15 @@ def test_a_pipeline_refuses_dict_batches_on_the_workers(workers):
 
 
 # ---- units: no workers ---------------------------------------------------------------------
+
+
+def test_fp16_with_a_gradient_scaler_is_refused_under_model_parallelism():
+    from nbddp.topology_checks import check_batch
+
+    for strategy in (nbddp.Pipeline(), nbddp.TensorParallel()):
+        with pytest.raises(ValueError, match=r"precision='16-mixed'\) cannot train under nbddp\.\w+: its gradient "
+                                             r"scaler decides on each rank alone.*Use precision='bf16-mixed'"):
+            check_batch(strategy, 8, None, "16-mixed")
 
 
 def test_the_balanced_cut_makes_the_largest_stage_smallest():

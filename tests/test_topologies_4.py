@@ -36,8 +36,9 @@ def four(_suite_session):
 CASES = [
     # GPipe with DDP over dp: torch's reducer asserts under that schedule; nbddp averages the gradients itself
     ("gpipe x ddp", dict(strategy=nbddp.Pipeline(stages=2, microbatches=2, schedule="gpipe"), mesh={"dp": 2, "pp": 2})),
-    ("1f1b x fsdp, adamw", dict(strategy=nbddp.Pipeline(stages=2, microbatches=2, dp="fsdp"), mesh={"dp": 2, "pp": 2},
-                                optimizer=torch.optim.AdamW, lr=1e-2)),
+    ("1f1b x fsdp, adamw, accumulation", dict(strategy=nbddp.Pipeline(stages=2, microbatches=2, dp="fsdp"),
+                                              mesh={"dp": 2, "pp": 2}, optimizer=torch.optim.AdamW, lr=1e-2,
+                                              grad_accum=2)),
     ("tp x ddp, adamw, accumulation, clipping", dict(strategy="ddp", mesh={"dp": 2, "tp": 2}, optimizer=torch.optim.AdamW,
                                                      lr=1e-2, grad_accum=2, clip_grad_norm=0.05)),
     ("tp x fsdp", dict(strategy=nbddp.TensorParallel(dp="fsdp"), mesh={"dp": 2, "tp": 2})),
