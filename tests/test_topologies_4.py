@@ -15,6 +15,7 @@ import copy
 import cloudpickle
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nbddp
 import test_topologies as T
@@ -47,8 +48,11 @@ CASES = [
 
 @pytest.mark.parametrize("case,kw", CASES, ids=[c[0] for c in CASES])
 def test_a_2d_mesh_trains_the_weights_one_process_trains(four, case, kw):
-    h, trained, expected, _ = T.same_as_one_process(ref={"dp": 2}, epochs=2, **kw)
+    val = T.data(21)  # 11 and 10 samples for the two data-parallel ranks; partial last batches
+    h, trained, expected, _ = T.same_as_one_process(ref={"dp": 2}, epochs=2, val_data=val, **kw)
     assert T.max_diff(trained, expected) < 1e-5, case
+    with torch.no_grad():
+        assert h.epochs[-1]["val_loss"] == pytest.approx(F.mse_loss(expected(val[0]), val[1]).item(), rel=1e-9)
     kind = "stage" if "pp" in kw["mesh"] else "tp_rank"
     assert [(r["dp_rank"], r[kind]) for r in h.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert h.steps[-1]["step"] == 2 * 64 // (8 * 2 * kw.get("grad_accum", 1))  # batch_size is per dp rank
