@@ -30,6 +30,8 @@ __all__ = [
     "find_batch_size",
     "scaling_report",
     "FSDP",
+    "Pipeline",
+    "TensorParallel",
     "stacks",
     "debug",
     "History",
@@ -69,6 +71,8 @@ _LAZY = {
     "find_batch_size": "nbddp.batchsize",
     "scaling_report": "nbddp.scaling",
     "FSDP": "nbddp.sharding",
+    "Pipeline": "nbddp.topologies",
+    "TensorParallel": "nbddp.topologies",
     "stacks": "nbddp.rank_stacks",
     "debug": "nbddp.debugging",
     "History": "nbddp.history",
@@ -105,6 +109,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.scaling import scaling_report
     from nbddp.scripts import run_script
     from nbddp.sharding import FSDP
+    from nbddp.topologies import Pipeline, TensorParallel
     from nbddp.rank_stacks import stacks
 
 

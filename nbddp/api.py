@@ -101,8 +101,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              shuffle: bool = True, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
              clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
-             val_every: int | str | None = None, strategy: Any = "ddp", activation_checkpointing: Any = False,
-             keep: str | None = None, return_weights: bool = True, block: bool = True,
+             val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
+             activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None,
              loggers: Any = None, callbacks: Any = None, **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
@@ -157,7 +157,17 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         strategy: ``"ddp"`` (a full copy of the model per rank) or ``"fsdp"``
             (FSDP2: each rank holds 1/N of the parameters, gradients and
             optimizer state); ``nbddp.FSDP(...)`` for its settings. See
-            ``docs/sharded.md``.
+            ``docs/sharded.md``. ``nbddp.Pipeline(...)`` cuts the model into
+            stages, one per rank; ``nbddp.TensorParallel(...)`` splits its
+            linear layers across ranks (``docs/topologies.md``).
+        mesh: the ranks as a 2-D mesh of named dimensions: ``{"dp": 2, "pp":
+            2}`` (pipelines of 2 stages, 2 of them on different data) or
+            ``{"dp": 2, "tp": 2}``; the product of the sizes is the number of
+            workers. ``strategy`` says what runs over ``dp`` ("ddp", "fsdp")
+            or is the Pipeline/TensorParallel itself. Default: data parallel
+            over every worker, or ``{"pp": stages}`` / ``{"tp": workers}`` for a
+            model-parallel strategy. ``batch_size`` is per data-parallel rank:
+            the ranks of one pipeline or TP group train on the same batch.
         activation_checkpointing: ``True`` recomputes each unit's activations
             in backward instead of keeping them (the repeated blocks, or
             FSDP's ``shard_modules``), or a set of module classes to do it for.
@@ -221,7 +231,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         batch_size = find_batch_size(
             model, data, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
             seed=seed, precision=precision, grad_accum=grad_accum, clip_grad_norm=clip_grad_norm,
-            sync_batchnorm=sync_batchnorm, strategy=strategy, activation_checkpointing=activation_checkpointing,
+            sync_batchnorm=sync_batchnorm, strategy=strategy, mesh=mesh, activation_checkpointing=activation_checkpointing,
             **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
     s = get_session()
     s.ensure_started()
@@ -229,7 +239,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
-                   activation_checkpointing=activation_checkpointing, **advanced)
+                   mesh=mesh, activation_checkpointing=activation_checkpointing, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,

@@ -7,7 +7,8 @@ Every rank reports ``"fits"`` or ``"oom"``; the kernel agrees for all: a
 size fits only when it fits on every rank. The search doubles from
 ``start`` until a size fails (or the bound: the shard size and
 ``max_batch_size``), then bisects between the last size that fit and the
-first that did not.
+first that did not. Under ``nbddp.Pipeline`` every size is a multiple of
+its microbatches, and a rank's shard is that of its data-parallel rank.
 
 Under DDP a trial reduces no gradients, so no rank waits for one that ran
 out of memory. Under FSDP the forward itself is collective: a rank out of
@@ -26,6 +27,8 @@ from nbddp.errors import WorkerError
 from nbddp.jobs import Job
 from nbddp.messages import TrialResult
 from nbddp.session import get_session
+from nbddp.topologies import data_parallel_size
+from nbddp.topology_checks import batch_unit
 
 HANG_GRACE_S = 5.0  # after a rank ran out of memory, how long its peers may take to report too
 
@@ -163,22 +166,24 @@ def find_batch_size(model: Any, data: Any, *, start: int = 1, max_batch_size: in
             raise TypeError(f"find_batch_size() got {name}=...: it finds the batch size and trains nothing")
     s = get_session()
     s.ensure_started()
+    unit = batch_unit(fit_options.get("strategy", "ddp"), fit_options.get("mesh"), s.world_size)  # a pipeline's microbatches
     with s.lock:
         s.ensure_ready()
-        plan = prepare(s, model, data, batch_size=1, return_weights=False, **fit_options)
+        plan = prepare(s, model, data, batch_size=unit, return_weights=False, **fit_options)
     try:
-        n = _length(data)
-        if n is not None and n < s.world_size:
-            raise ValueError(f"find_batch_size: the data has {n} sample(s) for {s.world_size} ranks: each rank needs "
+        n, ranks = _length(data), data_parallel_size(plan.cfg.strategy, plan.cfg.mesh, s.world_size)
+        if n is not None and n < ranks:
+            raise ValueError(f"find_batch_size: the data has {n} sample(s) for {ranks} ranks: each rank needs "
                              "at least one. Use more data or fewer workers.")
-        limits = [x for x in (max_batch_size, None if n is None else n // s.world_size) if x is not None]
-        bound = min(limits) if limits else None
+        limits = [x for x in (max_batch_size, None if n is None else n // ranks) if x is not None]
+        bound = min(limits) // unit if limits else None
         trials = Trials(s, plan)
-        found = search(trials.fits, min(start, bound or start), bound, lambda: trials.shard)
+        found = unit * search(lambda k: trials.fits(k * unit), max(1, min(start, bound * unit if bound else start) // unit),
+                              bound, lambda: trials.shard // unit if trials.shard else None)
     finally:
         plan.discard()
     if found == 0:
-        oom = next((r for r in trials.results.get(1, []) if r.outcome == "oom"), None)
+        oom = next((r for r in trials.results.get(unit, []) if r.outcome == "oom"), None)
         raise WorkerError(_failure(oom), note="even a batch of 1 sample per rank does not fit: shard the model "
                                               "(strategy='fsdp'), use precision='bf16-mixed' or activation_checkpointing=True")
     return found

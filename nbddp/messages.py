@@ -200,3 +200,4 @@ class ScalingRow:
     step_s: float  # one optimizer step, gradients reduced
     local_step_s: float  # the same step without reducing gradients (no_sync)
     peak_mem: int  # the largest peak of the ranks taking part
+    topology: str = ""  # how the ranks trained: "ddp", "pp=2", "dp=2 x tp=2 (ddp over dp)" (topologies.describe)

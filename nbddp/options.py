@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from nbddp.sharding import module_classes, resolve_strategy
+from nbddp.topologies import check_mesh_shape
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
@@ -40,7 +41,8 @@ class FitConfig:
     log_every: int = 20
     val_every: int | None = None
     scheduler_interval: str = "step"
-    strategy: Any = "ddp"  # "ddp", or an nbddp.FSDP settings object
+    strategy: Any = "ddp"  # "ddp", an nbddp.FSDP, nbddp.Pipeline or nbddp.TensorParallel settings object
+    mesh: dict[str, int] | None = None  # {"dp": 2, "pp": 2}: completed for the world size by preflight (topologies)
     activation_checkpointing: Any = False  # False, True (every unit) or a frozenset of module class names
     drop_last: bool = False
     num_workers: int | None = None
@@ -105,6 +107,7 @@ def make_config(**options: Any) -> FitConfig:
         cfg.val_every = None
     cfg.val_every = _int("val_every", cfg.val_every, 1, allow_none=True)
     cfg.strategy = resolve_strategy(cfg.strategy)
+    cfg.mesh = check_mesh_shape(cfg.mesh)
     cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
     if cfg.strategy != "ddp" and cfg.sync_batchnorm:
         raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "

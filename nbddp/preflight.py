@@ -18,6 +18,7 @@ from nbddp import shipping
 from nbddp.errors import ShippingError
 from nbddp.messages import FitLaunch
 from nbddp.options import FitConfig, check_device_rules, make_config
+from nbddp.topologies import data_parallel_size
 
 
 @dataclass
@@ -175,7 +176,23 @@ def check_units(model: Any, cfg: FitConfig) -> None:
             raise ValueError(f"{where}: {exc}") from None
 
 
+def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False) -> None:
+    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``)."""
+    from nbddp.topologies import Pipeline
+    from nbddp.topology_checks import check_batch, check_model, resolve
+
+    cfg.strategy, cfg.mesh = resolve(cfg.strategy, cfg.mesh, world)
+    check_batch(cfg.strategy, cfg.batch_size, step_fn, cfg.precision)
+    check_model(model, cfg.strategy, cfg.mesh)
+    if stream and isinstance(cfg.strategy, Pipeline):
+        raise ValueError("dist_fit(data=...) is a stream (an IterableDataset), and nbddp.Pipeline needs a map-style "
+                         "Dataset: its stages must know a micro-batch's shapes before the first step, and every step's "
+                         "batch must be whole. Give a map-style Dataset, or train the stream with "
+                         "nbddp.TensorParallel(), 'fsdp' or 'ddp'")
+
+
 def check_shard(cfg: FitConfig, n: int, world: int) -> None:
+    """``world``: the data-parallel ranks (the ranks of one pipeline or TP group share a shard)."""
     shard = n // world if cfg.drop_last else -(-n // world)
     if shard < cfg.batch_size:
         raise ValueError(
@@ -204,8 +221,9 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
     check_units(model, cfg)
+    check_topology(model, cfg, session.world_size, step_fn, stream=bool(getattr(spec, "stream", False)))
     if n_train is not None:
-        check_shard(cfg, n_train, session.world_size)
+        check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, session.world_size))
     keys = session.resident.key_specs([spec, val_spec])
     launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
                        resident=session.resident.to_keep(keys), keep=keep)

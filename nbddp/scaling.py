@@ -7,6 +7,12 @@ For each size: samples/s, the speed-up over one worker, the scaling
 efficiency (speed-up / k), and the share of a step spent waiting on
 gradient communication: one synchronised step against the same step with
 gradients not reduced (``no_sync``), ``1 - local / synced``.
+
+With ``strategy=nbddp.Pipeline(...)`` or ``nbddp.TensorParallel(...)`` the
+sizes are one rank (the model whole, trained as ``dp`` says: the reference)
+and then whole model-parallel groups (2, 4 ... for groups of 2); each row
+says how its ranks trained (``topology``), and the "waiting on gradients"
+share is the data-parallel part only (a pipeline's sends are in both steps).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 
 from nbddp.jobs import Job
 from nbddp.session import get_session
+from nbddp.topology_checks import scaling_sizes
 
 EFFICIENT = 0.7  # below this scaling efficiency another worker buys less than 70 % of one more
 
@@ -77,7 +84,7 @@ class ScalingReport:
         head = ["workers", "samples/s", "speed-up", "efficiency", "step", "waiting on gradients", "peak memory"]
         from nbddp.live.text import fmt_bytes
 
-        body = [[str(r["world_size"]), f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}",
+        body = [[_workers(r), f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}",
                  f"{r['step_s'] * 1000:.1f} ms", f"{r['comm_share']:.0%}", fmt_bytes(r["peak_mem"])] for r in self.rows]
         return [head, *body]
 
@@ -98,6 +105,12 @@ class ScalingReport:
         png = base64.b64encode(figure_png(self.plot())).decode("ascii")
         return (f"<div class='nbddp-scaling'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p>{html.escape(self.recommendation)}</p><img src='data:image/png;base64,{png}'/></div>")
+
+
+def _workers(row: dict[str, Any]) -> str:
+    """``"4"``, or ``"4 (dp=2 x pp=2 (1f1b))"`` when the ranks did not all train as data-parallel replicas."""
+    topology = row.get("topology", "")
+    return f"{row['world_size']} ({topology})" if topology and topology not in ("ddp", "fsdp") else str(row["world_size"])
 
 
 def recommend(rows: list[dict[str, Any]]) -> str:
@@ -134,11 +147,12 @@ def scaling_report(model: Any, data: Any, *, steps: int = 20, warmup: int = 5, *
             raise ValueError(f"scaling_report({name}=...) must be an int >= {1 if name == 'steps' else 0}, got {value!r}")
     s = get_session()
     s.ensure_started()
-    sizes = world_sizes(s.world_size)
     job = Job(s, "scaling_report")
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, return_weights=False, **fit_options)
+        # a model-parallel strategy: one rank (the model whole), then whole groups of ranks
+        sizes = scaling_sizes(plan.cfg.strategy, plan.cfg.mesh, s.world_size, world_sizes(s.world_size))
         try:
             job.launch(lambda p: s.client[p.engine_id].apply_async(
                 scaling_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg, plan.launch,
@@ -157,5 +171,6 @@ def _rows(measured: list[Any]) -> list[dict[str, Any]]:
     one = measured[0].samples_per_s / measured[0].world_size
     return [{"world_size": m.world_size, "samples_per_s": m.samples_per_s, "speedup": m.samples_per_s / one,
              "efficiency": m.samples_per_s / one / m.world_size, "step_s": m.step_s,
-             "comm_share": max(0.0, 1.0 - m.local_step_s / m.step_s) if m.step_s > 0 else 0.0, "peak_mem": m.peak_mem}
+             "comm_share": max(0.0, 1.0 - m.local_step_s / m.step_s) if m.step_s > 0 else 0.0, "peak_mem": m.peak_mem,
+             "topology": m.topology}
             for m in measured]

@@ -88,11 +88,12 @@ def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[s
 
 
 def resolve_strategy(value: Any) -> Any:
-    """``"ddp"``, or an ``FSDP`` (``"fsdp"`` is ``FSDP()``)."""
-    if isinstance(value, FSDP):
+    """``"ddp"``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting (``nbddp.topologies``)."""
+    if isinstance(value, FSDP) or getattr(value, "mp_dim", None) in ("pp", "tp"):
         return value
     if value == "fsdp":
         return FSDP()
     if value == "ddp":
         return "ddp"
-    raise ValueError(f"dist_fit(strategy=...) must be one of {STRATEGIES} or an nbddp.FSDP(...), got {value!r}")
+    raise ValueError(f"dist_fit(strategy=...) must be one of {STRATEGIES} or an nbddp.FSDP(...), nbddp.Pipeline(...) "
+                     f"or nbddp.TensorParallel(...), got {value!r}")

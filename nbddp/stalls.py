@@ -42,6 +42,7 @@ from nbddp.messages import Beat, innermost_frames, published
 MIN_STALL_S = 10.0
 STEP_FACTOR = 10.0
 STOP_GRACE_S = 3.0
+WAITING_S = 2.0  # quiet this long in a collective: shown "waiting" (for a peer)
 TICK_S = 0.25
 # where a rank is within one micro-batch; code that marks nothing (cells, calls, scripts) is behind
 # a rank waiting in a collective
@@ -120,13 +121,22 @@ class StallWatch:
                 "micro": beat.micro if beat else 0, "idle_s": self.quiet_s(rank), "stack": beat.stack if beat else ""}
 
     def positions(self) -> list[dict[str, Any]]:
-        """Every rank's latest position, for the live view."""
+        """Every rank's latest position, for the live view.
+
+        A rank quiet in a collective (or a pipeline stage blocked on a send or
+        receive) for ``WAITING_S``, and not stalled itself, is shown
+        ``"waiting"``: it waits for a peer, the one that ``stalled()`` names.
+        """
         out = []
+        stalled = {s["rank"] for s in self.stalled()}
         for rank, seen in sorted(self.seen.items()):
             beat = seen.beat
             if beat is not None:
-                out.append({"rank": rank, "phase": "done" if rank in self.done else beat.phase, "step": beat.step,
-                            "micro": beat.micro, "idle_s": self.quiet_s(rank)})
+                phase = "done" if rank in self.done else beat.phase
+                if phase == "collective" and self.quiet_s(rank) >= WAITING_S and rank not in stalled:
+                    phase = "waiting"
+                out.append({"rank": rank, "phase": phase, "step": beat.step, "micro": beat.micro,
+                            "idle_s": self.quiet_s(rank)})
         return out
 
     def stacks(self) -> dict[int, str]:

@@ -61,6 +61,17 @@ EXPECTED = {
         "[rank 1] FSDPTinyLM (2, 32,",
         "workers stopped",
     ],
+    "pipeline_parallel": [
+        "Sequential(",
+        "[completed]  step 32/32  epoch 2/2",
+        "rank 0: stage 0,",
+        "rank 1: stage 1,",
+        "pipeline vs one process: largest weight difference",
+        "accuracy of the weights back in the notebook:",
+        "rank 0: tp rank 0,",
+        "tensor parallel vs one process: largest weight difference",
+        "workers stopped",
+    ],
     "checkpoint_resume": [
         "nbddp fit interrupted",
         "interrupted at step",

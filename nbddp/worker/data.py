@@ -130,14 +130,18 @@ def _loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **
     return loaders.loader(ds, collate_fn=collate_fn, **kwargs, **more)
 
 
-def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int,
-                 device: torch.device) -> tuple[DataLoader, DistributedSampler, Callable[[Sampler], DataLoader]]:
-    """The epoch loader, its sampler, and a maker of loaders over another sampler (resume)."""
+def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device,
+                 whole_batches: bool = False) -> tuple[DataLoader, DistributedSampler, Callable[[Sampler], DataLoader]]:
+    """The epoch loader, its sampler, and a maker of loaders over another sampler (resume).
+
+    ``rank``/``world``: this rank's shard of the data (ranks that hold one model
+    between them share one). ``whole_batches``: drop a partial last batch.
+    """
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=cfg.shuffle, seed=cfg.seed, drop_last=cfg.drop_last)
     kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
 
     def make(s: Sampler) -> DataLoader:
-        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=False)
+        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=whole_batches)
 
     return make(sampler), sampler, make
 

@@ -29,7 +29,20 @@ LOOP_FILE = ckpt.SHARDED_LOOP_FILE
 METADATA = ckpt.SHARDED_METADATA
 
 
-def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
+def _options(flat: bool) -> Any:
+    """``flat``: the optimizer's state and hyper-parameters keyed by parameter name, not by position.
+
+    Needed when ranks hold different parameters (pipeline stages): by position,
+    every rank's first param group is ``param_groups.0`` and DCP keeps one
+    rank's copy, whose parameter names the others do not have.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
+
+
+def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], rank: int,
+         flat: bool = False) -> None:
     """Collective: every rank writes its shards; rank 0 the loop state, then renames the directory."""
     import torch.distributed.checkpoint as checkpoint
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -41,7 +54,7 @@ def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str,
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
         os.makedirs(tmp)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
     checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     if rank == 0:
         torch.save(extra, os.path.join(tmp, LOOP_FILE))
@@ -51,7 +64,7 @@ def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str,
     dist.barrier()
 
 
-def load(path: str, model: Any, optimizer: Any) -> dict[str, Any]:
+def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str, Any]:
     """Collective: restore this rank's model and optimizer shards; return the loop state."""
     import torch.distributed.checkpoint as checkpoint
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -61,10 +74,11 @@ def load(path: str, model: Any, optimizer: Any) -> dict[str, Any]:
     if not ckpt.is_sharded(path):
         raise ValueError(f"resume={path!r} is not a sharded nbddp checkpoint (no {METADATA} and {LOOP_FILE} in it); pass "
                          "a step-* directory that dist_fit(strategy='fsdp', checkpoint_dir=...) wrote, or that directory")
-    model_state, optim_state = get_state_dict(model, optimizer)  # shapes for DCP to load into
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))  # shapes for DCP to load into
     state = {"model": model_state, "optim": optim_state}
     checkpoint.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(flat))
     return torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
 
 

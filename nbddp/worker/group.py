@@ -64,6 +64,7 @@ def _leave_broken_group() -> None:
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; we replace it anyway
             pass
         forget_meshes()
+    STATE.mesh_groups.clear()  # destroyed with the world group (worker/mesh.py)
     _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
 
 
@@ -124,6 +125,7 @@ def leave_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         forget_meshes()
+    STATE.mesh_groups.clear()
     STATE.generation = -1
 
 

@@ -33,7 +33,7 @@ from nbddp.shipping import Parcel
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup, streams
 from nbddp.worker.agreement import PeerFailed
-from nbddp.worker.batches import move, run_batch
+from nbddp.worker.batches import move
 from nbddp.worker.best import BestWeights
 from nbddp.worker.data import SkipSampler
 from nbddp.worker.prefetch import prefetch
@@ -59,6 +59,11 @@ def agree(error: BaseException | None, device: torch.device, what: str) -> None:
         raise PeerFailed(f"another rank failed during {what}")
 
 
+def described(model: torch.nn.Module) -> tuple[str, int]:
+    """The person's model as the loggers' hyperparameters name it: ``module.QualName`` and its parameter count."""
+    return f"{type(model).__module__}.{type(model).__qualname__}", sum(p.numel() for p in model.parameters())
+
+
 def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
         model_parcel: Parcel | None = None) -> tuple[FitResult, TrainState]:
     """Train on this rank; rank 0's result carries the records and the full weights."""
@@ -74,6 +79,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
         error = exc
     agree(error, device, "setup")
+    model_class, params = described(ts.model)  # the whole model, before a strategy keeps its part of it
     try:
         BEAT.mark("setup")
         setup.wrap_and_restore(ts, parts, path)
@@ -83,10 +89,10 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
-                       model_class=f"{type(ts.model).__module__}.{type(ts.model).__qualname__}",
-                       params=sum(p.numel() for p in ts.model.parameters()))
+                       model_class=model_class, params=params)
     ts.best = BestWeights(launch.best) if launch.best is not None else None
-    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes())
+    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
+                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world))
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
@@ -177,11 +183,7 @@ def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
     BEAT.mark("forward")
     batch = move(batch, ts.device, ts.non_blocking)
     with ts.strategy.gradient_sync(last_micro):
-        with ts.autocast():
-            loss, n, extras, _, _ = run_batch(ts.strategy.wrapped, batch, ts.loss_fn, ts.step_fn)
-        BEAT.mark("backward")
-        scaled = loss.float() if window == 1 else loss.float() / window  # no extra autograd node per step
-        (ts.scaler.scale(scaled) if ts.scaler is not None else scaled).backward()
+        loss, n, extras = ts.strategy.train_micro_batch(ts, batch, window)
     ts.reporter.add(loss, n, extras)
     return last_micro
 

@@ -58,6 +58,10 @@ class Heartbeat:
         self._last_step: float | None = None  # set at the first micro-batch: set-up is not a step
         self.paused_at = ""  # file:line of a debugger prompt holding the rank (worker.debugger)
         self._before_pause = phase
+        # inside a step whose communication nbddp does not mark (a pipeline schedule): the monitor shows a
+        # rank blocked in torch.distributed as "collective", i.e. waiting for a peer, not stalled itself
+        self.watch_waits = False
+        self.marked = phase
 
     def pause(self, where: str) -> None:
         """A debugger prompt holds the main thread: the phase says ``paused`` until ``resume``."""
@@ -72,7 +76,7 @@ class Heartbeat:
             self.mark(self._before_pause)
 
     def mark(self, phase: str) -> None:
-        self.phase = phase
+        self.phase = self.marked = phase
         self.progress += 1
         self.changed = time.monotonic()
 
@@ -183,6 +187,8 @@ class Monitor(threading.Thread):
                 paused = BEAT.paused_at
                 if self.sampled and not paused:
                     self._sample(now)
+                elif BEAT.watch_waits:
+                    self._see_waits()
                 self._send_beat(now)
 
     def _sample(self, now: float) -> None:
@@ -195,6 +201,14 @@ class Monitor(threading.Thread):
             BEAT.phase = phase
             BEAT.progress += 1
             BEAT.changed = now
+
+    def _see_waits(self) -> None:
+        """A rank blocked in a send or receive is waiting ("collective"); computing, it is in its marked phase.
+
+        Not progress either way: a stage that waits for a stalled peer stays
+        quiet, but ahead of it, so the peer is the one shown stalled.
+        """
+        BEAT.phase = "collective" if in_collective(user_frames(main_frame())) else BEAT.marked
 
     def _send_beat(self, now: float) -> None:
         idle = now - BEAT.changed

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from nbddp.messages import FitLaunch, ScalingRow, TrialResult
 from nbddp.options import FitConfig
 from nbddp.shipping import Parcel
+from nbddp.topologies import data_parallel_size, describe
+from nbddp.topology_checks import within
 from nbddp.worker import checkpoint as ckpt
 from nbddp.worker import setup
-from nbddp.worker.batches import move, run_batch
+from nbddp.worker.batches import move
 from nbddp.worker.group import destroy_subgroup
 from nbddp.worker.loop import optimizer_step
 from nbddp.worker.state import STATE
@@ -70,10 +72,7 @@ def _steps(ts: Any, batches: Iterator[Any], n: int, sync: bool) -> None:
         for micro in range(accum):
             batch = move(next(batches), ts.device, ts.non_blocking)
             with ts.strategy.gradient_sync(sync and micro == accum - 1):
-                with ts.autocast():
-                    loss = run_batch(ts.strategy.wrapped, batch, ts.loss_fn, ts.step_fn)[0]
-                scaled = loss.float() / accum
-                (ts.scaler.scale(scaled) if ts.scaler is not None else scaled).backward()
+                ts.strategy.train_micro_batch(ts, batch, accum)
         optimizer_step(ts)
 
 
@@ -121,6 +120,7 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
                 warmup: int, steps: int) -> ScalingRow:
     device = torch.device(STATE.placement.device)
     reset_peak_memory(device)
+    cfg = within(cfg, k)  # a model-parallel strategy on k ranks: k / mp groups (one rank: the model whole)
     ts = _state(parcel, cfg, launch, model_parcel, (dist.get_rank(group), k, group))
     batches = cycle(ts.loader)
 
@@ -137,12 +137,13 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
 
     _steps(ts, batches, warmup, True)
     t_sync, t_local = timed(True), timed(False)
-    samples = k * cfg.batch_size * cfg.grad_accum * steps
+    samples = data_parallel_size(cfg.strategy, cfg.mesh, k) * cfg.batch_size * cfg.grad_accum * steps
     peak = torch.tensor([float(peak_memory(device))], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     ts = None  # the model and optimizer go before the next world size is built
     return ScalingRow(world_size=k, samples_per_s=samples / t_sync, step_s=t_sync / steps,
-                      local_step_s=t_local / steps, peak_mem=int(peak.item()))
+                      local_step_s=t_local / steps, peak_mem=int(peak.item()),
+                      topology=describe(cfg.strategy, cfg.mesh, k))
 
 
 def scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None, sizes: list[int],

@@ -33,11 +33,16 @@ RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "param_bytes", "cuda_alloc
 
 
 class Reporter:
-    def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0):
+    def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0,
+                 counted: bool = True, roles: list[dict[str, Any]] | None = None):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
         self.plan = plan
         self.total_steps = plan.total_steps if plan.total_steps is not None else math.inf  # None: a stream's
         self.param_bytes = param_bytes
+        # one rank per model copy counts its loss and samples (a pipeline's last stage, a TP group's first
+        # rank): the reduction is then over the data-parallel replicas; every rank reports its own speed
+        self.counted = counted
+        self.roles = roles or [{} for _ in range(world)]
         self.sync_every = 1  # the first interval is measured, then adapted
         self.records: list[tuple[int, str, dict[str, Any]]] = []
         self.ranks: list[dict[str, Any]] = []
@@ -90,12 +95,13 @@ class Reporter:
         keys = self._extra_keys
         elapsed = max(time.perf_counter() - self.t_last, 1e-9)
         w = self.world
+        weight = 1.0 if self.counted else 0.0
         head = torch.stack([
-            self.loss_sum,
-            torch.tensor(float(self.n), dtype=torch.float64, device=self.device),
+            self.loss_sum * weight,
+            torch.tensor(float(self.n) * weight, dtype=torch.float64, device=self.device),
             torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device),
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
-            *[self.extras.get(k, self._zero) for k in keys],
+            *[self.extras.get(k, self._zero) * weight for k in keys],
         ])
         mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem), "param_bytes": float(self.param_bytes),
                 **cuda_memory(self.device)}
@@ -128,7 +134,7 @@ class Reporter:
 
     def _rank_figures(self, r: int, per_rank: list[float]) -> dict[str, Any]:
         w = self.world
-        out: dict[str, Any] = {"rank": r}
+        out: dict[str, Any] = {"rank": r, **self.roles[r]}
         for i, key in enumerate(RANK_SLOTS):
             value = per_rank[i * w + r]
             if key.startswith("cuda_") and self.device.type != "cuda":

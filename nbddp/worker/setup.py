@@ -81,7 +81,7 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     if model_parcel is not None:
         parts["model"] = unpack(model_parcel, copy=False)["model"]
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
-    strategy = make_strategy(cfg.strategy, device, cfg.precision)
+    strategy = make_strategy(cfg.strategy, device, cfg.precision, cfg.mesh)
     strategy.group = within[2] if within else None
     seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
     model = strategy.build(parts["model"])
@@ -97,7 +97,7 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     if cfg.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     keep_only(STATE.dataset_cache, list(launch.resident))
-    data = build_data(parts["data"], parts.get("val_data"), cfg, rank, world, device, strategy.group)
+    data = build_data(parts["data"], parts.get("val_data"), cfg, strategy, rank, world, device)
     autocast, scaler = precision_tools(cfg.precision, device)
     ts = TrainState(cfg=cfg, rank=rank, world=world, device=device, strategy=strategy, model=model, **data,
                     loss_fn=parts.get("loss_fn"), step_fn=parts.get("step_fn"), metrics=parts.get("metrics") or {},
@@ -105,16 +105,23 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     return ts, parts
 
 
-def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, rank: int, world: int, device: torch.device,
-               group: Any) -> dict[str, Any]:
-    """The loaders of this rank's shards: a sampler's over map-style data, a ``streams.Stream`` over a stream."""
+def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, strategy: Any, rank: int, world: int,
+               device: torch.device) -> dict[str, Any]:
+    """The loaders of this rank's shards: a sampler's over map-style data, a ``streams.Stream`` over a stream.
+
+    The ranks that hold one model copy between them (a pipeline's stages, a tensor-parallel group)
+    read the same shard: ``strategy.data_shard``.
+    """
     train_ds = materialise(data_spec, STATE.dataset_cache)
+    strategy.sample_data = (train_ds, data_spec.collate_fn, cfg.batch_size)
+    shard, shards = strategy.data_shard(rank, world)
     out: dict[str, Any] = {"vloader": None}
     if is_stream(train_ds):
-        stream = streams.train_stream(train_ds, data_spec, cfg, rank, world, device, group)
+        stream = streams.train_stream(train_ds, data_spec, cfg, shard, shards, device, strategy.group)
         out.update(loader=stream.loader, sampler=None, make_loader=None, stream=stream, agreement=stream.agreement)
     else:
-        loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, rank, world, device)
+        loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, shard, shards, device,
+                                                    strategy.whole_batches)
         if len(loader) == 0:
             raise ValueError(
                 f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
@@ -124,7 +131,7 @@ def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, rank: int, world: 
     if val_spec is not None:
         val_ds = materialise(val_spec, STATE.dataset_cache)
         make_val = streams.val_stream_loader if is_stream(val_ds) else val_loader
-        out["vloader"] = make_val(val_ds, val_spec, cfg, rank, world, device)
+        out["vloader"] = make_val(val_ds, val_spec, cfg, shard, shards, device)
     return out
 
 
@@ -132,6 +139,7 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
     """Phase 2 (collective): wrap, build the optimizer and scheduler, load the checkpoint."""
     identical = isinstance(parts["model"], nn.Module) or resume_path is not None
     ts.strategy.wrap(ts.model, identical)
+    ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
     ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
     ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
     if resume_path:

@@ -33,6 +33,7 @@ class WorkerState:
     debug_address: tuple[str, int, str] | None = None  # the kernel's debugger: host, port, token (worker.debugger)
     debugger: Any = None  # the worker.debugger.RankPdb holding this rank now
     failure: Any = None  # the worker.postmortem.Failure kept for %ddp debug
+    mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (worker.mesh)
 
 
 STATE = WorkerState()

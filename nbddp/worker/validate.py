@@ -17,7 +17,7 @@ import torch
 
 from nbddp.dataforms import is_stream
 from nbddp.worker import streams
-from nbddp.worker.batches import move, run_batch
+from nbddp.worker.batches import move
 from nbddp.worker.monitor import BEAT
 from nbddp.worker.trainstate import TrainState
 
@@ -53,8 +53,8 @@ def val_batches(ts: TrainState, loader: Any) -> Iterator[tuple[Any, bool]]:
     """``(batch, counted)`` pairs: this rank's shard, in lockstep with the others where the forward is collective."""
     if is_stream(loader.dataset):
         return streams.val_batches(ts, loader)
-    if ts.strategy.lockstep_validation:
-        return lockstep_batches(loader, len(loader.dataset), ts.world)
+    if ts.strategy.lockstep_validation:  # ranks that share a model copy read the same batches
+        return lockstep_batches(loader, len(loader.dataset), ts.strategy.data_shard(ts.rank, ts.world)[1])
     return ((b, True) for b in loader)
 
 
@@ -73,10 +73,12 @@ def validate(ts: TrainState) -> dict[str, Any]:
     with torch.no_grad():
         for batch, counted in batches:
             BEAT.mark("validation")  # every batch: a long validation is progress, not a stall
-            batch = move(batch, ts.device)
-            with ts.autocast():
-                loss, n, extras, output, target = run_batch(module, batch, ts.loss_fn, ts.step_fn)
-            if not counted:  # keep the same keys on every rank: the reduction below is one flat vector
+            result = ts.strategy.eval_batch(ts, move(batch, ts.device))
+            if result is None:
+                continue  # this rank holds no loss (a pipeline stage before the last)
+            loss, n, extras, output, target = result
+            # one rank per model copy counts; every rank keeps the same keys: the reduction below is one flat vector
+            if not counted or not ts.strategy.reports_metrics:
                 for k in extras:
                     sums.setdefault(k, 0.0)
                 continue

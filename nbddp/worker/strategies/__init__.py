@@ -10,18 +10,27 @@ from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.ddp import DDPStrategy
 
 
-def make_strategy(spec: Any, device: torch.device, precision: str = "32-true") -> Strategy:
-    """``"ddp"``, or an ``nbddp.FSDP`` settings object (checked in the kernel already)."""
+def make_strategy(spec: Any, device: torch.device, precision: str = "32-true", mesh: dict[str, int] | None = None) -> Strategy:
+    """``"ddp"``, an ``nbddp.FSDP``, or a model-parallel setting with its mesh (checked in the kernel already)."""
     if spec == "ddp":
         return DDPStrategy(device)
     if isinstance(spec, str) or spec is None:
         raise ValueError(f"unknown strategy {spec!r}")
     from nbddp.sharding import FSDP
+    from nbddp.topologies import Pipeline, TensorParallel
 
     if isinstance(spec, FSDP):
         from nbddp.worker.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy(device, spec, precision)
+    if isinstance(spec, Pipeline):
+        from nbddp.worker.strategies.pipeline import PipelineStrategy
+
+        return PipelineStrategy(device, spec, precision, mesh)
+    if isinstance(spec, TensorParallel):
+        from nbddp.worker.strategies.tensor import TensorParallelStrategy
+
+        return TensorParallelStrategy(device, spec, precision, mesh)
     raise ValueError(f"unknown strategy {spec!r}")
 
 

@@ -17,17 +17,38 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from nbddp.worker.batches import run_batch
+from nbddp.worker.monitor import BEAT
+
 
 class Strategy(ABC):
     name: str = ""
     #: validation forwards run collectives, so every rank must run the same number of them
     lockstep_validation: bool = False
+    #: every batch must have the full batch size (a pipeline's stages exchange tensors of one shape)
+    whole_batches: bool = False
 
     def __init__(self, device: torch.device):
         self.device = device
         self.module: nn.Module | None = None  # the person's module, inside any wrapper
         self.wrapped: nn.Module | None = None  # what the training step calls
         self.group: Any = None  # train in this subgroup of the workers (None: all of them)
+        # (dataset, collate_fn, batch_size) of the training data: for a strategy that must see a batch before training
+        self.sample_data: Any = None
+
+    # ---- who reads which data, who reports -----------------------------------
+    def data_shard(self, rank: int, world: int) -> tuple[int, int]:
+        """``(shard, shards)`` of the training data this rank reads; ranks that share a model copy share a shard."""
+        return rank, world
+
+    @property
+    def reports_metrics(self) -> bool:
+        """Whether this rank's loss and sample count enter the reduced metrics (one rank per model copy)."""
+        return True
+
+    def roles(self, world: int) -> list[dict[str, Any]]:
+        """What each rank of the fit holds (``History.ranks``): its stage, its shard; nothing for replicas."""
+        return [{} for _ in range(world)]
 
     # ---- building ----------------------------------------------------------
     def build(self, factory: Any) -> nn.Module:
@@ -45,6 +66,25 @@ class Strategy(ABC):
         return self.wrapped.parameters()
 
     # ---- the step ------------------------------------------------------------
+    def train_micro_batch(self, ts: Any, batch: Any, window: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
+        """Forward and backward one micro-batch (already on the device), the loss divided by ``window``.
+
+        Returns ``(loss, samples, extras)`` for the reporter. The loop calls it
+        inside ``gradient_sync``; a strategy whose step is not "forward, then
+        backward" (a pipeline schedule) overrides it.
+        """
+        with ts.autocast():
+            loss, n, extras, _, _ = run_batch(self.wrapped, batch, ts.loss_fn, ts.step_fn)
+        BEAT.mark("backward")
+        scaled = loss.float() if window == 1 else loss.float() / window  # no extra autograd node per step
+        (ts.scaler.scale(scaled) if ts.scaler is not None else scaled).backward()
+        return loss, n, extras
+
+    def eval_batch(self, ts: Any, batch: Any) -> tuple[Any, ...] | None:
+        """``(loss, n, extras, output, target)`` of one validation batch, or None where this rank holds no loss."""
+        with ts.autocast():
+            return run_batch(self.eval_module, batch, ts.loss_fn, ts.step_fn)
+
     @abstractmethod
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """A context for one micro-batch's backward: ``enabled=False`` inside an accumulation window."""

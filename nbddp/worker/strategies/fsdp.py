@@ -30,6 +30,7 @@ import torch.nn as nn
 from nbddp.worker import blocks
 from nbddp.worker import dcp
 from nbddp.worker.strategies.base import Strategy
+from nbddp.worker.strategies.shards import local_param_bytes, restore_own, snapshot_own
 
 
 class FSDPStrategy(Strategy):
@@ -60,22 +61,12 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         if self.group is not None:
             mesh = DeviceMesh.from_group(self.group, self.device.type)
         else:
             mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        kwargs: dict[str, Any] = {"mesh": mesh}
-        if self.spec.reshard_after_forward is not None:
-            kwargs["reshard_after_forward"] = self.spec.reshard_after_forward
-        if self.precision == "bf16-mixed":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if self.spec.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for unit in blocks.units(model, self.spec.shard_modules):
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        shard(model, self.spec, self.precision, mesh)
         if self.meta_built:
             self._materialise(model)
         self.wrapped = self.module = model
@@ -109,11 +100,7 @@ class FSDPStrategy(Strategy):
         self.wrapped.reshard()  # the root keeps its gathered parameters after a forward without backward
 
     def param_bytes(self) -> int:
-        total = 0
-        for p in self.module.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-        return total
+        return local_param_bytes(self.module)
 
     # ---- weights and checkpoints -----------------------------------------------
     def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
@@ -130,12 +117,10 @@ class FSDPStrategy(Strategy):
         shard to disk each time. This is what a DCP snapshot holds, kept in
         memory.
         """
-        return {name: _local(t).detach().to("cpu", copy=True) for name, t in _tensors(self.module)}
+        return snapshot_own(self.module)
 
     def restore_weights(self, saved: dict[str, torch.Tensor] | None, rank: int) -> None:
-        with torch.no_grad():
-            for name, t in _tensors(self.module):
-                _local(t).copy_(saved[name])
+        restore_own(self.module, saved)
 
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
         dcp.save(directory, step, self.module, optimizer, extra, rank)
@@ -144,14 +129,21 @@ class FSDPStrategy(Strategy):
         return dcp.load(path, self.module, optimizer)
 
 
-def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
+def shard(model: nn.Module, spec: Any, precision: str, mesh: Any) -> nn.Module:
+    """``fully_shard`` each unit (``spec.shard_modules``, or the repeated blocks), then the root, over ``mesh``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded parameter (its storage, writable in place); a plain tensor as is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if spec.reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = spec.reshard_after_forward
+    if precision == "bf16-mixed":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in blocks.units(model, spec.shard_modules):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
 
 
 def _holds_tensors(module: nn.Module) -> bool:

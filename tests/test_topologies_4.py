@@ -1,0 +1,72 @@
+"""2-D meshes on 4 CPU ranks: pipelines x data parallel and tensor parallel x data parallel, equal to one process.
+
+Needs its own workers (``fresh_workers``): the suite's shared session has 2
+workers, and a ``dp=2 x pp=2`` or ``dp=2 x tp=2`` mesh needs 4. So this
+module starts ONE 4-worker session for all its tests (module scope) and
+stops it at the end; the next test that asks for ``workers`` starts the
+usual 2 again. The models and the single-process reference are those of
+``test_topologies.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nbddp
+import test_topologies as T
+
+pytestmark = [pytest.mark.fresh_workers, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def four(_suite_session):
+    """4 CPU workers for this module; the shared 2 are stopped first (a session has one set of workers)."""
+    cloudpickle.register_pickle_by_value(T)  # its models travel by value, as this module's do
+    nbddp.stop()
+    nbddp.start(n=4, backend="gloo")
+    yield
+    nbddp.stop()
+    cloudpickle.unregister_pickle_by_value(T)
+
+
+CASES = [
+    # GPipe with DDP over dp: torch's reducer asserts under that schedule; nbddp averages the gradients itself
+    ("gpipe x ddp", dict(strategy=nbddp.Pipeline(stages=2, microbatches=2, schedule="gpipe"), mesh={"dp": 2, "pp": 2})),
+    ("1f1b x fsdp, adamw, accumulation", dict(strategy=nbddp.Pipeline(stages=2, microbatches=2, dp="fsdp"),
+                                              mesh={"dp": 2, "pp": 2}, optimizer=torch.optim.AdamW, lr=1e-2,
+                                              grad_accum=2)),
+    ("tp x ddp, adamw, accumulation, clipping", dict(strategy="ddp", mesh={"dp": 2, "tp": 2}, optimizer=torch.optim.AdamW,
+                                                     lr=1e-2, grad_accum=2, clip_grad_norm=0.05)),
+    ("tp x fsdp", dict(strategy=nbddp.TensorParallel(dp="fsdp"), mesh={"dp": 2, "tp": 2})),
+]
+
+
+@pytest.mark.parametrize("case,kw", CASES, ids=[c[0] for c in CASES])
+def test_a_2d_mesh_trains_the_weights_one_process_trains(four, case, kw):
+    val = T.data(21)  # 11 and 10 samples for the two data-parallel ranks; partial last batches
+    h, trained, expected, _ = T.same_as_one_process(ref={"dp": 2}, epochs=2, val_data=val, **kw)
+    assert T.max_diff(trained, expected) < 1e-5, case
+    with torch.no_grad():
+        assert h.epochs[-1]["val_loss"] == pytest.approx(F.mse_loss(expected(val[0]), val[1]).item(), rel=1e-9)
+    kind = "stage" if "pp" in kw["mesh"] else "tp_rank"
+    assert [(r["dp_rank"], r[kind]) for r in h.ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert h.steps[-1]["step"] == 2 * 64 // (8 * 2 * kw.get("grad_accum", 1))  # batch_size is per dp rank
+
+
+def test_a_transformer_block_under_tp_x_fsdp_is_that_of_one_process(four):
+    xy = T.data(32, seq=5)
+    h, trained, expected, _ = T.same_as_one_process(nbddp.TensorParallel(dp="fsdp"), model_fn=lambda: _block(), xy=xy,
+                                                    mesh={"dp": 2, "tp": 2}, batch_size=4, ref={"dp": 2})
+    assert T.max_diff(trained, expected) < 1e-5
+    total = sum(p.numel() * 8 for p in trained.parameters())
+    assert all(r["param_bytes"] < 0.4 * total for r in h.ranks), "split over tp, then sharded over dp"
+
+
+def _block():
+    torch.manual_seed(0)
+    return copy.deepcopy(T.Block()).double()
