@@ -23,6 +23,7 @@ from typing import Any
 from nbddp import shipping
 from nbddp.messages import Health
 from nbddp.worker.state import STATE
+from nbddp.worker.release import run_task
 from nbddp.worker.task import user_task
 
 CELL_FILENAME = "<%%ddp cell {n}>"
@@ -43,6 +44,10 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
     """
+    return run_task(_run_cell, source, cell_number, generation)
+
+
+def _run_cell(source: str, cell_number: int, generation: int) -> None:
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     # tracebacks show the cell's lines
@@ -65,6 +70,10 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
 
 def push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     """Put the shipped ``{name: value}`` into this worker's namespace."""
+    return run_task(_push, parcel, generation)
+
+
+def _push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     with user_task(generation, "push"):
         values = shipping.unpack(parcel)
     _namespace().update(values)

@@ -9,7 +9,6 @@ the socket interface, and the allocator settings.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from nbddp.messages import JoinReply
 from nbddp.topology import Placement
 from nbddp.worker import torchrun
 from nbddp.worker.memory import tune_allocator
+from nbddp.worker.release import give_back
 from nbddp.worker.state import STATE
 
 
@@ -114,7 +114,7 @@ def _drop_dead_references() -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    gc.collect()
+    give_back()  # collect, and return the freed pages to the system
 
 
 def leave_process_group() -> None:

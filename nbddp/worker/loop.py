@@ -19,7 +19,6 @@ which strategy it runs.
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any, Iterator
 
@@ -96,10 +95,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
 
 def train(ts: TrainState) -> None:
     """Every epoch from where ``ts`` stands, until the last epoch, ``max_steps`` or a stop."""
-    # An engine holds ~300k long-lived Python objects (IPython, zmq, ipyparallel) that a torchrun
-    # process does not; every full collection during training would scan them all. Freezing them
-    # keeps the collector to what training allocates (entry.fit_task unfreezes, whatever happens).
-    gc.freeze()
+    # the engine's ~300k long-lived objects (IPython, zmq, torch) are frozen out of the collector
+    # while any task runs (worker/release.py): collections during training walk what the fit allocated
     stopped = ts.step >= ts.total_steps
     while ts.epoch < ts.cfg.epochs and not stopped:
         stopped = run_epoch(ts)
