@@ -36,14 +36,13 @@ set doubled since the last one (counted every ``CHECK_EVERY`` tasks). ``LAST`` h
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
-import platform
 import sys
 import time
 import weakref
 from typing import Any, Callable, TypeVar
+
+from nbddp.worker import heap, memory
 
 T = TypeVar("T")
 
@@ -51,19 +50,7 @@ LAST: dict[str, float] = {}  # seconds the last release took: collect_s, full_co
 FULL_COLLECTIONS: dict[str, Any] = {"count": 0, "frozen_after": None, "tasks": 0}
 CHECK_EVERY = 64  # tasks between two counts of the frozen objects
 _WATCH: dict[int, Any] = {}  # id of a kept value -> weakref to it, or None (it cannot be weakly referenced)
-_TRIM: dict[str, Any] = {}
 _LAST_ERROR = ("last_value", "last_exc", "last_traceback")
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (or another allocator is preloaded)."""
-    if "fn" not in _TRIM:
-        fn = None
-        if platform.libc_ver()[0] == "glibc":
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            fn = getattr(libc, "malloc_trim", None)
-        _TRIM["fn"] = fn
-    return _TRIM["fn"]
 
 
 def _kept_values() -> list[Any]:
@@ -143,10 +130,9 @@ def begin_task() -> None:
 def give_back() -> None:
     """After a task (its frames gone): collect what it allocated, trim the C heap, empty CUDA's cache."""
     _collect()
-    trim = _malloc_trim()
+    memory.for_steady_state()  # a fit that ended before its first step (or an FSDP fit) left the set-up setting
     t0 = time.perf_counter()
-    if trim is not None:
-        trim(0)
+    heap.trim()
     LAST["trim_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     torch = sys.modules.get("torch")

@@ -22,6 +22,8 @@ class Strategy(ABC):
     name: str = ""
     #: validation forwards run collectives, so every rank must run the same number of them
     lockstep_validation: bool = False
+    #: after the first step the loop's freed buffers stay in the C heap for the next step (worker/memory.py)
+    heap_steady_state: bool = True
 
     def __init__(self, device: torch.device):
         self.device = device

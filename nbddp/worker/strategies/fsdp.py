@@ -35,6 +35,7 @@ from nbddp.worker.strategies.base import Strategy
 class FSDPStrategy(Strategy):
     name = "fsdp"
     lockstep_validation = True
+    heap_steady_state = False  # gathered units and reduce-scatter buffers fragment a heap that keeps them (worker/memory.py)
 
     def __init__(self, device: torch.device, spec: Any, precision: str = "32-true"):
         super().__init__(device)
@@ -73,7 +74,7 @@ class FSDPStrategy(Strategy):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.spec.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for unit in blocks.units(model, self.spec.shard_modules):
+        for unit in blocks.shard_units(model, self.spec.shard_modules):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         if self.meta_built:
