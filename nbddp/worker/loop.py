@@ -64,7 +64,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     """Train on this rank; rank 0's result carries the records and the full weights."""
     device = torch.device(STATE.placement.device)
     t_setup = time.perf_counter()
-    reset_peak_memory(device)
+    base_mem = reset_peak_memory(device)
     ts = parts = path = None
     error: BaseException | None = None
     try:
@@ -83,7 +83,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps, steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step,
                        batch_size=cfg.batch_size)
-    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes())
+    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
+                           base_mem=base_mem)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
