@@ -100,7 +100,8 @@ def user_names() -> list[str]:
 
 
 def health() -> Health:
-    """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation."""
+    """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation, what it keeps."""
+    from nbddp.worker.keeps import kept_items
     from nbddp.worker.usage import cuda_memory, rss_bytes
 
     cuda: dict[str, int] = {}
@@ -108,6 +109,7 @@ def health() -> Health:
         import torch
 
         cuda = cuda_memory(torch.device(STATE.placement.device))
+    names = user_names()
     return Health(pid=os.getpid(), rss=rss_bytes(), generation=STATE.generation, busy=STATE.busy,
-                  names=len(user_names()), cuda_allocated=cuda.get("cuda_allocated"),
-                  cuda_reserved=cuda.get("cuda_reserved"))
+                  names=len(names), cuda_allocated=cuda.get("cuda_allocated"),
+                  cuda_reserved=cuda.get("cuda_reserved"), kept=kept_items(STATE.namespace, names, STATE.dataset_cache))
