@@ -34,7 +34,7 @@ from typing import Any
 _LOCK = threading.Lock()
 _FORCED: dict[str, str] = {}  # module or package name -> "value" | "reference"
 _KINDS: dict[str, tuple[int, bool]] = {}  # module name -> (id of the module object, travels by value)
-_LAST: dict[str, Any] = {"names": None, "ids": None, "found": []}  # the last walk, reused while sys.modules is unchanged
+_LAST: dict[str, Any] = {"names": None, "objects": None, "found": []}  # the last walk, reused while unchanged
 _REGISTERED: dict[str, int] = {}  # module name -> id of the module object registered with cloudpickle by value
 
 
@@ -85,23 +85,32 @@ def by_value_modules() -> list[tuple[str, ModuleType]]:
     A module is sorted again only when ``sys.modules`` holds a new object
     under its name (a re-import) or a choice was forced for it since, and
     while ``sys.modules`` holds the same objects under the same names the
-    last answer is reused: a call costs ~0.1 ms with 2,400 modules imported,
-    where a ``realpath`` of each cost 0.1 s.
+    last answer is reused (two list copies and an identity comparison):
+    ~0.1 ms with 5,000 modules imported, where a ``realpath`` of each cost
+    0.1 s with 1,580.
     """
     with _LOCK:
-        names, ids = tuple(sys.modules), tuple(map(id, list(sys.modules.values())))
-        if names == _LAST["names"] and ids == _LAST["ids"]:
+        names, objects = list(sys.modules), list(sys.modules.values())
+        if names == _LAST["names"] and _same(objects, _LAST["objects"]):
             return list(_LAST["found"])
         found = []
-        for name, module in zip(names, (sys.modules.get(n) for n in names)):
+        for name, module in zip(names, objects):
             seen = _KINDS.get(name)
             if seen is None or seen[0] != id(module):
                 by_value = isinstance(module, ModuleType) and travels_by_value(name, module)
                 seen = _KINDS[name] = (id(module), by_value)
             if seen[1]:
                 found.append((name, module))
-        _LAST.update(names=names, ids=ids, found=found)
+        _LAST.update(names=names, objects=objects, found=found)
         return list(found)
+
+
+def _same(objects: list[Any], before: list[Any] | None) -> bool:
+    """The same objects in the same order (compared by identity first, as lists compare)."""
+    try:
+        return objects == before
+    except Exception:  # noqa: BLE001 - an odd object in sys.modules whose == raises: sort again
+        return False
 
 
 def register_edited_modules() -> list[str]:

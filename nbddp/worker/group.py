@@ -110,10 +110,20 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
 
 
 def _drop_dead_references() -> None:
-    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks.
+
+    The engine's IPython shell keeps the last traceback it printed too
+    (``InteractiveTB.tb``), and with it every frame of the failed task: a
+    failed fit's model, optimizer and data stayed resident until the next
+    failure replaced it.
+    """
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
+    from ipykernel.zmqshell import ZMQInteractiveShell  # the engine's shell
+
+    if ZMQInteractiveShell.initialized() and hasattr(ZMQInteractiveShell.instance().InteractiveTB, "tb"):
+        ZMQInteractiveShell.instance().InteractiveTB.tb = None
     give_back()  # collect, and return the freed pages to the system
 
 
