@@ -254,3 +254,44 @@ def test_a_kept_value_let_go_is_collected_even_from_the_frozen_engine():
     assert got["plain_freed"] and got["full_after_plain"] == 0, got  # freed by its count: no full collection
     assert got["cyclic_freed"] and got["full"] == 1, got
     assert got["costs"]["collect_s"] < 0.05, got
+
+
+# ---- activation checkpointing of a Sequential without repeated blocks -------------------------
+
+
+def mixed():
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_sequential_of_different_layers_is_checkpointed_in_segments_with_the_same_weights(workers, strategy):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 8, generator=g), torch.randint(0, 4, (128,), generator=g)
+    torch.manual_seed(0)
+    plain = mixed()
+    checkpointed = mixed()
+    checkpointed.load_state_dict(plain.state_dict())
+    options = dict(epochs=2, batch_size=16, lr=1e-2, loss_fn=F.cross_entropy, live=False, strategy=strategy)
+    nbddp.dist_fit(plain, (x, y), **options)
+    nbddp.dist_fit(checkpointed, (x, y), activation_checkpointing=True, **options)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())  # names and keys as they were
+    assert max((a - b).abs().max().item() for a, b in zip(plain.state_dict().values(),
+                                                          checkpointed.state_dict().values())) < 1e-6
+    assert "forward" not in vars(checkpointed)  # the module came back as the person's
+
+
+def test_segments_are_recomputed_in_backward_and_the_last_runs_once():
+    from nbddp.worker.blocks import apply_activation_checkpointing, remove_activation_checkpointing, segments
+
+    assert segments(6) == [(0, 2), (2, 4), (4, 6)] and segments(2) == [(0, 1), (1, 2)]
+    assert segments(96)[:2] == [(0, 10), (10, 19)] and len(segments(96)) == 10
+    model = mixed()
+    calls = {i: 0 for i in range(len(model))}
+    for i, layer in enumerate(model):
+        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    assert apply_activation_checkpointing(model, None) == 2  # 3 segments: the first two are checkpointed
+    model(torch.randn(4, 8)).sum().backward()
+    # each checkpointed segment runs again in backward (torch stops recomputing once it has what backward needs)
+    assert calls[0] == calls[2] == 2 and calls[4] == calls[5] == 1, calls
+    remove_activation_checkpointing(model)
+    assert "forward" not in vars(model)
