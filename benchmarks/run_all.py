@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from benchmarks import common  # noqa: E402
 
-BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp"]
+BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp", "memory"]
 
 
 def run(quick: bool = False, only: list[str] | None = None) -> dict:

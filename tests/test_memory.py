@@ -295,3 +295,25 @@ def test_segments_are_recomputed_in_backward_and_the_last_runs_once():
     assert calls[0] == calls[2] == 2 and calls[4] == calls[5] == 1, calls
     remove_activation_checkpointing(model)
     assert "forward" not in vars(model)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.fresh_workers
+def test_on_gpus_each_fit_reads_its_own_allocator_peak_and_the_cache_is_emptied(_suite_session):
+    """CUDA workers of their own (the suite's are CPU workers): peaks reset per fit, reserved memory given back."""
+    nbddp.stop()
+    nbddp.start(n=min(2, torch.cuda.device_count()))
+    try:
+        def reserved():
+            return nbddp.run(lambda: __import__("torch").cuda.memory_reserved())
+
+        first = fit("ddp", keep=None)
+        before = reserved()
+        second = fit("ddp")
+        assert all(r["device"].startswith("cuda") for r in second.ranks)
+        for a, b in zip(first.ranks, second.ranks):
+            assert abs(a["peak_mem"] - b["peak_mem"]) <= 0.1 * a["peak_mem"], (first.ranks, second.ranks)
+            assert b["base_mem"] < b["peak_mem"] and b["cuda_peak"] == b["peak_mem"], b
+        assert all(r <= b + 64 * MiB for r, b in zip(reserved(), before)), (before, reserved())
+    finally:
+        nbddp.stop()
