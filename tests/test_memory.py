@@ -32,15 +32,19 @@ def stack():
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
+def small():
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+
+
 def data(n=64):
     g = torch.Generator().manual_seed(0)
     return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
 
 
-def fit(strategy="ddp", **kw):
+def fit(strategy="ddp", model=stack, **kw):
     options = dict(max_steps=2, batch_size=8, loss_fn=F.mse_loss, live=False, return_weights=False)
     options.update(kw)
-    return nbddp.dist_fit(stack, data(), strategy=strategy, **options)
+    return nbddp.dist_fit(model, data(), strategy=strategy, **options)
 
 
 def resources():
@@ -113,24 +117,22 @@ def _interrupt_a_cell(folder):
         nbddp.run_cell(cell)
 
 
-def _failing_fits(folder):
-    """Two kinds of failure, each a rebuilt process group: the first two rebuilds of a worker start native threads
-    that stay (13 -> 16 -> 19, then flat: gloo's), so the first round takes them."""
+def _failing_fit(folder):
     with pytest.raises(nbddp.WorkerError, match="the loss must be a scalar"):
-        fit("ddp", loss_fn=lambda o, t: (o - t) ** 2)
-    x, y = data()
-    with pytest.raises(nbddp.WorkerError, match="FloatingPointError: the loss is nan"):
-        nbddp.dist_fit(stack, (x * float("nan"), y), max_steps=2, batch_size=8, loss_fn=F.mse_loss, live=False)
+        fit("ddp", model=small, loss_fn=lambda o, t: (o - t) ** 2)
 
 
-ROUND = [lambda _: fit("ddp"), lambda _: fit("fsdp"), lambda _: nbddp.run_cell("x = [t * 2 for t in range(1000)]"),
-         lambda _: nbddp.run(sum, [1, 2, 3]), lambda _: nbddp.push(blob=torch.zeros(1 << 20)), _failing_fits,
-         _interrupt_a_cell]
+ROUND = [lambda _: fit("ddp", model=small), lambda _: fit("fsdp", model=small),
+         lambda _: nbddp.run_cell("x = [t * 2 for t in range(1000)]"), lambda _: nbddp.run(sum, [1, 2, 3]),
+         lambda _: nbddp.push(blob=torch.zeros(1 << 20)), _failing_fit, _interrupt_a_cell]
 
 
 @pytest.mark.timeout(300)
 def test_a_short_soak_leaves_every_worker_flat(warm, tmp_path):
-    """Two rounds of fits, cells, calls, a push, failing fits and an interrupt: 16 tasks (the benchmark runs 50)."""
+    """Two rounds of fits, a cell, a call, a push, a failing fit and an interrupt: 14 tasks (the benchmark runs 50).
+
+    The failing fit and the interrupt each rebuild the process group; the old group's threads and sockets go with
+    it (a full collection, worker/group.py), so threads and fds end each round where they ended the first."""
     levels = []
     for _ in range(2):
         for task in ROUND:
@@ -153,10 +155,11 @@ def test_status_shows_each_workers_memory_and_what_it_keeps(workers):
         table = health.status_table()
         for row in table.rows:
             assert row["memory"].endswith("MB") or row["memory"].endswith("GB"), row
-            assert row["keeps"].startswith("status_blob 4 MB"), row  # the largest first
+            assert "status_blob 4 MB" in row["keeps"], row
         assert "<th>keeps</th>" in table._repr_html_() and "status_blob 4 MB" in repr(table)
-        kept = nbddp.run(lambda: dict(__import__("nbddp.worker.cells", fromlist=["health"]).health().kept))
-        assert all(k["status_blob"] == 4 * MiB and 0 < k["status_small"] < 4096 for k in kept), kept
+        kept = nbddp.run(lambda: __import__("nbddp.worker.cells", fromlist=["health"]).health().kept)
+        assert all(dict(k)["status_blob"] == 4 * MiB and 0 < dict(k)["status_small"] < 4096 for k in kept), kept
+        assert all([size for _, size in k] == sorted((size for _, size in k), reverse=True) for k in kept), kept
     finally:
         nbddp.run_cell("del status_blob, status_small")
     assert all("status_blob" not in row["keeps"] for row in health.status_table().rows)
@@ -205,7 +208,7 @@ def test_the_fence_keeps_large_blocks_out_of_the_heaps_free_chunks():
         assert memory.tune_allocator({}) == "tuned"
         lib = heap.libc()
         blocks = [lib.malloc(4 << 20) for _ in range(16)]  # 64 MiB in the heap (steady-state setting)
-        pin = lib.malloc(1024)  # something alive above them: the heap cannot shrink
+        pin = lib.malloc(1 << 20)  # something alive above them, from the top of the heap: it cannot shrink
         for b in blocks:
             lib.free(b)
         memory.for_setup(sharded=False)

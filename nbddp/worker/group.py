@@ -64,7 +64,9 @@ def _leave_broken_group() -> None:
         except Exception:  # noqa: BLE001 - a broken group may fail to tear down; we replace it anyway
             pass
         forget_meshes()
-    _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
+    # frees the old group's gloo threads and sockets now, not at some later gc: a full collection, since what
+    # referred to the old group may have been frozen with the engine's objects (worker/release.py)
+    _drop_dead_references(everything=True)
 
 
 def _configure_process(placement: Placement, threads: int, ifname: str | None) -> str:
@@ -109,7 +111,7 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     torchrun.install_group_guard()
 
 
-def _drop_dead_references() -> None:
+def _drop_dead_references(everything: bool = False) -> None:
     """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks.
 
     The engine's IPython shell keeps the last traceback it printed too
@@ -124,7 +126,7 @@ def _drop_dead_references() -> None:
 
     if ZMQInteractiveShell.initialized() and hasattr(ZMQInteractiveShell.instance().InteractiveTB, "tb"):
         ZMQInteractiveShell.instance().InteractiveTB.tb = None
-    give_back()  # collect, and return the freed pages to the system
+    give_back(everything)  # collect, and return the freed pages to the system
 
 
 def leave_process_group() -> None:

@@ -30,8 +30,11 @@ training loop profits too: its collections skip the engine's objects.
 Something frozen that becomes garbage later is found by a full collection,
 which runs only when a kept value was let go and is still alive (a
 ``%%ddp`` name rebound to a new model whose old one sits in a reference
-cycle, a replaced ``keep=`` module, a dropped traceback), or when the frozen
-set doubled since the last one (counted every ``CHECK_EVERY`` tasks). ``LAST`` holds what the last release cost.
+cycle, a replaced ``keep=`` module, a dropped traceback), when a process
+group was torn down (``worker/group.py``: the old group's gloo threads and
+sockets went only at some later collection otherwise), or when the frozen
+set doubled since the last one (counted every ``CHECK_EVERY`` tasks).
+``LAST`` holds what the last release cost.
 """
 
 from __future__ import annotations
@@ -98,14 +101,14 @@ def _full_collection() -> None:
     LAST["full_collect_s"] = time.perf_counter() - t0
 
 
-def _collect() -> None:
-    """Collect the unfrozen objects; the frozen ones too when a kept value was let go but lives on."""
+def _collect(everything: bool = False) -> None:
+    """Collect the unfrozen objects; the frozen ones too when a kept value was let go but lives on (or ``everything``)."""
     t0 = time.perf_counter()
     gc.collect()
     LAST["collect_s"] = time.perf_counter() - t0
     LAST["full_collect_s"] = 0.0
     kept = _kept_values()
-    if _let_go_but_alive(kept):
+    if everything or _let_go_but_alive(kept):
         _full_collection()
         kept = _kept_values()
     _WATCH.clear()
@@ -127,9 +130,13 @@ def begin_task() -> None:
         _full_collection()
 
 
-def give_back() -> None:
-    """After a task (its frames gone): collect what it allocated, trim the C heap, empty CUDA's cache."""
-    _collect()
+def give_back(everything: bool = False) -> None:
+    """After a task (its frames gone): collect what it allocated, trim the C heap, empty CUDA's cache.
+
+    ``everything``: collect the frozen objects too (after a process group was
+    torn down: what referred to it may have been frozen with the engine).
+    """
+    _collect(everything)
     memory.for_steady_state()  # a fit that ended before its first step (or an FSDP fit) left the set-up setting
     t0 = time.perf_counter()
     heap.trim()
