@@ -165,6 +165,15 @@ def test_status_shows_each_workers_memory_and_what_it_keeps(workers):
     assert all("status_blob" not in row["keeps"] for row in health.status_table().rows)
 
 
+def test_a_cells_own_collection_still_frees_what_an_earlier_cell_made(workers):
+    """The engine is frozen out of the collector between tasks, not what the person's cells create."""
+    nbddp.run_cell("class Cyclic:\n    def __init__(self):\n        self.me, self.data = self, bytearray(64 << 20)\n"
+                   "held = Cyclic()")
+    nbddp.run_cell("import gc, weakref\nref = weakref.ref(held)\ndel held\ngc.collect()\nfreed = ref() is None")
+    assert nbddp.pull("freed", rank=1) == {"freed": True}
+    nbddp.run_cell("del freed, ref, Cyclic")
+
+
 # ---- units: no workers -----------------------------------------------------------------------
 
 

@@ -23,10 +23,12 @@ datasets, a failed task's traceback (``sys.last_*``, for post-mortem use).
 
 **Milliseconds, not a quarter of a second.** A full collection on an
 engine walks its ~320k long-lived objects (IPython, zmq, torch): 0.25-0.3 s
-here. So when a task begins, everything alive is frozen out of the
-collector (``gc.freeze``), and the collection at its end walks only what
-the task allocated (microseconds for a call, milliseconds for a fit). The
-training loop profits too: its collections skip the engine's objects.
+here. So they are frozen out of the collector (``gc.freeze``) when the
+first task begins, and again when a task begins after modules were imported
+(``begin_task``); the collection at a task's end walks what is not frozen:
+what the task allocated and what the person keeps (microseconds for a call,
+milliseconds for a fit). The training loop profits too: its collections
+skip the engine's objects.
 Something frozen that becomes garbage later is found by a full collection,
 which runs only when a kept value was let go and is still alive (a
 ``%%ddp`` name rebound to a new model whose old one sits in a reference
@@ -50,7 +52,7 @@ from nbddp.worker import heap, memory
 T = TypeVar("T")
 
 LAST: dict[str, float] = {}  # seconds the last release took: collect_s, full_collect_s, trim_s, cuda_s
-FULL_COLLECTIONS: dict[str, Any] = {"count": 0, "frozen_after": None, "tasks": 0}
+FULL_COLLECTIONS: dict[str, Any] = {"count": 0, "frozen_after": None, "tasks": 0, "modules_frozen": -1}
 CHECK_EVERY = 64  # tasks between two counts of the frozen objects
 _WATCH: dict[int, Any] = {}  # id of a kept value -> weakref to it, or None (it cannot be weakly referenced)
 _LAST_ERROR = ("last_value", "last_exc", "last_traceback")
@@ -116,13 +118,19 @@ def _collect(everything: bool = False) -> None:
 
 
 def begin_task() -> None:
-    """Before the person's code: collect what arrived since the last task, then freeze everything alive.
+    """Before the person's code: collect what arrived since the last task; freeze what is alive if modules came.
 
-    Every ``CHECK_EVERY`` tasks the frozen set is counted (a walk of it:
-    ~10 ms); when it doubled since the last full collection, one runs.
+    The engine's objects are frozen at its first task, and again after a task
+    imported modules (their objects are long-lived too). Between those, what
+    the person's tasks create stays unfrozen, so a cell's own
+    ``gc.collect()`` still finds its cycles. Every ``CHECK_EVERY`` tasks the
+    frozen set is counted (a walk of it: ~10 ms); when it doubled since the
+    last full collection, one runs.
     """
     _collect()
-    gc.freeze()
+    if len(sys.modules) != FULL_COLLECTIONS["modules_frozen"]:
+        gc.freeze()
+        FULL_COLLECTIONS["modules_frozen"] = len(sys.modules)
     FULL_COLLECTIONS["tasks"] += 1
     if FULL_COLLECTIONS["frozen_after"] is None:
         FULL_COLLECTIONS["frozen_after"] = gc.get_freeze_count()
