@@ -37,6 +37,11 @@ group was torn down (``worker/group.py``: the old group's gloo threads and
 sockets went only at some later collection otherwise), or when the frozen
 set doubled since the last one (counted every ``CHECK_EVERY`` tasks).
 ``LAST`` holds what the last release cost.
+
+So inside a task, a ``gc.collect()`` of the person's finds the cycles of
+what was created since the engine was last frozen, not of what an earlier
+cell made before modules were imported; those go when the task that let
+them go ends (with ``empty_cache`` on CUDA after it).
 """
 
 from __future__ import annotations
