@@ -1,4 +1,12 @@
-"""Per-call overhead: three fits in a row of the same small job, from one process.
+"""Per-call overhead: warm calls against bare ipyparallel, and three fits in a row against launchers.
+
+First (``warm_calls.py``): a warm ``run``, a warm one-step fit, a ``%%ddp``
+cell and a ``push``, each next to the same work done with bare ipyparallel
+on the same engines (its floor), and what giving memory back costs on the
+workers after each (and after a larger fit). Goal: each within 2x of its
+floor.
+
+Then three fits in a row of the same small job, from one process.
 
 Competitors (alternating; each turn makes 3 calls in a row):
 
@@ -34,7 +42,7 @@ from pathlib import Path as _Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, torchrun_train  # noqa: E402
+from benchmarks import common, torchrun_train, warm_calls  # noqa: E402
 
 NAME = "latency"
 CALLS = 3
@@ -171,6 +179,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             started = True
             model = common.make_model("mlp", seed=cfg["seed"])
             out["first_fit_after_start"] = common.nbddp_fit(model, data, cfg, world=world)
+            out["warm"] = warm_calls.measure(reps=6 if quick else 30, big_layers=2 if quick else 24)
+            print_warm(out["warm"])
         except Exception as exc:
             ok = False
             out["nbddp"] = f"nbddp start/first fit failed: {type(exc).__name__}: {exc}"
@@ -226,9 +236,20 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     return out
 
 
+def print_warm(warm: dict) -> None:
+    rows = [{"call": name, "nbddp s": f["nbddp_s"], "floor s": f["floor_s"], "x floor": f["x_floor"],
+             "x bare apply": f["x_apply_floor"]} for name, f in warm["figures"].items()]
+    common.print_table(rows, title=f"\n== latency: warm calls against bare ipyparallel on the same engines "
+                                   f"(bare apply {warm['apply_floor_s'] * 1e3:.1f} ms; medians of {warm['reps']}) ==")
+    rows = [{"after": name, **{k: v * 1e3 for k, v in cost.items() if k.endswith("_s")}}
+            for name, cost in warm["release"].items()]
+    common.print_table(rows, title="== giving memory back on the workers, ms (slowest rank) ==")
+
+
 def summary_rows(res: dict) -> list[dict]:
     base = res.get("summary", {}).get("nbddp_warm", {}).get("overhead_s", {}).get("median")
-    return [
+    warm = warm_calls.rows(res["warm"]) if "warm" in res else []
+    return warm + [
         {"bench": "latency", "competitor": n, "metric": "overhead s/call",
          "median": s["overhead_s"]["median"], "ratio": common.ratio(s["overhead_s"]["median"], base),
          "ratio_of": "x nbddp_warm"}

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from benchmarks import common  # noqa: E402
 
-BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp", "data", "topologies"]
+BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp", "memory", "data", "topologies"]
 
 
 def run(quick: bool = False, only: list[str] | None = None, reuse_workers: bool = False) -> dict:

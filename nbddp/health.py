@@ -16,7 +16,8 @@ from nbddp.slurm_watch import job_lines
 
 HEALTH_TIMEOUT_S = 3.0
 
-COLUMNS = ("rank", "local rank", "host", "pid", "device", "alive", "memory", "fit running")
+COLUMNS = ("rank", "local rank", "host", "pid", "device", "alive", "memory", "keeps", "fit running")
+SHOWN_KEPT = 4  # kept items named per worker; the rest are summed
 
 
 class StatusTable:
@@ -50,9 +51,9 @@ def status_table() -> StatusTable | str:
     health = _probe_health(s, busy=st["fit_running"])
     rows = []
     for row in st["ranks"]:
-        alive, memory = health.get(row["engine"], ("?", "?"))
+        alive, memory, keeps = health.get(row["engine"], ("?", "?", "?"))
         rows.append({"rank": row["rank"], "local rank": row["local_rank"], "host": row["host"], "pid": row["pid"],
-                     "device": row["device"], "alive": alive, "memory": memory, "fit running": fit})
+                     "device": row["device"], "alive": alive, "memory": memory, "keeps": keeps, "fit running": fit})
     owner = "started by this kernel" if st["owned"] else "attached"
     summary = (f"nbddp: {st['world_size']} worker(s), backend {st['backend']}, {owner}, "
                f"process-group generation {st['generation']}")
@@ -60,12 +61,12 @@ def status_table() -> StatusTable | str:
     return StatusTable(rows, summary)
 
 
-def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str]]:
-    """engine id -> (alive, memory). A fit keeps engines busy, so then only local pids are checked."""
+def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str, str]]:
+    """engine id -> (alive, memory, keeps). A fit keeps engines busy, so then only local pids are checked."""
     from nbddp.worker.cells import health
 
     registered = set(session.client.ids)
-    out: dict[int, tuple[str, str]] = {}
+    out: dict[int, tuple[str, str, str]] = {}
     ars = {}
     if not busy:
         ars = {p.engine_id: session.client[p.engine_id].apply_async(health)
@@ -73,31 +74,31 @@ def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str]]:
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     for p in session.placements:
         if p.engine_id not in registered:
-            out[p.engine_id] = ("no (unregistered)", "-")
+            out[p.engine_id] = ("no (unregistered)", "-", "-")
             continue
         ar = ars.get(p.engine_id)
         if ar is not None:
             try:
                 info = ar.get(timeout=max(0.01, deadline - time.monotonic()))
-                out[p.engine_id] = ("yes", _memory(info))
+                out[p.engine_id] = ("yes", _memory(info), kept_text(info.kept))
                 continue
             except Exception:  # noqa: BLE001 - busy, stuck or dead: decided below
                 pass
-        out[p.engine_id] = _local_health(p.pid, busy) if p.local else ("no reply", "?")
+        out[p.engine_id] = _local_health(p.pid, busy) if p.local else ("no reply", "?", "?")
     return out
 
 
-def _local_health(pid: int, busy: bool) -> tuple[str, str]:
+def _local_health(pid: int, busy: bool) -> tuple[str, str, str]:
     import psutil
 
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
-            return "no (exited)", "-"
+            return "no (exited)", "-", "-"
         rss = proc.memory_info().rss
     except psutil.Error:
-        return "no (process gone)", "-"
-    return ("yes (busy)" if busy else "yes (no reply)"), _bytes(rss)
+        return "no (process gone)", "-", "-"
+    return ("yes (busy)" if busy else "yes (no reply)"), _bytes(rss), "?"
 
 
 def _memory(info: Health) -> str:
@@ -105,6 +106,15 @@ def _memory(info: Health) -> str:
     if info.cuda_allocated is not None:
         text += f", GPU {_bytes(info.cuda_allocated)} (reserved {_bytes(info.cuda_reserved or 0)})"
     return text
+
+
+def kept_text(kept: tuple[tuple[str, int], ...]) -> str:
+    """``"net 1.2 GB, x 64 KB, and 3 more (2 MB)"``: the largest kept items first; ``"nothing"`` when none."""
+    if not kept:
+        return "nothing"
+    shown = ", ".join(f"{name} {_bytes(size)}" for name, size in kept[:SHOWN_KEPT])
+    rest = kept[SHOWN_KEPT:]
+    return shown + (f", and {len(rest)} more ({_bytes(sum(size for _, size in rest))})" if rest else "")
 
 
 def _bytes(n: float) -> str:

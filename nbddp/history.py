@@ -40,10 +40,15 @@ class History:
         world_size: how many ranks trained.
         batch_size: the per-rank batch size used.
         ranks: one dict per rank: ``rank``, ``host``, ``device``,
-            ``samples_per_s``, ``samples`` (samples it trained in this fit), ``peak_mem`` (bytes: the CUDA peak allocated on
-            GPU, the peak resident set on CPU, during this fit),
-            ``param_bytes`` (the parameter bytes that rank holds), and on GPU
-            ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.
+            ``samples_per_s``, ``samples`` (samples it trained in this fit),
+            ``peak_mem`` (bytes: this fit's own peak, the
+            CUDA peak allocated on GPU, the peak resident set on CPU, measured
+            from the fit's start, after the previous task's memory was given
+            back), ``base_mem`` (bytes resident, or allocated on GPU, when the
+            fit began: the worker itself and what it keeps; ``peak_mem -
+            base_mem`` is what the fit added), ``param_bytes`` (the parameter
+            bytes that rank holds), and on GPU ``cuda_allocated``,
+            ``cuda_reserved`` and ``cuda_peak``.
         model: the trained module when ``dist_fit`` was given a factory (the
             given module itself otherwise).
         stop_reason: why a stop was asked for, when one was: a callback

@@ -138,6 +138,7 @@ class Health:
     names: int
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
+    kept: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what the worker keeps between tasks (worker/keeps.py)
 
 
 @dataclass(frozen=True)

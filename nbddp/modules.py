@@ -33,7 +33,9 @@ from typing import Any
 
 _LOCK = threading.Lock()
 _FORCED: dict[str, str] = {}  # module or package name -> "value" | "reference"
-_DECIDED: dict[str, tuple[int, bool]] = {}  # module name -> (id of the module object, registered by value)
+_KINDS: dict[str, tuple[int, bool]] = {}  # module name -> (id of the module object, travels by value)
+_LAST: dict[str, Any] = {"names": None, "objects": None, "found": []}  # the last walk, reused while unchanged
+_REGISTERED: dict[str, int] = {}  # module name -> id of the module object registered with cloudpickle by value
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -77,29 +79,53 @@ def travels_by_value(name: str, module: ModuleType) -> bool:
     return not is_installed(module)
 
 
+def by_value_modules() -> list[tuple[str, ModuleType]]:
+    """The imported modules that travel by value, each module object sorted once.
+
+    A module is sorted again only when ``sys.modules`` holds a new object
+    under its name (a re-import) or a choice was forced for it since, and
+    while ``sys.modules`` holds the same objects under the same names the
+    last answer is reused (two list copies and an identity comparison):
+    ~0.1 ms with 5,000 modules imported, where a ``realpath`` of each cost
+    0.1 s with 1,580.
+    """
+    with _LOCK:
+        names, objects = list(sys.modules), list(sys.modules.values())
+        if names == _LAST["names"] and _same(objects, _LAST["objects"]):
+            return list(_LAST["found"])
+        found = []
+        for name, module in zip(names, objects):
+            seen = _KINDS.get(name)
+            if seen is None or seen[0] != id(module):
+                by_value = isinstance(module, ModuleType) and travels_by_value(name, module)
+                seen = _KINDS[name] = (id(module), by_value)
+            if seen[1]:
+                found.append((name, module))
+        _LAST.update(names=names, objects=objects, found=found)
+        return list(found)
+
+
+def _same(objects: list[Any], before: list[Any] | None) -> bool:
+    """The same objects in the same order (compared by identity first, as lists compare)."""
+    try:
+        return objects == before
+    except Exception:  # noqa: BLE001 - an odd object in sys.modules whose == raises: sort again
+        return False
+
+
 def register_edited_modules() -> list[str]:
     """Register every not-installed module the kernel imported for pickling by value; return their names.
 
-    Cheap to call before every pack: each module is decided once (again if it
-    was reloaded into a new module object, or a choice was forced since).
+    Cheap to call before every pack (see ``by_value_modules``).
     """
     import cloudpickle
 
     registered = []
-    with _LOCK:
-        for name, module in list(sys.modules.items()):
-            if not isinstance(module, ModuleType):
-                continue
-            seen = _DECIDED.get(name)
-            if seen is not None and seen[0] == id(module):
-                if seen[1]:
-                    registered.append(name)
-                continue
-            by_value = travels_by_value(name, module)
-            if by_value:
-                cloudpickle.register_pickle_by_value(module)
-                registered.append(name)
-            _DECIDED[name] = (id(module), by_value)
+    for name, module in by_value_modules():
+        if _REGISTERED.get(name) != id(module):
+            cloudpickle.register_pickle_by_value(module)
+            _REGISTERED[name] = id(module)
+        registered.append(name)
     return registered
 
 
@@ -129,8 +155,10 @@ def _choose(name: str, choice: str) -> None:
 
     with _LOCK:
         _FORCED[name] = choice
-        for other in [n for n in _DECIDED if n == name or n.startswith(name + ".")]:
-            del _DECIDED[other]
+        _LAST["names"] = None
+        for other in [n for n in _KINDS if n == name or n.startswith(name + ".")]:
+            del _KINDS[other]
+            _REGISTERED.pop(other, None)
             module = sys.modules.get(other)
             if choice == "reference" and module is not None:
                 try:

@@ -105,5 +105,5 @@ def test_a_refused_mallopt_is_reported_not_hidden(monkeypatch):
         def mallopt(self, param, value):
             return 0  # glibc's answer to a value out of range
 
-    monkeypatch.setattr(memory.ctypes, "CDLL", lambda *a, **k: _Libc())
+    monkeypatch.setattr(memory.heap, "libc", lambda: _Libc())
     assert memory.tune_allocator({}) == "default (mallopt refused the values)"

@@ -211,10 +211,22 @@ def test_sharding_settings_are_checked_before_any_worker_works(workers):
     assert len(workers.client.history) == sent
 
 
+class TwoLayers(nn.Module):
+    """Neither repeated blocks nor an nn.Sequential: nothing activation checkpointing could find by itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
 def test_activation_checkpointing_without_repeated_blocks_says_how_to_name_them(workers):
     with pytest.raises(nbddp.WorkerError, match=r"activation_checkpointing=True\) found no repeated blocks.*"
+                                                r"no nn\.Sequential to checkpoint in segments.*"
                                                 r"activation_checkpointing=\{MyBlock\}"):
-        fit(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "ddp", activation_checkpointing=True)
+        fit(TwoLayers(), "ddp", activation_checkpointing=True)
 
 
 @pytest.mark.requires_gpu

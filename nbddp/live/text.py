@@ -72,6 +72,46 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"
 
 
+FINAL_STATES = {"completed": "done", "interrupted": "stopped", "failed": "failed"}
+
+
+def ended_status(run: Any) -> str | None:
+    """``"completed"``, ``"interrupted"`` or ``"failed"`` once the fit ended, else None.
+
+    The views draw their last frame before ``run.finished`` turns true, so the
+    final status (or an error) decides, not the flag alone.
+    """
+    status = run.live_state.status
+    if getattr(run, "error", None) is not None and status not in ("failed", "interrupted"):
+        return "failed"
+    if status in FINAL_STATES:
+        return status
+    return "completed" if getattr(run, "finished", False) else None
+
+
+def failed_ranks(run: Any) -> set[int]:
+    """The ranks the fit's error names (its first failure and the others)."""
+    error = getattr(run, "error", None)
+    ranks = {getattr(error, "rank", None)} | {getattr(f, "rank", None) for f in getattr(error, "others", [])}
+    return {r for r in ranks if r is not None}
+
+
+def rank_state(run: Any, rank: int, positions: dict[int, dict[str, Any]]) -> str:
+    """Where a rank is (``"step 12 · backward"``, from its heartbeat), or, once the fit ended, its final state.
+
+    A failed fit reads ``failed`` on the ranks its error names and ``stopped``
+    on the others.
+    """
+    ended = ended_status(run)
+    if ended == "failed":
+        named = failed_ranks(run)
+        return "failed" if not named or rank in named else "stopped"
+    if ended is not None:
+        return FINAL_STATES[ended]
+    pos = positions.get(rank)
+    return f"step {pos['step']} · {pos['phase']}" if pos else "-"
+
+
 def rank_positions(state: Any) -> str:
     """Where every rank is, from its heartbeat: ``"0: step 3 backward · 1: step 3 data, stalled 12 s"``."""
     stalled = {s["rank"]: s for s in state.stalled}
@@ -104,7 +144,7 @@ def progress_line(run: Any) -> str:
     if f["samples_per_s"]:
         parts.append(f"{f['samples_per_s']:.0f} samples/s")
     parts.append(f"{fmt_time(f['elapsed'])}" + (f" (ETA {fmt_time(f['eta'])})" if f["eta"] is not None else ""))
-    ended = getattr(run, "finished", False) or f["status"] in ("completed", "interrupted", "failed")
+    ended = ended_status(run) is not None
     positions = "" if ended else rank_positions(run.live_state)
     if positions:
         parts.append(f"ranks {positions}")

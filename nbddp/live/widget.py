@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from nbddp.live.plot import LossPlot
-from nbddp.live.text import fmt_bytes, fmt_time, paused_lines, progress_fields
+from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
 from nbddp.messages import innermost_frames
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -83,14 +83,14 @@ def rank_rows(run: Any) -> list[dict[str, Any]]:
     figures = {r["rank"]: r for r in state.ranks or []}
     stalled = {s["rank"]: s for s in state.stalled}
     positions = {pos["rank"]: pos for pos in state.positions}
+    ended = ended_status(run) is not None
     rows = []
     for p in state.placements:
         fig = figures.get(p.rank, {})
-        pos = positions.get(p.rank)
         rows.append({"rank": p.rank, "host": p.host, "device": p.device, "samples_per_s": fig.get("samples_per_s"),
                      "peak_mem": fig.get("peak_mem"), "param_bytes": fig.get("param_bytes"),
-                     "cuda_reserved": fig.get("cuda_reserved"), "stalled": stalled.get(p.rank),
-                     "at": f"step {pos['step']} · {pos['phase']}" if pos else "-"})
+                     "cuda_reserved": fig.get("cuda_reserved"), "stalled": None if ended else stalled.get(p.rank),
+                     "at": rank_state(run, p.rank, positions)})
     return rows
 
 
@@ -149,11 +149,15 @@ def summary_text(run: Any) -> str:
     for r in rank_rows(run):
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
         lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}"
-                     f"  params {fmt_bytes(r.get('param_bytes'))}")
+                     f"  params {fmt_bytes(r.get('param_bytes'))}  {r['at']}")
     error = getattr(run, "error", None)
     if error is not None:
         lines.append(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
     return "\n".join(lines)
+
+
+def _placeholder_html(text: str) -> str:
+    return f"<div style='color:#777;font-size:12px;padding:20px 0'>{html.escape(text)}</div>"
 
 
 @functools.cache
@@ -192,7 +196,10 @@ class WidgetView:
         self.percent = w.HTML(value="0%", layout=w.Layout(width="4em"))
         self.progress = w.HTML(value="waiting for the workers")
         self.metrics = w.HTML(value="")
-        self.image = w.Image(format="png", layout=w.Layout(width="480px", min_height="60px"))
+        # an Image without a PNG shows as a broken image in JupyterLab: hidden, with a line in its place, until drawn
+        self.image = w.Image(format="png", layout=w.Layout(width="480px", min_height="60px", display="none"))
+        self.placeholder = w.HTML(value=_placeholder_html("the loss plot appears with the first records"),
+                                  layout=w.Layout(width="480px"))
         self.ranks = w.HTML(value="")
         self.stalls = w.HTML(value="")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
@@ -203,13 +210,15 @@ class WidgetView:
             self.status,
             w.HBox([self.bar, self.percent, self.progress]),
             self.metrics,
-            w.HBox([self.image, w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
+            w.HBox([self.placeholder, self.image,
+                    w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
                    layout=w.Layout(flex_flow="row wrap")),
             self.stalls,
         ])
         self.box.add_class("nbddp-dashboard")
         self.percent.add_class("nbddp-percent")
         self.image.add_class("nbddp-plot")
+        self.placeholder.add_class("nbddp-plot-placeholder")
 
     def _on_stop(self, _button: Any = None) -> None:
         run = self._run
@@ -252,11 +261,11 @@ class WidgetView:
 
     def finish(self, run: Any) -> None:
         """The final state, whatever ended the fit; then the static fallback in the same display."""
-        status = run.live_state.status
-        if run.error is not None and status not in ("failed", "interrupted"):
-            status = "failed"
+        status = ended_status(run) or run.live_state.status
         self._draw_text(run, status)
         self._draw_plot(run)  # unless the last redraw already shows every record
+        if not self.image.value:
+            self.placeholder.value = _placeholder_html("no loss records to plot")
         self.bar.bar_style = BAR_STYLES.get(status, "info")
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
@@ -268,7 +277,7 @@ class WidgetView:
         f = progress_fields(run)
         if status == "completed":
             f["fraction"] = 1.0 if f["total"] and f["step"] >= f["total"] else f["fraction"]
-        stalled = run.live_state.stalled if not getattr(run, "finished", False) else []
+        stalled = run.live_state.stalled if ended_status(run) is None else []
         if stalled and status in ("starting", "training", "validating"):
             status = "stalled"
         self.status.value = status_html(run, status)
@@ -292,6 +301,8 @@ class WidgetView:
         warm = plot.renders > 0  # a figure's first render loads fonts and caches: not what the next cost
         t0 = time.thread_time()  # CPU, not wall time: on a busy machine wall time counts other processes
         self.image.value = plot.png(hist.steps, hist.validations)
+        self.image.layout.display = None
+        self.placeholder.layout.display = "none"
         cost = time.thread_time() - t0
         self.plot_cpu_s += cost
         self._plotted = drawn

@@ -5,7 +5,22 @@ natural units for both: ``repeated_blocks`` finds every child of an
 ``nn.ModuleList``/``nn.Sequential`` whose children share one class (with at
 least two of them), outermost first. Or the person names the classes.
 
-Activation checkpointing wraps a unit's ``forward`` in
+A model without repeated blocks (``nn.Sequential(Linear, ReLU, Linear, ...)``,
+or 96 ``nn.Linear`` in a row, which count as layers, not blocks):
+
+* FSDP shards each layer that holds parameters of its outermost
+  ``Sequential``/``ModuleList`` as a unit (``layer_units``). Sharding only the
+  root would gather the whole model for the forward and keep it gathered
+  until backward ends: measured on 96 x ``Linear(1024, 1024)`` with AdamW,
+  2 CPU ranks, FSDP's peak was then 0.9x DDP's instead of under half.
+* activation checkpointing cuts each outermost ``nn.Sequential`` into
+  ``ceil(sqrt(n))`` runs of consecutive layers (``segments``), the classic
+  choice (memory for about ``2 sqrt(n)`` layers' activations), as
+  ``torch.utils.checkpoint.checkpoint_sequential`` does: every segment but
+  the last is checkpointed (the last one's activations would be recomputed
+  at once).
+
+Activation checkpointing wraps a unit's (or a segment's) forward in
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its
 activations are dropped after the forward and recomputed in backward. The
 instance's ``forward`` is replaced, so parameter names and state-dict keys
@@ -16,6 +31,7 @@ composes with FSDP2's hooks (measured: weights equal to the run without it).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch.nn as nn
@@ -81,22 +97,79 @@ def units(model: nn.Module, names: frozenset[str] | None) -> list[nn.Module]:
     return blocks
 
 
+def layer_units(model: nn.Module) -> list[nn.Module]:
+    """The layers holding parameters of each outermost ``Sequential``/``ModuleList`` with at least two of them."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            layers = [c for c in module.children() if any(True for _ in c.parameters())]
+            if len(layers) >= 2:
+                found.extend(layers)
+                return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def shard_units(model: nn.Module, names: frozenset[str] | None) -> list[nn.Module]:
+    """What FSDP shards one by one: the named classes, else the repeated blocks, else the layers (``layer_units``)."""
+    return units(model, names) or (layer_units(model) if names is None else [])
+
+
+def segments(n: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each segment of ``n`` layers: ``ceil(sqrt(n))`` runs of consecutive layers, near-equal."""
+    k = min(n, max(2, math.ceil(math.sqrt(n))))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def outer_sequentials(model: nn.Module) -> list[nn.Sequential]:
+    """The outermost ``nn.Sequential`` modules with at least two layers."""
+    if isinstance(model, nn.Sequential) and len(model) >= 2:
+        return [model]
+    return [s for child in model.children() for s in outer_sequentials(child)]
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _run_layers(layers: list[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _segmented(sequential: nn.Sequential, spans: list[tuple[int, int]], x: Any) -> Any:
+    layers = list(sequential)
+    for i, (start, stop) in enumerate(spans):
+        run = functools.partial(_run_layers, layers[start:stop])
+        x = checkpoint(run, x, use_reentrant=False) if i < len(spans) - 1 else run(x)
+    return x
+
+
 def apply_activation_checkpointing(model: nn.Module, names: frozenset[str] | None) -> int:
-    """Recompute the activations of each unit in backward; return how many units (0: none found)."""
+    """Recompute activations in backward, per unit or per segment; return how many were checkpointed (0: none found)."""
     blocks = units(model, names)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
-    return len(blocks)
+    if blocks or names is not None:
+        return len(blocks)
+    checkpointed = 0
+    for sequential in outer_sequentials(model):
+        spans = segments(len(sequential))
+        sequential.forward = functools.partial(_segmented, sequential, spans)
+        checkpointed += len(spans) - 1
+    return checkpointed
 
 
 def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Give every unit its class's own ``forward`` again (before the module travels back to the kernel)."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if isinstance(forward, functools.partial) and forward.func is _checkpointed:
+        if isinstance(forward, functools.partial) and forward.func in (_checkpointed, _segmented):
             del module.forward
     return model

@@ -23,6 +23,7 @@ from nbddp import shipping
 from nbddp.messages import Health
 from nbddp.sources import register_text
 from nbddp.worker.state import STATE
+from nbddp.worker.release import run_task
 from nbddp.worker.task import user_task
 
 CELL_FILENAME = "<%%ddp cell {n}>"
@@ -43,6 +44,10 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
     """
+    return run_task(_run_cell, source, cell_number, generation)
+
+
+def _run_cell(source: str, cell_number: int, generation: int) -> None:
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     register_text(filename, source)  # tracebacks, stacks and pdb show the cell's lines
@@ -64,6 +69,10 @@ def run_cell(source: str, cell_number: int, generation: int) -> None:
 
 def push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     """Put the shipped ``{name: value}`` into this worker's namespace."""
+    return run_task(_push, parcel, generation)
+
+
+def _push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:
     with user_task(generation, "push"):
         values = shipping.unpack(parcel)
     _namespace().update(values)
@@ -90,7 +99,8 @@ def user_names() -> list[str]:
 
 
 def health() -> Health:
-    """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation."""
+    """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation, what it keeps."""
+    from nbddp.worker.keeps import kept_items
     from nbddp.worker.usage import cuda_memory, rss_bytes
 
     cuda: dict[str, int] = {}
@@ -98,6 +108,7 @@ def health() -> Health:
         import torch
 
         cuda = cuda_memory(torch.device(STATE.placement.device))
+    names = user_names()
     return Health(pid=os.getpid(), rss=rss_bytes(), generation=STATE.generation, busy=STATE.busy,
-                  names=len(user_names()), cuda_allocated=cuda.get("cuda_allocated"),
-                  cuda_reserved=cuda.get("cuda_reserved"))
+                  names=len(names), cuda_allocated=cuda.get("cuda_allocated"),
+                  cuda_reserved=cuda.get("cuda_reserved"), kept=kept_items(STATE.namespace, names, STATE.dataset_cache))

@@ -7,7 +7,6 @@ canning (which breaks notebook classes; see the facts file).
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from typing import Any, Iterator
 from nbddp import shipping
 from nbddp.messages import FitLaunch, FitResult
 from nbddp.worker.blocks import remove_activation_checkpointing
+from nbddp.worker.release import run_task
 from nbddp.worker.state import STATE, stop_on_sigint
 from nbddp.worker.task import user_task
 
@@ -25,17 +25,18 @@ def ping() -> int:
 
 
 def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shipping.Parcel | None = None) -> FitResult:
-    """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights."""
+    """Run ``loop.fit`` as this engine's task; rank 0 packs the trained weights; then the memory goes back."""
+    return run_task(_fit, parcel, cfg, launch, model_parcel)
+
+
+def _fit(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shipping.Parcel | None) -> FitResult:
     from nbddp.worker import loop
 
-    try:
-        with user_task(launch.generation, "fit"), stop_on_sigint():
-            result, ts = loop.fit(parcel, cfg, launch, model_parcel)
-        if launch.keep:
-            STATE.namespace[launch.keep] = ts.strategy.module
-        del ts
-    finally:
-        gc.unfreeze()  # loop.train froze the engine's long-lived objects for the training loop
+    with user_task(launch.generation, "fit"), stop_on_sigint():
+        result, ts = loop.fit(parcel, cfg, launch, model_parcel)
+    if launch.keep:
+        STATE.namespace[launch.keep] = ts.strategy.module
+    del ts
     result.timings["end_wall"] = time.time()
     weights, result.weights = result.weights, None
     if weights is not None:
@@ -75,6 +76,10 @@ def _host_cores() -> Iterator[None]:
 
 def call_task(parcel: shipping.Parcel, generation: int) -> shipping.Parcel:
     """``nbddp.run``: call the shipped function with the process group ready."""
+    return run_task(_call, parcel, generation)
+
+
+def _call(parcel: shipping.Parcel, generation: int) -> shipping.Parcel:
     with user_task(generation, "call"):
         fn, args, kwargs = shipping.unpack(parcel)
         result = fn(*args, **kwargs)

@@ -9,7 +9,6 @@ the socket interface, and the allocator settings.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from nbddp.messages import JoinReply
 from nbddp.topology import Placement
 from nbddp.worker import torchrun
 from nbddp.worker.memory import tune_allocator
+from nbddp.worker.release import give_back
 from nbddp.worker.state import STATE
 
 
@@ -65,7 +65,9 @@ def _leave_broken_group() -> None:
             pass
         forget_meshes()
     STATE.mesh_groups.clear()  # destroyed with the world group (worker/mesh.py)
-    _drop_dead_references()  # frees the old group's gloo threads and sockets now, not at some later gc
+    # frees the old group's gloo threads and sockets now, not at some later gc: a full collection, since what
+    # referred to the old group may have been frozen with the engine's objects (worker/release.py)
+    _drop_dead_references(everything=True)
 
 
 def _configure_process(placement: Placement, threads: int, ifname: str | None) -> str:
@@ -110,12 +112,22 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     torchrun.install_group_guard()
 
 
-def _drop_dead_references() -> None:
-    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
+def _drop_dead_references(everything: bool = False) -> None:
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks.
+
+    The engine's IPython shell keeps the last traceback it printed too
+    (``InteractiveTB.tb``), and with it every frame of the failed task: a
+    failed fit's model, optimizer and data stayed resident until the next
+    failure replaced it.
+    """
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    gc.collect()
+    from ipykernel.zmqshell import ZMQInteractiveShell  # the engine's shell
+
+    if ZMQInteractiveShell.initialized() and hasattr(ZMQInteractiveShell.instance().InteractiveTB, "tb"):
+        ZMQInteractiveShell.instance().InteractiveTB.tb = None
+    give_back(everything)  # collect, and return the freed pages to the system
 
 
 def leave_process_group() -> None:

@@ -19,7 +19,6 @@ which strategy it runs.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from typing import Any, Iterator
@@ -69,7 +68,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     """Train on this rank; rank 0's result carries the records and the full weights."""
     device = torch.device(STATE.placement.device)
     t_setup = time.perf_counter()
-    reset_peak_memory(device)
+    base_mem = reset_peak_memory(device)
     ts = parts = path = None
     error: BaseException | None = None
     try:
@@ -92,7 +91,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
                        model_class=model_class, params=params)
     ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
-                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world))
+                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
@@ -107,10 +106,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
 
 def train(ts: TrainState) -> None:
     """Every epoch from where ``ts`` stands, until the last epoch, ``max_steps`` or a stop."""
-    # An engine holds ~300k long-lived Python objects (IPython, zmq, ipyparallel) that a torchrun
-    # process does not; every full collection during training would scan them all. Freezing them
-    # keeps the collector to what training allocates (entry.fit_task unfreezes, whatever happens).
-    gc.freeze()
+    # the engine's ~300k long-lived objects (IPython, zmq, torch) are frozen out of the collector
+    # while any task runs (worker/release.py): collections during training walk what the fit allocated
     stopped = ts.step >= ts.total_steps
     while ts.epoch < ts.cfg.epochs and not stopped:
         stopped = run_epoch(ts)

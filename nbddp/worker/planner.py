@@ -4,13 +4,12 @@ Both build the fit's state exactly as ``dist_fit`` would (``setup.build``,
 ``setup.wrap_and_restore``: the same strategy, precision, accumulation and
 activation checkpointing), run a few steps, and leave nothing behind: the
 model is built from the shipped arguments every time, every RNG is put
-back, memory is released (``empty_cache`` on GPU), no weights are returned.
+back, memory is given back (``release.run_task``), no weights are returned.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from itertools import cycle
 from typing import Any, Iterator
@@ -28,6 +27,7 @@ from nbddp.worker import setup
 from nbddp.worker.batches import move
 from nbddp.worker.group import destroy_subgroup
 from nbddp.worker.loop import optimizer_step
+from nbddp.worker.release import run_task
 from nbddp.worker.state import STATE
 from nbddp.worker.task import user_task
 from nbddp.worker.usage import peak_memory, reset_peak_memory
@@ -54,15 +54,12 @@ class _Tally:
 
 @contextlib.contextmanager
 def _side_effect_free(device: torch.device) -> Iterator[None]:
-    """Put every RNG back and give the memory back, whatever happens inside."""
+    """Put every RNG back, whatever happens inside (``release.run_task`` gives the memory back)."""
     saved = ckpt.rng_state()  # this rank's device is the current one: its CUDA stream is the one saved
     try:
         yield
     finally:
         ckpt.set_rng_state(saved)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def _steps(ts: Any, batches: Iterator[Any], n: int, sync: bool) -> None:
@@ -96,6 +93,10 @@ def trial_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: 
     no peer waiting in a collective; the kernel agrees on the outcome. Any
     other error is raised.
     """
+    return run_task(_trial_task, parcel, cfg, launch, model_parcel)
+
+
+def _trial_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None = None) -> TrialResult:
     device = torch.device(STATE.placement.device)
     outcome, message, shard = "fits", "", 0
     with user_task(launch.generation, trains=True), _side_effect_free(device):
@@ -149,6 +150,11 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
 def scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None, sizes: list[int],
                  warmup: int, steps: int) -> list[ScalingRow] | None:
     """Timed steps at each world size in ``sizes``, in subgroups of ranks ``0..k-1``; rank 0 returns the rows."""
+    return run_task(_scaling_task, parcel, cfg, launch, model_parcel, sizes, warmup, steps)
+
+
+def _scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None, sizes: list[int],
+                  warmup: int, steps: int) -> list[ScalingRow] | None:
     device = torch.device(STATE.placement.device)
     rank = dist.get_rank()
     rows = []

@@ -29,12 +29,13 @@ from nbddp.messages import PUBLISH_KEYS, FitPlanInfo, Progress
 from nbddp.worker.usage import cuda_memory
 
 WINDOW = 64
-RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "param_bytes", "cuda_allocated", "cuda_reserved", "cuda_peak")
+RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "base_mem", "param_bytes", "cuda_allocated", "cuda_reserved",
+              "cuda_peak")
 
 
 class Reporter:
     def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0,
-                 counted: bool = True, roles: list[dict[str, Any]] | None = None):
+                 counted: bool = True, roles: list[dict[str, Any]] | None = None, base_mem: int = 0):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
         self.plan = plan
         self.total_steps = plan.total_steps if plan.total_steps is not None else math.inf  # None: a stream's
@@ -43,6 +44,7 @@ class Reporter:
         # rank): the reduction is then over the data-parallel replicas; every rank reports its own speed
         self.counted = counted
         self.roles = roles or [{} for _ in range(world)]
+        self.base_mem = base_mem  # resident when the fit began (usage.reset_peak_memory)
         self.sync_every = 1  # the first interval is measured, then adapted
         self.records: list[tuple[int, str, dict[str, Any]]] = []
         self.ranks: list[dict[str, Any]] = []
@@ -103,8 +105,8 @@ class Reporter:
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
             *[self.extras.get(k, self._zero) * weight for k in keys],
         ])
-        mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem), "param_bytes": float(self.param_bytes),
-                **cuda_memory(self.device)}
+        mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem),
+                "base_mem": float(self.base_mem), "param_bytes": float(self.param_bytes), **cuda_memory(self.device)}
         slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
         for i, key in enumerate(RANK_SLOTS):
             slots[i * w + self.rank] = float(mine.get(key, 0.0))

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from nbddp.messages import ScriptResult
 from nbddp.sources import register_text
+from nbddp.worker.release import run_task
 from nbddp.worker.state import STATE
 from nbddp.worker.task import user_task
 
@@ -54,6 +55,10 @@ def _as_main(path: str, argv: list[str], cwd: str | None) -> Iterator[dict[str, 
 
 def run_script(source: str, path: str, argv: list[str], cwd: str | None, generation: int) -> ScriptResult:
     """Execute the script's ``source`` as ``path``; return this rank's exit status."""
+    return run_task(_run_script, source, path, argv, cwd, generation)
+
+
+def _run_script(source: str, path: str, argv: list[str], cwd: str | None, generation: int) -> ScriptResult:
     code = compile(source, path, "exec")
     register_text(path, source)  # the script's lines, for tracebacks, stacks and pdb (the file may be elsewhere)
     t0 = time.perf_counter()

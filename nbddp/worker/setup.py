@@ -24,7 +24,7 @@ from nbddp.messages import FitLaunch
 from nbddp.options import DEFAULT_LR, FitConfig, check_device_rules
 from nbddp.shipping import Parcel, unpack
 from nbddp.worker import checkpoint as ckpt
-from nbddp.worker import streams
+from nbddp.worker import memory, streams
 from nbddp.worker.blocks import apply_activation_checkpointing
 from nbddp.worker.data import keep_only, materialise, train_loader, val_loader
 from nbddp.worker.precision import precision_tools
@@ -34,9 +34,19 @@ from nbddp.worker.trainstate import TrainState
 
 
 def seed_everything(seed: int) -> None:
+    """``random``, numpy and torch; the accelerators' generators only where there is one.
+
+    ``torch.manual_seed`` also queues a seed for CUDA and XPU, recording the
+    caller's stack for each; in an engine's deep stack that is 1-2 ms per
+    call, twice per fit, on workers that have no accelerator to seed.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or accelerator.is_available():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 def make_optimizer(spec: Any, params: Any, lr: float | None) -> torch.optim.Optimizer:
@@ -83,14 +93,15 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
     strategy = make_strategy(cfg.strategy, device, cfg.precision, cfg.mesh)
     strategy.group = within[2] if within else None
+    memory.for_setup(sharded=not strategy.heap_steady_state)
     seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
     model = strategy.build(parts["model"])
     if cfg.activation_checkpointing:
         names = None if cfg.activation_checkpointing is True else cfg.activation_checkpointing
         if not apply_activation_checkpointing(model, names or getattr(cfg.strategy, "shard_modules", None)):
             raise ValueError("dist_fit(activation_checkpointing=True) found no repeated blocks to checkpoint (layers of an "
-                             "nn.ModuleList or nn.Sequential that share one class); name the module classes instead: "
-                             "activation_checkpointing={MyBlock}")
+                             "nn.ModuleList or nn.Sequential that share one class) and no nn.Sequential to checkpoint in "
+                             "segments; name the module classes instead: activation_checkpointing={MyBlock}")
     # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
     # stream on every rank, all ranks would drop the same units, which DDP users do not expect
     seed_everything(cfg.seed + 1_000_003 * rank)
@@ -141,6 +152,8 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
     ts.strategy.wrap(ts.model, identical)
     ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
     ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
+    if ts.strategy.heap_steady_state:
+        memory.steady_after_first_step(ts.optimizer)
     ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
     if resume_path:
         restore(ts, resume_path)

@@ -5,6 +5,11 @@ fit: on CUDA the allocator's peak (reset when a fit starts), on CPU the
 process's peak resident set (``VmHWM``), which Linux resets when ``5`` is
 written to ``/proc/self/clear_refs``. Where that reset is refused, the peak
 is the process's lifetime peak, and is marked so.
+
+The reset happens once the previous task's memory was given back
+(``worker/release.py``), so the peak is this fit's own: what was resident
+when it began (``base_mem``: the engine, imported modules, what the person
+keeps) plus what the fit added at its worst.
 """
 
 from __future__ import annotations
@@ -34,16 +39,20 @@ def _vm_hwm() -> int:
     return rss_bytes()
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start measuring the peak afresh (at the start of each fit or trial)."""
+def reset_peak_memory(device: torch.device) -> int:
+    """Start measuring the peak afresh (at the start of each fit or trial); return what is resident now.
+
+    On CUDA: the bytes allocated on ``device``; on CPU: the resident set.
+    """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
+        return int(torch.cuda.memory_allocated(device))
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         _PEAK_RESET["ok"] = False
+    return rss_bytes()
 
 
 def peak_memory(device: torch.device) -> int:

@@ -27,6 +27,8 @@ class Strategy(ABC):
     lockstep_validation: bool = False
     #: every batch must have the full batch size (a pipeline's stages exchange tensors of one shape)
     whole_batches: bool = False
+    #: after the first step the loop's freed buffers stay in the C heap for the next step (worker/memory.py)
+    heap_steady_state: bool = True
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -36,6 +36,7 @@ from nbddp.worker.strategies.shards import local_param_bytes, restore_own, snaps
 class FSDPStrategy(Strategy):
     name = "fsdp"
     lockstep_validation = True
+    heap_steady_state = False  # gathered units and reduce-scatter buffers fragment a heap that keeps them (worker/memory.py)
 
     def __init__(self, device: torch.device, spec: Any, precision: str = "32-true"):
         super().__init__(device)
@@ -140,7 +141,7 @@ def shard(model: nn.Module, spec: Any, precision: str, mesh: Any) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if spec.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for unit in blocks.units(model, spec.shard_modules):
+    for unit in blocks.shard_units(model, spec.shard_modules):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
