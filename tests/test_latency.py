@@ -153,8 +153,12 @@ def test_a_module_a_cell_imports_again_is_followed_when_its_file_changes(workers
 FAILING = "import torch\ndef f():\n    big = torch.ones({n} << 20, dtype=torch.uint8)\n    raise ValueError('on purpose')\nf()"
 
 
-def test_a_failed_cell_gives_its_memory_back(workers):
-    """A task that raised leaves its frames (and their 64 MiB) to the traceback, which the engine's shell kept too."""
+def test_a_failed_cell_gives_its_memory_back_once_its_post_mortem_is_dropped(workers):
+    """A task that raised leaves its frames (and their 64 MiB) to the traceback, which the engine's shell kept too.
+
+    The failing ranks keep the failure for ``%ddp debug`` (issue 23) until their next fit or ``--clear``: then the
+    memory goes, frames frozen with the engine's objects included."""
+    from nbddp.debugging import clear
 
     def fail(mib: int) -> None:
         with pytest.raises(nbddp.WorkerError, match="on purpose"):
@@ -162,9 +166,12 @@ def test_a_failed_cell_gives_its_memory_back(workers):
         workers.wait_healed(raise_error=True)
 
     fail(1)  # a worker's first failure imports what formats tracebacks: not what this test measures
+    clear()
     before = max(nbddp.run(_rss))
     fail(64)
     nbddp.run(abs, -1)
+    assert min(nbddp.run(_rss)) > before + 48 * (1 << 20), "the post-mortem keeps the failing frame's locals"
+    clear()
     assert max(nbddp.run(_rss)) < before + 32 * (1 << 20)
 
 

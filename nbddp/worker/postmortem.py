@@ -16,12 +16,11 @@ it connects to the kernel's debug listener like a breakpoint does
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
-from typing import Any
 
 from nbddp.messages import KeptFailure
 from nbddp.worker.debugger import Channel, DebuggerQuit, RankPdb
+from nbddp.worker.release import collect_everything
 from nbddp.worker.state import STATE
 
 NOT_KEPT = ("PeerFailed", "BdbQuit")
@@ -58,7 +57,9 @@ def clear() -> bool:
     if STATE.failure is None:
         return False
     STATE.failure = None
-    gc.collect()  # the frames -> DDP module -> old process group cycle
+    # the frames -> DDP module -> old process group cycle, frozen with the engine's objects when a task began
+    # (worker/release.py): a collection of the unfrozen objects alone would not find it
+    collect_everything()
     return True
 
 
@@ -93,5 +94,5 @@ def post_mortem_task() -> str:
 
 def clear_task() -> int | None:
     """``%ddp debug --clear`` on this rank: the rank whose failure was dropped, or None."""
-    f: Any = STATE.failure
-    return f.rank if clear() else None
+    rank = STATE.failure.rank if STATE.failure is not None else None
+    return rank if clear() else None  # (no local may hold the failure while clear() collects it)
