@@ -132,12 +132,15 @@ def test_a_short_soak_leaves_every_worker_flat(warm, tmp_path):
     """Two rounds of fits, a cell, a call, a push, a failing fit and an interrupt: 14 tasks (the benchmark runs 50).
 
     The failing fit and the interrupt each rebuild the process group; the old group's threads and sockets go with
-    it (a full collection, worker/group.py), so threads and fds end each round where they ended the first."""
+    it (a full collection, worker/group.py), so threads and fds end each round where they ended the first. The
+    failing fit's frames are kept for ``%ddp debug`` until the next fit, and they hold that fit's DDP module and so
+    its group: each round is measured once that post-mortem is dropped, as ``%ddp debug --clear`` drops it."""
     levels = []
     for _ in range(2):
         for task in ROUND:
             task(str(tmp_path))
             warm.wait_healed(raise_error=True)
+        assert nbddp.debugging.clear() == "nbddp: dropped the failure kept on rank 0, 1"
         levels.append(nbddp.run(resources))
     first, last = levels
     for rank, (a, b) in enumerate(zip(first, last)):
