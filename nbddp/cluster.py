@@ -23,6 +23,7 @@ from nbddp.reaper import Reaper
 from nbddp.attach import attach_files
 from nbddp.errors import ClusterError
 from nbddp.exits import describe_exit, exit_code, read_tail
+from nbddp.iopub import harden
 from nbddp.slurm_watch import SlurmJobs
 
 START_TIMEOUT_S = 120.0
@@ -44,6 +45,7 @@ class Workers:
     def __init__(self, cluster: Any, client: Any, owned: bool, can_add_engines: bool, connection_file: str = ""):
         self.cluster = cluster
         self.client = client
+        harden(client)  # one output message ipyparallel cannot handle must not stop all later output
         self.owned = owned
         self.can_add_engines = can_add_engines
         self.connection_file = connection_file  # the controller's client connection file (its address)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it.
 #   bash scripts/test.sh            # whole suite
-#   bash scripts/test.sh --quick    # the quick tier: no notebook, browser, fault, benchmark, Slurm or slow tests
+#   bash scripts/test.sh --quick    # the quick tier: no notebook, docs, browser, fault, benchmark, Slurm, slow tests,
+#                                   # nor tests that start workers of their own
 #   bash scripts/test.sh -k faults  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/m
     || echo "warning: could not install Slurm; tests/test_slurm.py will skip and say why"
 fi
 
-QUICK=(-m "not (slow or notebook or browser or faults or bench or netns or slurm)")
+QUICK=(-m "not (slow or notebook or docs or browser or faults or bench or netns or slurm or fresh_workers)")
 tier=()
 if [ "${1:-}" = "--quick" ]; then
   shift

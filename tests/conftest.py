@@ -20,6 +20,7 @@ After every test, three kinds of leak fail it:
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import secrets
 import sys
@@ -59,7 +60,7 @@ def _gpu_count() -> int:
 
 # what a test costs, roughly, by its markers (seconds on a quiet machine): only used to order the files
 _WEIGHTS = {"slow": 60.0, "notebook": 20.0, "browser": 20.0, "slurm": 15.0, "netns": 10.0, "bench": 10.0,
-            "fresh_workers": 8.0, "faults": 5.0}
+            "fresh_workers": 8.0, "docs": 8.0, "faults": 5.0}
 
 
 def _weight(item: pytest.Item) -> float:
@@ -143,16 +144,40 @@ def _ship_test_module_by_value(request):
     cloudpickle.unregister_pickle_by_value(module)
 
 
+class _IOErrors(logging.Handler):
+    """What raised in a ZMQ stream's callback in the client's IO thread (pyzmq logs it to tornado.general).
+
+    Such a raise can leave the stream unread for good: an output message ipyparallel could not handle once
+    stopped all later output of the session (nbddp/iopub.py)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "callback" in record.getMessage():
+            self.seen.append(f"{record.getMessage()}: {record.exc_info[1]!r}" if record.exc_info else record.getMessage())
+
+
+_IO_ERRORS = _IOErrors()
+logging.getLogger("tornado.general").addHandler(_IO_ERRORS)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """Fail any test that leaves an engine/controller process, a shared-memory file or an nbddp thread behind."""
+    """Fail any test that leaves an engine/controller process, a shared-memory file or an nbddp thread behind.
+
+    Or that made the client's IO thread raise in a stream's callback (``_IOErrors``)."""
     shm_before = _shm_files()
+    io_errors = len(_IO_ERRORS.seen)
     yield
     if "nbddp.session" not in sys.modules:
         return
     s = sys.modules["nbddp.session"].get_session()
     s.wait_healed(raise_error=False)
     problems = _leaked_processes() + _leaked_files(s, shm_before) + _leaked_threads()
+    if len(_IO_ERRORS.seen) > io_errors:
+        problems.append(f"the client's IO thread raised in a stream callback: {_IO_ERRORS.seen[io_errors:][:3]}")
     if problems:
         pytest.fail("; ".join(problems))
 

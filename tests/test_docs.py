@@ -118,6 +118,7 @@ def starts_own_workers(rel: str) -> bool:
 
 # the pages that run on the suite's workers first, then those that start their own: each of those
 # stops the workers the one before it started, and the shared ones are started again once, after the last
+@pytest.mark.docs
 @pytest.mark.parametrize("rel", sorted((f for f in doc_files() if runnable(f)), key=starts_own_workers))
 def test_doc_code_blocks_run(rel, request, _suite_session, shell, tmp_path, monkeypatch):
     import nbddp

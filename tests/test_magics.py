@@ -72,6 +72,17 @@ def test_cell_output_is_labelled_by_rank_and_streams_live(ip, workers, written):
     assert first - t0 < ended - t0 - 1.5, "the first line should be printed while the cell still runs"
 
 
+def test_a_widget_opened_on_a_rank_does_not_stop_the_output_of_later_cells(ip, workers, written):
+    """A progress bar on a worker is an ipywidget: the comm it opens reached ipyparallel's output handler, which
+    raised in a shell that is not a Jupyter kernel's, and no output of any later cell arrived (nbddp/iopub.py)."""
+    ip.run_cell_magic("ddp", "", "from comm import create_comm\nc = create_comm(target_name='nbddp-test')\n"
+                                 "c.close()\ndel c, create_comm")
+    t0 = time.monotonic()
+    ip.run_cell_magic("ddp", "", "print('after', rank)")
+    assert {"[rank 0] after 0", "[rank 1] after 1"} <= set(texts(written))
+    assert time.monotonic() - t0 < output.OUTPUT_WAIT_S  # the output arrived: nothing waited it out
+
+
 def test_names_persist_across_cells_and_ranks_selects_a_subset(ip, workers, written):
     ip.run_cell_magic("ddp", "", "x = rank * 10\ndef twice(v):\n    return 2 * v")
     ip.run_cell_magic("ddp", "--ranks 1", "only_one = twice(x)\nprint('x is', x, 'twice', only_one)")
@@ -205,6 +216,7 @@ def test_status_during_a_background_fit_marks_ranks_busy(ip, workers, digits, ca
         handle.wait()
 
 
+@pytest.mark.fresh_workers  # stops the suite's workers, starts and restarts its own through the magics
 def test_stop_status_start_restart_through_the_magic(ip, workers, capsys):
     ip.run_line_magic("ddp", "stop")
     ip.run_line_magic("ddp", "status")

@@ -184,6 +184,7 @@ def test_attach_to_missing_connection_file(tmp_path: Path) -> None:
         Workers.attach(os.fspath(tmp_path / "ipcontroller-x-client.json"), None, None)
 
 
+@pytest.mark.faults  # waits out ipyparallel's 10 s connection timeout
 def test_attach_with_a_stale_connection_file_names_the_file(tmp_path: Path) -> None:
     # a connection file whose controller is gone (nothing listens on the port)
     import socket

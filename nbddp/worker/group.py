@@ -10,7 +10,6 @@ the socket interface, and the allocator settings.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -19,7 +18,7 @@ from nbddp.messages import JoinReply
 from nbddp.topology import Placement
 from nbddp.worker import torchrun
 from nbddp.worker.memory import tune_allocator
-from nbddp.worker.release import give_back
+from nbddp.worker.release import forget_shown_tracebacks, give_back
 from nbddp.worker.state import STATE
 
 
@@ -113,20 +112,8 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
 
 
 def _drop_dead_references(everything: bool = False) -> None:
-    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks.
-
-    The engine's IPython shell keeps the last traceback it printed too
-    (``InteractiveTB.tb``), and with it every frame of the failed task: a
-    failed fit's model, optimizer and data stayed resident until the next
-    failure replaced it.
-    """
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
-    from ipykernel.zmqshell import ZMQInteractiveShell  # the engine's shell
-
-    if ZMQInteractiveShell.initialized() and hasattr(ZMQInteractiveShell.instance().InteractiveTB, "tb"):
-        ZMQInteractiveShell.instance().InteractiveTB.tb = None
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
+    forget_shown_tracebacks()
     give_back(everything)  # collect, and return the freed pages to the system
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nbddp.messages import KeptFailure
 from nbddp.worker.debugger import Channel, DebuggerQuit, RankPdb
-from nbddp.worker.release import collect_everything
+from nbddp.worker.release import collect_everything, forget_shown_tracebacks
 from nbddp.worker.state import STATE
 
 NOT_KEPT = ("PeerFailed", "BdbQuit")
@@ -57,6 +57,7 @@ def clear() -> bool:
     if STATE.failure is None:
         return False
     STATE.failure = None
+    forget_shown_tracebacks()  # the engine's shell may have kept the same frames
     # the frames -> DDP module -> old process group cycle, frozen with the engine's objects when a task began
     # (worker/release.py): a collection of the unfrozen objects alone would not find it
     collect_everything()

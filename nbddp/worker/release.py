@@ -99,6 +99,22 @@ def _let_go_but_alive(now: list[Any]) -> bool:
     return any(key not in kept and (ref is None or ref() is not None) for key, ref in _WATCH.items())
 
 
+def forget_shown_tracebacks() -> None:
+    """Drop the tracebacks the interpreter and the engine's shell keep of the last error they showed.
+
+    The engine's IPython shell keeps the last traceback it printed (``InteractiveTB.tb``) and Python
+    keeps ``sys.last_*``: with them every frame of a failed task, its model, optimizer and data, until
+    the next failure replaced them.
+    """
+    for name in ("last_type", *_LAST_ERROR):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    from ipykernel.zmqshell import ZMQInteractiveShell  # the engine's shell
+
+    if ZMQInteractiveShell.initialized() and hasattr(ZMQInteractiveShell.instance().InteractiveTB, "tb"):
+        ZMQInteractiveShell.instance().InteractiveTB.tb = None
+
+
 def collect_everything() -> None:
     """Collect the frozen objects too: what a let-go value held may have been frozen with the engine's."""
     t0 = time.perf_counter()
