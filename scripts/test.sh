@@ -4,6 +4,7 @@
 #   bash scripts/test.sh --quick    # the quick tier: no notebook, docs, browser, fault, benchmark, Slurm, slow tests,
 #                                   # nor tests that start workers of their own
 #   bash scripts/test.sh -k faults  # extra arguments go to pytest
+#   DURATIONS=0 bash scripts/test.sh # every test's time (scripts/time_table.py groups them by cause)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,4 +39,4 @@ if [ "$procs" -gt 1 ]; then
 fi
 
 EXTRAS=browser,bench bash scripts/setup.sh
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 "${parallel[@]}" "${tier[@]}" "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations="${DURATIONS:-15}" "${parallel[@]}" "${tier[@]}" "$@"

@@ -1,6 +1,6 @@
 """Where the suite's time goes, grouped by cause: the table in docs/contributing.md.
 
-    .venv/bin/python -m pytest -q --durations=0 -p no:randomly > run.log    # or bash scripts/test.sh --durations=0
+    DURATIONS=0 bash scripts/test.sh > run.log
     .venv/bin/python scripts/time_table.py run.log
 
 Each line of pytest's ``--durations=0`` report ("12.34s call tests/x.py::t")
