@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from benchmarks import common, torchrun_train, warm_calls  # noqa: E402
 
 NAME = "latency"
-CALLS = 3
+CALLS = 3  # fits in a row per turn (1 with --quick: each torchrun or accelerate call is a new job of seconds)
 
 
 def _accelerate_worker(cfg: dict, result_path: str) -> None:
@@ -83,7 +83,7 @@ def accelerate_fit(cfg: dict, nproc: int = 2) -> dict:
     return res
 
 
-def accelerate_three(cfg: dict, nproc: int = 2) -> dict:
+def accelerate_three(cfg: dict, nproc: int = 2, calls: int = CALLS) -> dict:
     """Three notebook_launcher calls in a fresh Python process, as an accelerate user's kernel.
 
     notebook_launcher forks the calling process. Forking this benchmark process,
@@ -95,7 +95,8 @@ def accelerate_three(cfg: dict, nproc: int = 2) -> dict:
     """
     root = str(_Path(__file__).resolve().parent.parent)
     proc = subprocess.run(
-        [_sys.executable, "-m", "benchmarks.bench_latency", "--accelerate-child", json.dumps(cfg), str(nproc)],
+        [_sys.executable, "-m", "benchmarks.bench_latency", "--accelerate-child", json.dumps(cfg), str(nproc),
+         str(calls)],
         cwd=root, capture_output=True, text=True, timeout=900,
     )
     if proc.returncode != 0:
@@ -151,14 +152,15 @@ def source_shipping(reps: int = 200) -> dict:
     }
 
 
-def _three(call) -> dict:
-    calls = [call() for _ in range(CALLS)]
+def _three(call, n: int = CALLS) -> dict:
+    calls = [call() for _ in range(n)]
     return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
             "wall_s": [c.get("wall_s") for c in calls]}
 
 
 def main(quick: bool = False, reps: int | None = None) -> dict:
     reps = reps or (1 if quick else 3)
+    n_calls = 1 if quick else CALLS
     out_sources = source_shipping(50 if quick else 200)
     common.log("source shipping, us per call: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                              for k, v in out_sources.items()))
@@ -166,7 +168,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     world = min(2, n_cuda) if n_cuda else 2
     cfg = common.workload_cfg("mlp", quick, n_samples=512 if quick else 2048, epochs=1)
     data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
-    out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": CALLS, "world_size": world,
+    out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": n_calls, "world_size": world,
                  "source_shipping": out_sources}
 
     comps = {}
@@ -186,16 +188,16 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             out["nbddp"] = f"nbddp start/first fit failed: {type(exc).__name__}: {exc}"
     if ok:
         comps["nbddp_warm"] = lambda: _three(
-            lambda: common.nbddp_fit(common.make_model("mlp", seed=cfg["seed"]), data, cfg, world=world))
+            lambda: common.nbddp_fit(common.make_model("mlp", seed=cfg["seed"]), data, cfg, world=world), n_calls)
     else:
         common.log(f"nbddp side skipped: {out['nbddp']}")
     try:
         import accelerate  # noqa: F401
 
-        comps["accelerate"] = lambda: accelerate_three(cfg, nproc=world)
+        comps["accelerate"] = lambda: accelerate_three(cfg, nproc=world, calls=n_calls)
     except ImportError:
         out["accelerate"] = "not installed (pip install accelerate -c constraints-dev.txt)"
-    comps["torchrun"] = lambda: _three(lambda: common.run_torchrun(cfg, nproc=world))
+    comps["torchrun"] = lambda: _three(lambda: common.run_torchrun(cfg, nproc=world), n_calls)
 
     try:
         raw = common.alternate(comps, reps=reps, label="latency")
@@ -206,7 +208,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     summary = {}
     for name, turns in raw.items():
         good = [t for t in turns if "error" not in t]
-        per_call = [common.summarize(t["overhead_s"][i] for t in good) for i in range(CALLS)]
+        per_call = [common.summarize(t["overhead_s"][i] for t in good) for i in range(n_calls)]
         summary[name] = {
             "overhead_s": common.summarize(v for t in good for v in t["overhead_s"]),
             "overhead_s_by_call": per_call,
@@ -222,9 +224,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         {
             "competitor": n,
             "overhead s (median)": s["overhead_s"]["median"],
-            "call1": s["overhead_s_by_call"][0]["median"],
-            "call2": s["overhead_s_by_call"][1]["median"],
-            "call3": s["overhead_s_by_call"][2]["median"],
+            **{f"call{i + 1}": c["median"] for i, c in enumerate(s["overhead_s_by_call"])},
             "wall s": s["wall_s"]["median"],
             "loop s": s["loop_s"]["median"],
             "x nbddp": common.ratio(s["overhead_s"]["median"], base),
@@ -232,7 +232,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         }
         for n, s in summary.items()
     ]
-    common.print_table(rows, title=f"\n== latency: per-call overhead, {CALLS} fits in a row ({cfg['n_samples']} samples mlp) ==")
+    common.print_table(rows, title=f"\n== latency: per-call overhead, {n_calls} fits in a row ({cfg['n_samples']} samples mlp) ==")
     return out
 
 
@@ -259,8 +259,8 @@ def summary_rows(res: dict) -> list[dict]:
 
 if __name__ == "__main__":
     if len(_sys.argv) > 1 and _sys.argv[1] == "--accelerate-child":
-        child_cfg, child_nproc = json.loads(_sys.argv[2]), int(_sys.argv[3])
-        result = {"calls": [accelerate_fit(child_cfg, nproc=child_nproc) for _ in range(CALLS)]}
+        child_cfg, child_nproc, child_calls = json.loads(_sys.argv[2]), int(_sys.argv[3]), int(_sys.argv[4])
+        result = {"calls": [accelerate_fit(child_cfg, nproc=child_nproc) for _ in range(child_calls)]}
         print(common.JSON_MARKER + json.dumps(result), flush=True)
     else:
         common.cli(main, NAME)

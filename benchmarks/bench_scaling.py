@@ -31,7 +31,7 @@ def plan(n_gpu: int, cores: int, quick: bool) -> tuple[str, list[int], dict]:
         cfg = common.workload_cfg("cnn", quick, n_samples=8192 if quick else 65536, batch_size=256, epochs=1)
         return "gpu", counts, cfg
     counts = [k for k in (1, 2) if k <= max(1, cores)]
-    cfg = common.workload_cfg("cnn", quick, n_samples=2048 if quick else 16384, batch_size=256, epochs=1)
+    cfg = common.workload_cfg("cnn", quick, n_samples=1024 if quick else 16384, batch_size=256, epochs=1)
     return "cpu", counts, cfg
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import nbformat
 import pytest
@@ -44,7 +43,7 @@ BENCH = """
 rows = []
 nbddp.dist_fit(net(), (x, y), epochs=1, batch_size=16, live=False)  # warm-up: caches, allocators
 for rep in range({reps}):
-    for live in (False, "widget"):
+    for live in ((False, "widget") if rep % 2 == 0 else ("widget", False)):
         handle = nbddp.dist_fit(net(), (x, y), epochs={epochs}, batch_size=16, live=live, block=False)
         h = handle.wait()
         run = handle._run
@@ -58,22 +57,24 @@ print(json.dumps(rows))
 
 
 def test_live_view_cost(tmp_path):
-    """The dashboard's cost in a real kernel: one fit with it and one without, after a warm-up.
+    """The dashboard's cost in a real kernel: three fits with it and three without, alternating, after a warm-up.
 
-    It cannot be faster: the fits must last several seconds each, so that the dashboard
-    redraws during training at its own pace (every 2-3 s) and its CPU share means something.
-    The many-repetition measurement is benchmarks/bench_live.py.
+    Each side's best throughput is compared: the suite runs two test processes on two cores, and a
+    burst of the other one's work slowed a single fit by 30 % (seen in a full run). It cannot be
+    faster: the fits must last seconds each, so that the dashboard redraws during training at its
+    own pace (every 2-3 s) and its CPU share means something. The many-repetition measurement is
+    benchmarks/bench_live.py.
     """
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(BENCH.format(reps=1, epochs=30)),
+    nb.cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(BENCH.format(reps=3, epochs=10)),
                 nbformat.v4.new_code_cell("nbddp.stop()")]
     NotebookClient(nb, timeout=500, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for o in nb.cells[1].outputs if o.output_type == "stream")
     rows = json.loads(text.strip().splitlines()[-1])
     by = {live: [r for r in rows if r["live"] == live] for live in (False, "widget")}
-    tput = {live: statistics.median(r["samples_per_s"] for r in rs) for live, rs in by.items()}
+    tput = {live: max(r["samples_per_s"] for r in rs) for live, rs in by.items()}
     share = {live: max(r["watch_cpu_s"] / r["total_s"] for r in rs) for live, rs in by.items()}
-    report = {"rows": rows, "median_samples_per_s": {str(k): v for k, v in tput.items()},
+    report = {"rows": rows, "best_samples_per_s": {str(k): v for k, v in tput.items()},
               "throughput_ratio_live_over_off": tput["widget"] / tput[False],
               "max_watcher_cpu_share": {str(k): v for k, v in share.items()}}
     print(json.dumps(report, indent=1))
