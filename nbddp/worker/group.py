@@ -18,7 +18,7 @@ from nbddp.messages import JoinReply
 from nbddp.topology import Placement
 from nbddp.worker import torchrun
 from nbddp.worker.memory import tune_allocator
-from nbddp.worker.release import forget_shown_tracebacks, give_back
+from nbddp.worker.release import drop_failed_frames
 from nbddp.worker.state import STATE
 
 
@@ -56,7 +56,7 @@ def join_process_group(
 def _leave_broken_group() -> None:
     import torch.distributed as dist
 
-    _drop_dead_references()  # a failed fit's traceback keeps its DDP module and the old group alive
+    drop_failed_frames()  # a failed fit's traceback keeps its DDP module and the old group alive
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -66,7 +66,7 @@ def _leave_broken_group() -> None:
     STATE.mesh_groups.clear()  # destroyed with the world group (worker/mesh.py)
     # frees the old group's gloo threads and sockets now, not at some later gc: a full collection, since what
     # referred to the old group may have been frozen with the engine's objects (worker/release.py)
-    _drop_dead_references(everything=True)
+    drop_failed_frames(everything=True)
 
 
 def _configure_process(placement: Placement, threads: int, ifname: str | None) -> str:
@@ -109,12 +109,6 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
                            device=torch.device(placement.device))
     torchrun.apply_environment(placement, master)
     torchrun.install_group_guard()
-
-
-def _drop_dead_references(everything: bool = False) -> None:
-    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks."""
-    forget_shown_tracebacks()
-    give_back(everything)  # collect, and return the freed pages to the system
 
 
 def leave_process_group() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nbddp.messages import KeptFailure
 from nbddp.worker.debugger import Channel, DebuggerQuit, RankPdb
-from nbddp.worker.release import collect_everything, forget_shown_tracebacks
+from nbddp.worker.release import drop_failed_frames
 from nbddp.worker.state import STATE
 
 NOT_KEPT = ("PeerFailed", "BdbQuit")
@@ -57,10 +57,9 @@ def clear() -> bool:
     if STATE.failure is None:
         return False
     STATE.failure = None
-    forget_shown_tracebacks()  # the engine's shell may have kept the same frames
-    # the frames -> DDP module -> old process group cycle, frozen with the engine's objects when a task began
-    # (worker/release.py): a collection of the unfrozen objects alone would not find it
-    collect_everything()
+    # the engine's shell may keep the same frames; they hold the DDP module -> old process group cycle, frozen
+    # with the engine's objects when a task began (worker/release.py): only a full collection finds it
+    drop_failed_frames(everything=True)
     return True
 
 
@@ -95,5 +94,6 @@ def post_mortem_task() -> str:
 
 def clear_task() -> int | None:
     """``%ddp debug --clear`` on this rank: the rank whose failure was dropped, or None."""
-    rank = STATE.failure.rank if STATE.failure is not None else None
-    return rank if clear() else None  # (no local may hold the failure while clear() collects it)
+    rank = STATE.failure.rank if STATE.failure is not None else None  # (no local may hold the failure itself
+    clear()  # while clear() collects it)
+    return rank

@@ -99,7 +99,7 @@ def _let_go_but_alive(now: list[Any]) -> bool:
     return any(key not in kept and (ref is None or ref() is not None) for key, ref in _WATCH.items())
 
 
-def forget_shown_tracebacks() -> None:
+def _forget_shown_tracebacks() -> None:
     """Drop the tracebacks the interpreter and the engine's shell keep of the last error they showed.
 
     The engine's IPython shell keeps the last traceback it printed (``InteractiveTB.tb``) and Python
@@ -115,7 +115,7 @@ def forget_shown_tracebacks() -> None:
         ZMQInteractiveShell.instance().InteractiveTB.tb = None
 
 
-def collect_everything() -> None:
+def _collect_everything() -> None:
     """Collect the frozen objects too: what a let-go value held may have been frozen with the engine's."""
     t0 = time.perf_counter()
     gc.unfreeze()
@@ -134,7 +134,7 @@ def _collect(everything: bool = False) -> None:
     LAST["full_collect_s"] = 0.0
     kept = _kept_values()
     if everything or _let_go_but_alive(kept):
-        collect_everything()
+        _collect_everything()
         kept = _kept_values()
     _WATCH.clear()
     _WATCH.update(_watch(kept))
@@ -158,7 +158,7 @@ def begin_task() -> None:
     if FULL_COLLECTIONS["frozen_after"] is None:
         FULL_COLLECTIONS["frozen_after"] = gc.get_freeze_count()
     elif FULL_COLLECTIONS["tasks"] % CHECK_EVERY == 0 and gc.get_freeze_count() > 2 * FULL_COLLECTIONS["frozen_after"]:
-        collect_everything()
+        _collect_everything()
 
 
 def give_back(everything: bool = False) -> None:
@@ -177,6 +177,14 @@ def give_back(everything: bool = False) -> None:
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     LAST["cuda_s"] = time.perf_counter() - t0
+
+
+def drop_failed_frames(everything: bool = False) -> None:
+    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks, give the memory back.
+
+    ``everything``: collect the frozen objects too (see ``give_back``)."""
+    _forget_shown_tracebacks()
+    give_back(everything)
 
 
 def run_task(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
