@@ -60,9 +60,8 @@ def markers() -> dict[str, set[str]]:
     return plugin.of
 
 
-def table(lines: list[str]) -> list[tuple[str, float, int]]:
-    """(cause, seconds, test phases) rows, largest first."""
-    of = markers()
+def table(lines: list[str], of: dict[str, set[str]]) -> list[tuple[str, float, int]]:
+    """(cause, seconds, test phases) rows, largest first; ``of``: node id -> its markers (``markers()``)."""
     seconds: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for line in lines:
@@ -79,7 +78,7 @@ def table(lines: list[str]) -> list[tuple[str, float, int]]:
 
 def main(path: str) -> None:
     with open(path) as f:
-        rows = table(f.readlines())
+        rows = table(f.readlines(), markers())
     total = sum(s for _, s, _ in rows)
     print("| cause | seconds | share | phases |\n|---|---:|---:|---:|")
     for cause, s, n in rows:
