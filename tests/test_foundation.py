@@ -232,6 +232,7 @@ def test_only_the_current_process_group_store_file_exists(workers):
     """Rebuilding the group (a new generation) removes the old generation's file store."""
     import glob
 
+    from nbddp.session import DEFAULT_PG_TIMEOUT_S
     from nbddp.shipping import shm_dir
 
     nbddp.start(n=2, timeout=250)  # a new timeout re-forms the group on the same engines
@@ -239,4 +240,4 @@ def test_only_the_current_process_group_store_file_exists(workers):
         stores = glob.glob(os.path.join(shm_dir(), f"{workers.file_prefix}-pg-*"))
         assert stores == [os.path.join(shm_dir(), f"{workers.file_prefix}-pg-{workers.generation}")]
     finally:
-        nbddp.start(n=2, timeout=None)
+        nbddp.start(n=2, timeout=DEFAULT_PG_TIMEOUT_S)  # timeout=None keeps 250: give the next test the default
