@@ -166,7 +166,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                                                              for k, v in out_sources.items()))
     n_cuda = common.cuda_count()
     world = min(2, n_cuda) if n_cuda else 2
-    cfg = common.workload_cfg("mlp", quick, n_samples=512 if quick else 2048, epochs=1)
+    # --quick: bench_throughput's quick MLP job exactly, so the smoke run launches that torchrun job once
+    cfg = common.workload_cfg("mlp", True) if quick else common.workload_cfg("mlp", False, n_samples=2048, epochs=1)
     data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
     out: dict = {"cfg": cfg, "reps": reps, "calls_per_turn": n_calls, "world_size": world,
                  "source_shipping": out_sources}

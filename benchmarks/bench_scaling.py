@@ -6,8 +6,8 @@ torchrun (fresh job) and nbddp (workers restarted with ``start(n=k)``)
 alternate. Efficiency = samples/s at k workers / (k * samples/s at 1 worker).
 
 Without CUDA the same code runs on CPU workers instead (gloo, one thread per
-rank, 1 and 2 workers up to the machine's cores, 16384 samples, 2048 with
---quick), so every part of it but nccl runs wherever the suite runs; the rows
+rank, 1 and 2 workers up to the machine's cores, 16384 samples; with --quick
+bench_throughput's quick CNN: 1024 samples, batch 64), so every part of it but nccl runs wherever the suite runs; the rows
 then say ``cpu`` and measure CPU scaling, which is not the GPU figure.
 """
 
@@ -26,12 +26,15 @@ NAME = "scaling"
 
 def plan(n_gpu: int, cores: int, quick: bool) -> tuple[str, list[int], dict]:
     """(unit, worker counts, workload cfg) for this machine."""
+    # largest first: a run that kept the workers of the benchmark before (2 of them) starts with those
     if n_gpu:
-        counts = [k for k in (1, 2, 4, 8) if k <= n_gpu]
+        counts = [k for k in (8, 4, 2, 1) if k <= n_gpu]
         cfg = common.workload_cfg("cnn", quick, n_samples=8192 if quick else 65536, batch_size=256, epochs=1)
         return "gpu", counts, cfg
-    counts = [k for k in (1, 2) if k <= max(1, cores)]
-    cfg = common.workload_cfg("cnn", quick, n_samples=1024 if quick else 16384, batch_size=256, epochs=1)
+    counts = [k for k in (2, 1) if k <= max(1, cores)]
+    # --quick on CPU: bench_throughput's quick CNN job exactly, so the smoke run launches that torchrun job once
+    cfg = common.workload_cfg("cnn", True) if quick else common.workload_cfg("cnn", False, n_samples=16384,
+                                                                              batch_size=256, epochs=1)
     return "cpu", counts, cfg
 
 
@@ -70,7 +73,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     rows = []
     for name in ("torchrun", "nbddp"):
         base = out["by_count"].get(1, {}).get(name, {}).get("samples_per_s", {}).get("median")
-        for k in counts:
+        for k in sorted(counts):
             s = out["by_count"][k].get(name)
             if not s:
                 continue
@@ -88,7 +91,7 @@ def summary_rows(res: dict) -> list[dict]:
         return [{"bench": "scaling", "competitor": "-", "metric": "skipped (no GPU)", "median": None}]
     unit = res.get("unit", "gpu")
     rows = []
-    for k, byc in res["by_count"].items():
+    for k, byc in sorted(res["by_count"].items(), key=lambda item: int(item[0])):
         tr = byc.get("torchrun", {}).get("samples_per_s", {}).get("median")
         for name in ("torchrun", "nbddp"):
             if name in byc:

@@ -22,19 +22,26 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from benchmarks import common  # noqa: E402
 
-BENCHES = ["startup", "throughput", "live", "latency", "weights", "scaling", "fsdp", "memory", "data", "topologies"]
+# scaling comes last: it ends on 1 worker, and every other benchmark works on the 2 it leaves running
+BENCHES = ["startup", "throughput", "live", "latency", "weights", "fsdp", "memory", "data", "topologies", "scaling"]
 
 
 def run(quick: bool = False, only: list[str] | None = None, reuse_workers: bool = False) -> dict:
-    """Every benchmark (or ``only`` those); ``reuse_workers``: benchmarks keep the running workers (smoke test)."""
+    """Every benchmark (or ``only`` those).
+
+    ``reuse_workers`` (the test suite's smoke run): benchmarks keep the running workers, and a torchrun job
+    identical to one already run is not launched again (``common.REUSE_TORCHRUN``).
+    """
     results: dict = {"quick": quick, "reuse_workers": reuse_workers, "benchmarks": {}}
     rows: list[dict] = []
     common.REUSE_WORKERS = reuse_workers
+    common.REUSE_TORCHRUN = {} if reuse_workers else None
     try:
         for name in only or BENCHES:
             _run_one(name, quick, results, rows)
     finally:
         common.REUSE_WORKERS = False
+        common.REUSE_TORCHRUN = None
     results["summary_rows"] = rows
     print()
     results["summary_table"] = common.print_table(

@@ -49,3 +49,22 @@ def test_a_job_that_keeps_crashing_raises_with_the_ranks_own_message(monkeypatch
     with pytest.raises(RuntimeError, match=r"torchrun exit 1: terminate called without an active exception"):
         common.run_torchrun(CFG, retries=1)
 
+
+
+def test_the_smoke_run_launches_each_distinct_torchrun_job_once(monkeypatch):
+    """``REUSE_TORCHRUN`` (the smoke run): the same workload and world size reuse the first job's figures."""
+    calls = _jobs(monkeypatch, [(0, RESULT + "\n", "")] * 3)
+    monkeypatch.setattr(common, "REUSE_TORCHRUN", {})
+    first, again = common.run_torchrun(CFG), common.run_torchrun(dict(CFG))
+    assert len(calls) == 1 and "reused" not in first and again["reused"] is True
+    assert again["samples_per_s"] == first["samples_per_s"] == 4096.0
+    common.run_torchrun(CFG, nproc=1)  # another world size is another job
+    common.run_torchrun({**CFG, "n_samples": 4096})  # and so is another workload
+    assert len(calls) == 3
+
+
+def test_a_full_run_launches_every_torchrun_job(monkeypatch):
+    calls = _jobs(monkeypatch, [(0, RESULT + "\n", "")] * 2)
+    assert common.REUSE_TORCHRUN is None
+    common.run_torchrun(CFG)
+    assert "reused" not in common.run_torchrun(CFG) and len(calls) == 2

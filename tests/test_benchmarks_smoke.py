@@ -21,14 +21,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.fresh_workers
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # ~2 min on a quiet machine; each benchmark starts its own workers and torchrun jobs
+@pytest.mark.timeout(600)  # ~80 s on a quiet machine: 8 process launches, each benchmark once at its smallest size
 def test_quick_benchmarks_run_and_report_ratios(workers):
     """Every benchmark runs once at its smallest size and reports its ratios.
 
     The benchmarks keep the suite's workers (``reuse_workers``) instead of starting their own,
-    except where start-up is what they measure. It cannot be faster: the benchmarks'
-    competitors are separate jobs (torchrun, accelerate's launcher, fresh workers for the
-    start-up and 1-worker scaling figures), each started once.
+    except where start-up is what they measure, and each distinct torchrun job runs once
+    (latency's and 2-CPU scaling's are throughput's quick jobs). It cannot be faster: what is
+    left is one launch per competitor path, 4-10 s each on 2 cores, about 50 s together: one
+    ipyparallel cluster, three torchrun jobs (MLP and CNN on 2 ranks, CNN on 1), one
+    accelerate launcher, and three nbddp starts (start-up's, memory's second order after
+    ``nbddp.restart()``, scaling's 1 worker); the benchmarks' own work takes the other ~30 s.
     """
     sys.path.insert(0, ROOT)
     sigint = signal.getsignal(signal.SIGINT)  # accelerate's launcher installs torch elastic's handler
@@ -43,6 +46,15 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     assert not failed, f"benchmarks crashed: {failed}"
     rows = results["summary_rows"]
     ratios = {(r["bench"], r["competitor"], r["metric"]): r.get("ratio") for r in rows}
+    # each distinct torchrun job ran once: latency's and 2-CPU scaling's are throughput's quick jobs
+    torchrun_jobs = {name: r.get("reused", False) for name, r in [
+        ("throughput/mlp", results["benchmarks"]["throughput"]["workloads"]["mlp"]["raw"]["torchrun"][0]),
+        ("throughput/cnn", results["benchmarks"]["throughput"]["workloads"]["cnn"]["raw"]["torchrun"][0]),
+        ("latency", results["benchmarks"]["latency"]["raw"]["torchrun"][0]["calls"][0]),
+        ("scaling/2cpu", results["benchmarks"]["scaling"]["by_count"][2]["raw"]["torchrun"][0]),
+        ("scaling/1cpu", results["benchmarks"]["scaling"]["by_count"][1]["raw"]["torchrun"][0])]}
+    assert torchrun_jobs == {"throughput/mlp": False, "throughput/cnn": False, "latency": True,
+                             "scaling/2cpu": True, "scaling/1cpu": False}, torchrun_jobs
     for bench in ("throughput/mlp", "throughput/cnn"):
         got = [v for (b, c, m), v in ratios.items() if b == bench and c.startswith("nbddp") and m == "samples/s"]
         assert got and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in got), (bench, got)

@@ -212,6 +212,27 @@ def test_scancel_mid_fit_is_a_clear_error_then_restart_submits_a_new_job(slurm, 
     _ok(kernel.run("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
 
 
+@pytest.mark.slow
+def test_the_time_limit_mid_fit_names_timeout(slurm, kernel):
+    """Slurm's own time limit ends the job under a fit: TIMEOUT, within 10 s of Slurm ending it.
+
+    It cannot be faster: a time limit is whole minutes, and slurmctld checks limits every 30 s
+    (``PERIODIC_TIMEOUT``), so the job must be a minute old and the end comes up to 30 s
+    later. The test lowers the limit of the running job to one minute (``scontrol update``,
+    as a user may lower their own job's), so the minute already run in the tests before
+    counts, and times the error from when Slurm ended the job.
+    """
+    job = _running_job(kernel)
+    message, took = _fail_a_fit(slurm, kernel, "time-limit", lambda: slurm.run(
+        "scontrol", "update", f"JobId={job}", "TimeLimit=1"), (job, "TIMEOUT"), ends_later=True)
+    assert f"Slurm job {job} reached its time limit: TIMEOUT" in message, message
+    TIMES["time limit to error"] = took
+    _ok(kernel.run("%ddp restart"))  # and a new job trains
+    new = _running_job(kernel)
+    assert new != job and [j["id"] for j in _nbddp_jobs(slurm)] == [new]
+    _ok(kernel.run("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
+
+
 def test_a_node_going_down_mid_fit_names_node_fail(slurm, kernel):
     job = _running_job(kernel)
     try:
@@ -224,8 +245,13 @@ def test_a_node_going_down_mid_fit_names_node_fail(slurm, kernel):
     slurm.wait_for(lambda: "idle" in slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout, 30, "n2 to be back")
 
 
-def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str]) -> tuple[str, float]:
-    """Run a long fit, do ``fault()`` once it trains; the SlurmError's message, and how long it took to come."""
+def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str],
+                ends_later: bool = False) -> tuple[str, float]:
+    """Run a long fit, do ``fault()`` once it trains; the SlurmError's message, and how long it took to come.
+
+    ``ends_later``: the fault is one Slurm acts on by its own clock (a time limit), so the time is
+    counted from when ``squeue`` stops showing the job RUNNING, which the test waits for (2 minutes at most).
+    """
     mark = slurm.root / f"fit-{name}"
     msg_id = kernel.kc.execute(f"""
 def slow_step(model, batch):
@@ -243,6 +269,10 @@ except nbddp.SlurmError as e:
     slurm.wait_for(mark.exists, 120, "the fit to start")
     t0 = time.monotonic()
     fault()
+    if ends_later:
+        slurm.wait_for(lambda: {j["id"]: j["state"] for j in slurm.jobs()}.get(expect[0]) != "RUNNING", 120,
+                       f"Slurm to end job {expect[0]}", interval=0.1)
+        t0 = time.monotonic()
     reply = _wait_reply(kernel, msg_id, 60)
     took = time.monotonic() - t0
     assert "FAILED " in reply, reply[-3000:]
