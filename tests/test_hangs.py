@@ -296,39 +296,48 @@ def test_a_cell_that_skips_a_collective_shows_the_stall_and_an_interrupt_replace
 # --------------------------------------------------------------------------- nbddp.run and scripts
 
 NAPPING_SCRIPT = """
-import time
+import os, time
 
 def napping():
-    time.sleep(4)
+    open(os.path.join({folder!r}, "started-%d" % os.getpid()), "w").close()
+    while not os.path.exists({release!r}):  # napping until the test has taken the stacks
+        time.sleep(0.02)
 
 napping()
 """
 
 
-def napping() -> int:
-    time.sleep(4)
+def napping(folder: str, release: str) -> int:
+    open(os.path.join(folder, f"started-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < deadline:  # until the test has taken the stacks
+        time.sleep(0.02)
     return rank()
 
 
 @pytest.mark.faults
 @pytest.mark.parametrize("how", ["run", "script"])
 def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
+    """Both ranks are inside the call (each wrote its file) when the stacks are taken; then the call ends."""
     found: dict = {}
+    release = str(tmp_path / "release")
 
     def take_stacks() -> None:
-        _wait_for(lambda: workers.running is not None and workers.running.tasks is not None, what="the call")
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        found["stacks"] = nbddp.stacks()
-        found["stacks_s"] = time.monotonic() - t0
+        try:
+            _wait_for(lambda: len(list(tmp_path.glob("started-*"))) == 2, what="both ranks in the call")
+            t0 = time.monotonic()
+            found["stacks"] = nbddp.stacks()
+            found["stacks_s"] = time.monotonic() - t0
+        finally:
+            open(release, "w").close()
 
     thread = threading.Thread(target=take_stacks, daemon=True)
     thread.start()
     if how == "run":
-        assert nbddp.run(napping) == [0, 1]
+        assert nbddp.run(napping, str(tmp_path), release) == [0, 1]
     else:
         script = tmp_path / "nap.py"
-        script.write_text(NAPPING_SCRIPT)
+        script.write_text(NAPPING_SCRIPT.format(folder=str(tmp_path), release=release))
         assert [r.exit_code for r in nbddp.run_script(str(script))] == [0, 0]
     thread.join(30)
     stacks = found["stacks"]
@@ -336,7 +345,7 @@ def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
     for entry in stacks:
         assert entry.state == "busy" and "in napping" in entry.text, entry
     if how == "script":
-        assert "time.sleep(4)" in stacks[0].text, "a script's own lines (its file is on this machine)"
+        assert "time.sleep(0.02)" in stacks[0].text, "a script's own lines (its file is on this machine)"
 
 
 # --------------------------------------------------------------------------- a dead controller
