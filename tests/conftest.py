@@ -267,13 +267,9 @@ def workers(_suite_session):
             nbddp.stop()
     if not s.started:
         nbddp.start(n=2, backend="gloo")
-    # A test that changed the session's options and failed before putting them back must not change what the
-    # next test (in whatever order xdist runs the files) sees: the default timeout, no stall timeout.
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+    from shared_options import reset_to_default_options
 
-    if s.options.timeout != DEFAULT_PG_TIMEOUT_S:
-        nbddp.start(n=2, backend="gloo", timeout=DEFAULT_PG_TIMEOUT_S)  # a new group on the same engines
-    s.options.stall_timeout = None
+    reset_to_default_options(s)  # whatever options the test before left
     return s
 
 

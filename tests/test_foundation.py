@@ -228,6 +228,23 @@ def test_stop_right_after_a_non_blocking_start_is_a_clean_stop(workers):
     assert handle.done()
 
 
+def test_the_shared_workers_get_back_the_default_options_a_test_left_changed(workers):
+    """What the ``workers`` fixture does before each test: a timeout left at 250 s (which once failed a test in
+    another file, in the CI runs that ordered the two that way) and a stall timeout are put back."""
+    from shared_options import reset_to_default_options
+
+    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+
+    nbddp.start(n=2, timeout=250)
+    workers.options.stall_timeout = 30.0
+    generation = workers.generation
+    reset_to_default_options(workers)
+    assert (workers.options.timeout, workers.options.stall_timeout) == (DEFAULT_PG_TIMEOUT_S, None)
+    assert workers.generation > generation and nbddp.run(lambda: 1) == [1, 1]  # a new group, on the same engines
+    reset_to_default_options(workers)
+    assert nbddp.status()["stall_timeout"] is None
+
+
 def test_only_the_current_process_group_store_file_exists(workers):
     """Rebuilding the group (a new generation) removes the old generation's file store."""
     import glob
