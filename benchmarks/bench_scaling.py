@@ -7,8 +7,9 @@ alternate. Efficiency = samples/s at k workers / (k * samples/s at 1 worker).
 
 Without CUDA the same code runs on CPU workers instead (gloo, one thread per
 rank, 1 and 2 workers up to the machine's cores, 16384 samples; with --quick
-bench_throughput's quick CNN: 1024 samples, batch 64), so every part of it but nccl runs wherever the suite runs; the rows
-then say ``cpu`` and measure CPU scaling, which is not the GPU figure.
+bench_throughput's quick CNN job, 1024 samples of batch 64), so every part of
+it but nccl runs wherever the suite runs; the rows then say ``cpu`` and
+measure CPU scaling, which is not the GPU figure.
 """
 
 from __future__ import annotations

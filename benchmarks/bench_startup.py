@@ -31,8 +31,8 @@ def nbddp_cycle(n: int) -> dict:
     import nbddp
 
     if common.REUSE_WORKERS and nbddp.status()["running"]:
-        # the smoke run: time the stop of the running workers, then a fresh start, and keep those
-        # workers for the benchmarks after this one (a start costs seconds, a stop-start pair is the same two)
+        # the smoke run: the same two figures in the other order (the running workers' stop, then a
+        # fresh start), so the fresh workers stay for the benchmarks after this one
         stop_s = common.nbddp_stop(fresh=True)
         return {"start_s": common.nbddp_start(n, fresh=True), "stop_s": stop_s}
     common.nbddp_stop(fresh=True)  # (workers another benchmark kept would make start() a no-op)
