@@ -83,8 +83,8 @@ def accelerate_fit(cfg: dict, nproc: int = 2) -> dict:
     return res
 
 
-def accelerate_three(cfg: dict, nproc: int = 2, calls: int = CALLS) -> dict:
-    """Three notebook_launcher calls in a fresh Python process, as an accelerate user's kernel.
+def accelerate_in_a_row(cfg: dict, nproc: int = 2, calls: int = CALLS) -> dict:
+    """``calls`` notebook_launcher calls in a row in a fresh Python process, as an accelerate user's kernel.
 
     notebook_launcher forks the calling process. Forking this benchmark process,
     which also holds nbddp's client threads (ipyparallel's IO thread, the fit
@@ -152,7 +152,8 @@ def source_shipping(reps: int = 200) -> dict:
     }
 
 
-def _three(call, n: int = CALLS) -> dict:
+def _in_a_row(call, n: int = CALLS) -> dict:
+    """``n`` calls in a row: their results, overheads and wall times."""
     calls = [call() for _ in range(n)]
     return {"calls": calls, "overhead_s": [c.get("overhead_s") for c in calls],
             "wall_s": [c.get("wall_s") for c in calls]}
@@ -188,17 +189,17 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             ok = False
             out["nbddp"] = f"nbddp start/first fit failed: {type(exc).__name__}: {exc}"
     if ok:
-        comps["nbddp_warm"] = lambda: _three(
+        comps["nbddp_warm"] = lambda: _in_a_row(
             lambda: common.nbddp_fit(common.make_model("mlp", seed=cfg["seed"]), data, cfg, world=world), n_calls)
     else:
         common.log(f"nbddp side skipped: {out['nbddp']}")
     try:
         import accelerate  # noqa: F401
 
-        comps["accelerate"] = lambda: accelerate_three(cfg, nproc=world, calls=n_calls)
+        comps["accelerate"] = lambda: accelerate_in_a_row(cfg, nproc=world, calls=n_calls)
     except ImportError:
         out["accelerate"] = "not installed (pip install accelerate -c constraints-dev.txt)"
-    comps["torchrun"] = lambda: _three(lambda: common.run_torchrun(cfg, nproc=world), n_calls)
+    comps["torchrun"] = lambda: _in_a_row(lambda: common.run_torchrun(cfg, nproc=world), n_calls)
 
     try:
         raw = common.alternate(comps, reps=reps, label="latency")
@@ -233,7 +234,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         }
         for n, s in summary.items()
     ]
-    common.print_table(rows, title=f"\n== latency: per-call overhead, {n_calls} fits in a row ({cfg['n_samples']} samples mlp) ==")
+    common.print_table(rows, title=f"\n== latency: per-call overhead, {n_calls} fits in a row "
+                                   f"({cfg['n_samples']} samples mlp) ==")
     return out
 
 

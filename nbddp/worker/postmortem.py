@@ -94,6 +94,7 @@ def post_mortem_task() -> str:
 
 def clear_task() -> int | None:
     """``%ddp debug --clear`` on this rank: the rank whose failure was dropped, or None."""
-    rank = STATE.failure.rank if STATE.failure is not None else None  # (no local may hold the failure itself
-    clear()  # while clear() collects it)
+    # only the rank is kept here: a local holding the failure itself would keep it alive while clear() collects it
+    rank = STATE.failure.rank if STATE.failure is not None else None
+    clear()
     return rank

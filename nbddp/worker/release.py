@@ -180,9 +180,10 @@ def give_back(everything: bool = False) -> None:
 
 
 def drop_failed_frames(everything: bool = False) -> None:
-    """Break the cycles (exception -> traceback -> frames -> DDP -> process group) of failed tasks, give the memory back.
+    """Break failed tasks' cycles (exception -> traceback -> frames -> DDP -> process group); give memory back.
 
-    ``everything``: collect the frozen objects too (see ``give_back``)."""
+    ``everything``: collect the frozen objects too (see ``give_back``).
+    """
     _forget_shown_tracebacks()
     give_back(everything)
 
