@@ -22,7 +22,7 @@ measured inside the workers (torchrun_train's ``loop_s`` /
 ``hist.timings['train_s']``).
 
 ``source_shipping``: what carrying the person's source lines costs a call
-(``nbddp.sources``), in this process: packing a model whose class comes from
+(``nbddp.shipping.source_lines``), in this process: packing a model whose class comes from
 a 200-line notebook cell, with cloudpickle alone and with nbddp's pickler,
 and the per-worker ``SourceLedger.attach`` on the first call (the lines
 travel) and on later ones (only the cell's name).
@@ -118,8 +118,8 @@ def source_shipping(reps: int = 200) -> dict:
     import cloudpickle
     import torch
 
-    from nbddp import shipping
-    from nbddp.sources import SourceLedger
+    from nbddp.shipping import pickling as shipping
+    from nbddp.session.source_ledger import SourceLedger
 
     name = "/tmp/ipykernel_0/bench-cell.py"
     filler = "".join(f"# line {i} of the cell\n" for i in range(CELL_LINES - 8))

@@ -41,9 +41,9 @@ MiB = 1 << 20
 
 def resources() -> dict[str, int]:
     """This worker now: resident bytes, open fds, threads, its /dev/shm files."""
-    from nbddp.shipping import shm_dir
-    from nbddp.worker.state import STATE
-    from nbddp.worker.usage import rss_bytes
+    from nbddp.shipping.pickling import shm_dir
+    from nbddp.worker.engine.rank_state import STATE
+    from nbddp.worker.memory.usage import rss_bytes
 
     prefix = STATE.file_prefix
     shm = [f for f in os.listdir(shm_dir()) if prefix and f.startswith(prefix)]
@@ -186,7 +186,7 @@ def soak_round(width: int, layers: int, folder: str) -> list[tuple[str, Callable
 
 def soak(tasks: int, width: int, layers: int, folder: str) -> dict[str, Any]:
     import nbddp
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     session = get_session()
     tasks_round = soak_round(width, layers, folder)

@@ -11,7 +11,7 @@ defined here, so they differ only in how the model is wrapped and launched:
 * torchrun: this file's ``main`` under ``python -m torch.distributed.run``,
   one process per GPU, the model wrapped in DDP, a ``DistributedSampler``.
 
-The loop mirrors nbddp's worker loop (``nbddp/worker/loop.py``): ``(x, y)``
+The loop mirrors nbddp's worker loop (``nbddp/worker/training/loop.py``): ``(x, y)``
 batches moved with ``non_blocking`` on CUDA, forward and cross-entropy inside
 ``torch.autocast`` for ``bf16`` / ``16-mixed``, a ``torch.amp.GradScaler`` for
 ``16-mixed``, SGD, ``zero_grad(set_to_none=True)``, the loss summed on the
@@ -179,7 +179,7 @@ def make_data(cfg: dict[str, Any], n_samples: int):
 
 
 def loader_kwargs(use_cuda: bool) -> dict[str, Any]:
-    """nbddp's DataLoader defaults (``nbddp/worker/data.py``): 2 workers + pinned memory on GPU, none on CPU."""
+    """nbddp's DataLoader defaults (``nbddp/worker/data/datasets.py``): 2 workers + pinned memory on GPU, none on CPU."""
     return {"num_workers": 2, "pin_memory": True} if use_cuda else {"num_workers": 0, "pin_memory": False}
 
 

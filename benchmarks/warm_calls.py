@@ -17,7 +17,7 @@ figure      nbddp                                       floor (bare ipyparallel,
 
 Each figure is reported against its own floor and against the plain
 ``apply`` floor. Then what giving memory back costs on the workers
-(``nbddp.worker.release.LAST``, read with a bare apply, which is no task of
+(``nbddp.worker.memory.release.LAST``, read with a bare apply, which is no task of
 the person's): after each kind of call, and after a fit of a larger model,
 where ``malloc_trim`` has a big heap to walk.
 """
@@ -54,7 +54,7 @@ def bare_step(model_bytes: bytes, x: Any, y: Any, batch: int) -> Any:
 
 def release_cost() -> dict[str, float]:
     try:
-        from nbddp.worker.release import LAST
+        from nbddp.worker.memory.release import LAST
     except ImportError:  # an nbddp from before memory was given back (the benchmark's "before" runs)
         return {}
     return dict(LAST)
@@ -65,8 +65,8 @@ def bare_execute(view: Any, code: str) -> None:
 
     ipyparallel waits for each engine's output without a limit: seen once in a full test run, an output
     message that never came held the call until the test's timeout. nbddp waits for it at most
-    ``OUTPUT_WAIT_S`` (nbddp/output.py), so the floor does the same."""
-    from nbddp.output import OUTPUT_WAIT_S
+    ``OUTPUT_WAIT_S`` (nbddp/jobs/rank_output.py), so the floor does the same."""
+    from nbddp.jobs.rank_output import OUTPUT_WAIT_S
 
     ar = view.execute(code, block=False)
     ar.get(timeout=60)
@@ -135,7 +135,7 @@ def big_fit_release(session: Any, layers: int) -> dict[str, Any]:
 
 def measure(reps: int, big_layers: int) -> dict[str, Any]:
     """The four figures and their floors (medians of ``reps`` alternating rounds), and the release costs."""
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     import nbddp
 

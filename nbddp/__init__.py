@@ -63,57 +63,68 @@ _LAZY = {
     "restart": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
-    "run_cell": "nbddp.cells",
-    "push": "nbddp.cells",
-    "pull": "nbddp.cells",
-    "run_script": "nbddp.scripts",
+    "run_cell": "nbddp.jobs.cells",
+    "push": "nbddp.jobs.cells",
+    "pull": "nbddp.jobs.cells",
+    "run_script": "nbddp.jobs.scripts",
     "export_checkpoint": "nbddp.api",
-    "find_batch_size": "nbddp.batchsize",
-    "scaling_report": "nbddp.scaling",
-    "FSDP": "nbddp.sharding",
-    "Pipeline": "nbddp.topologies",
-    "TensorParallel": "nbddp.topologies",
-    "stacks": "nbddp.rank_stacks",
-    "debug": "nbddp.debugging",
-    "History": "nbddp.history",
-    "FitHandle": "nbddp.handle",
+    "find_batch_size": "nbddp.measure.batch_size",
+    "scaling_report": "nbddp.measure.scaling",
+    "FSDP": "nbddp.protocol.parallel_settings",
+    "Pipeline": "nbddp.protocol.parallel_settings",
+    "TensorParallel": "nbddp.protocol.parallel_settings",
+    "stacks": "nbddp.monitor.stacks",
+    "debug": "nbddp.api",
+    "History": "nbddp.fit.history",
+    "FitHandle": "nbddp.fit.handle",
     "loggers": "nbddp.loggers",  # a subpackage: nbddp.loggers.TensorBoard(...), ...
-    "EarlyStopping": "nbddp.early_stopping",
+    "callbacks": "nbddp.callbacks",  # a subpackage: class MyCallback(nbddp.callbacks.Callback)
+    "shipping": "nbddp.shipping",  # a subpackage: nbddp.shipping.ship_by_value("mylib")
+    "EarlyStopping": "nbddp.callbacks",
     "stop_fit": "nbddp.callbacks",
-    "plot_histories": "nbddp.history_frames",
-    "NbddpError": "nbddp.errors",
-    "NotStartedError": "nbddp.errors",
-    "FitRunningError": "nbddp.errors",
-    "ClusterError": "nbddp.errors",
-    "SlurmError": "nbddp.errors",
-    "ShippingError": "nbddp.errors",
-    "WorkerError": "nbddp.errors",
-    "WorkerDied": "nbddp.errors",
-    "WorkerStalled": "nbddp.errors",
-    "NothingToDebug": "nbddp.errors",
+    "plot_histories": "nbddp.fit.history",
+    "NbddpError": "nbddp.protocol.errors",
+    "NotStartedError": "nbddp.protocol.errors",
+    "FitRunningError": "nbddp.protocol.errors",
+    "ClusterError": "nbddp.protocol.errors",
+    "SlurmError": "nbddp.protocol.errors",
+    "ShippingError": "nbddp.protocol.errors",
+    "WorkerError": "nbddp.protocol.errors",
+    "WorkerDied": "nbddp.protocol.errors",
+    "WorkerStalled": "nbddp.protocol.errors",
+    "NothingToDebug": "nbddp.protocol.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
     from nbddp import loggers
-    from nbddp.batchsize import find_batch_size
-    from nbddp.callbacks import stop_fit
-    from nbddp.early_stopping import EarlyStopping
-    from nbddp.history_frames import plot_histories
-    from nbddp.cells import pull, push, run_cell
-    from nbddp.debugging import debug
-    from nbddp.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
+    from nbddp.measure.batch_size import find_batch_size
+    from nbddp.callbacks.base import stop_fit
+    from nbddp.callbacks.early_stopping import EarlyStopping
+    from nbddp.fit.history import plot_histories
+    from nbddp.jobs.cells import pull, push, run_cell
+    from nbddp.api import debug
+    from nbddp.protocol.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
                               SlurmError, WorkerDied, WorkerError, WorkerStalled)
-    from nbddp.handle import FitHandle
-    from nbddp.history import History
-    from nbddp.scaling import scaling_report
-    from nbddp.scripts import run_script
-    from nbddp.sharding import FSDP
-    from nbddp.topologies import Pipeline, TensorParallel
-    from nbddp.rank_stacks import stacks
+    from nbddp.fit.handle import FitHandle
+    from nbddp.fit.history import History
+    from nbddp.measure.scaling import scaling_report
+    from nbddp.jobs.scripts import run_script
+    from nbddp.protocol.parallel_settings import FSDP
+    from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
+    from nbddp.monitor.stacks import stacks
+# modules people reached as nbddp.<name> before the code moved into packages: still reached, with a warning
+_MOVED = {"modules": ("nbddp.shipping", "nbddp.shipping (ship_by_value, ship_by_reference)")}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import warnings
+
+        target, says = _MOVED[name]
+        warnings.warn(f"nbddp.{name} is now {says}; nbddp.{name} will go in a later release", DeprecationWarning,
+                      stacklevel=2)
+        return importlib.import_module(target)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'nbddp' has no attribute {name!r}")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from nbddp.handle import FitHandle
-from nbddp.history import History
-from nbddp.session import get_session
-from nbddp.start_options import check_stall_timeout
-from nbddp.waiting import wait_interruptibly
+from nbddp.fit.handle import FitHandle
+from nbddp.fit.history import History
+from nbddp.session.session import get_session
+from nbddp.session.start_options import check_stall_timeout
+from nbddp.jobs.waiting import wait_interruptibly
 
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
@@ -86,7 +86,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
     """
-    from nbddp.calls import call_everywhere
+    from nbddp.jobs.function_calls import call_everywhere
 
     if not callable(fn):
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
@@ -214,10 +214,10 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         WorkerDied: a worker process died (pid, signal, log tail).
         WorkerStalled: a rank made no progress for ``stall_timeout`` seconds (``.stacks``).
     """
-    from nbddp.fit_hooks import FitHooks
-    from nbddp.fitting import FitRun
+    from nbddp.callbacks.fit_hooks import FitHooks
+    from nbddp.fit.fit_run import FitRun
     from nbddp.live import choose_view
-    from nbddp.preflight import prepare
+    from nbddp.fit.preflight import prepare
 
     if not isinstance(block, bool):
         raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
@@ -226,7 +226,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     hooks = FitHooks.build(loggers, callbacks, val_data=val_data, metrics=metrics, step_fn=step_fn,
                            optimizer=optimizer, loss_fn=loss_fn, scheduler=scheduler)
     if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
-        from nbddp.batchsize import find_batch_size
+        from nbddp.measure.batch_size import find_batch_size
 
         batch_size = find_batch_size(
             model, data, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
@@ -264,9 +264,42 @@ def export_checkpoint(path: str, out: str) -> str:
     """
     import os
 
-    from nbddp.worker.dcp import export
+    from nbddp.worker.tasks.checkpoint_export import export
 
     return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)))
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "export_checkpoint"]
+def debug(rank: int | None = None, commands: list[str] | None = None) -> Any:
+    """A pdb prompt on a failed rank's frame, or on a rank paused at ``breakpoint()``.
+
+    Args:
+        rank: the rank to debug, as the ``WorkerError`` or the live view named
+            it; default: the one there is, or a list to choose from
+            (``attach R``).
+        commands: run these pdb commands without a prompt and return the
+            transcript (scripts, headless runs, tests); a paused rank stays
+            paused unless one of them is ``c``.
+
+    Commands are pdb's own (``p``, ``pp``, ``l``, ``ll``, ``w``, ``u``, ``d``,
+    ``n``, ``s``, any expression), ``c`` (resume), ``q`` (quit: a paused
+    rank's work ends with an error), and ``list``, ``attach R``, ``detach``,
+    ``cast ranks(0,1) CMD``, ``continue all``.
+
+    Raises:
+        TypeError: ``commands`` is not a list of strings.
+        ValueError: ``rank`` is not a rank of the workers, or has nothing to debug.
+        NothingToDebug: no rank is paused and none keeps a failure.
+    """
+    from nbddp.debugging.commands import debug as debug_on
+
+    return debug_on(get_session(), rank, commands)
+
+
+def clear_debug() -> str:
+    """``%ddp debug --clear``: every rank drops the failure it keeps (and the memory its frames hold)."""
+    from nbddp.debugging.commands import clear
+
+    return clear(get_session())
+
+
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "export_checkpoint", "debug", "clear_debug"]

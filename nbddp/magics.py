@@ -15,7 +15,7 @@
 ==========================================  =====================================
 
 Nothing here runs work itself: every sub-command is one call into
-``nbddp.api``, ``nbddp.cells`` or ``nbddp.health``. Misuse raises IPython's
+``nbddp.api``, ``nbddp.jobs.cells`` or ``nbddp.monitor.status``. Misuse raises IPython's
 ``UsageError``.
 """
 
@@ -168,8 +168,8 @@ class DDPMagics(Magics):
         getattr(self, f"_do_{command}")(args)
 
     def _run_cell(self, cell: str, args: Any) -> None:
-        from nbddp.cells import run_cell
-        from nbddp.jobs import UnknownRanks
+        from nbddp.jobs.cells import run_cell
+        from nbddp.jobs.job import UnknownRanks
 
         try:
             run_cell(cell, parse_ranks(args.ranks), stream=not args.no_stream)
@@ -178,7 +178,7 @@ class DDPMagics(Magics):
 
     def _do_start(self, args: Any) -> None:
         from nbddp import api
-        from nbddp.health import status_table
+        from nbddp.monitor.status import status_table
 
         api.start(args.n, backend=args.backend, profile=args.profile, cluster_id=args.cluster_id,
                   timeout=args.timeout, threads=args.threads, interface=args.interface,
@@ -193,18 +193,18 @@ class DDPMagics(Magics):
 
     def _do_restart(self, args: Any) -> None:
         from nbddp import api
-        from nbddp.health import status_table
+        from nbddp.monitor.status import status_table
 
         api.restart()
         _show(status_table())
 
     def _do_status(self, args: Any) -> None:
-        from nbddp.health import status_table
+        from nbddp.monitor.status import status_table
 
         _show(status_table())
 
     def _do_push(self, args: Any) -> None:
-        from nbddp.cells import push
+        from nbddp.jobs.cells import push
 
         ns = self.shell.user_ns
         missing = [n for n in args.names if n not in ns]
@@ -214,19 +214,18 @@ class DDPMagics(Magics):
         push(**{n: ns[n] for n in args.names})
 
     def _do_script(self, args: Any) -> None:
-        from nbddp.scripts import run_script
+        from nbddp.jobs.scripts import run_script
 
         run_script(args.path, *args.args)
 
     def _do_stacks(self, args: Any) -> None:
-        from nbddp.rank_stacks import stacks
-
+        from nbddp.monitor.stacks import stacks
         _show(stacks(timeout=args.timeout))
 
     def _do_debug(self, args: Any) -> None:
-        from nbddp.console import NoPrompt
-        from nbddp.debugging import clear, debug
-        from nbddp.errors import NothingToDebug
+        from nbddp.debugging.conversation import NoPrompt
+        from nbddp.api import clear_debug as clear, debug
+        from nbddp.protocol.errors import NothingToDebug
 
         if args.clear:
             print(clear())
@@ -237,8 +236,8 @@ class DDPMagics(Magics):
             raise UsageError(f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
 
     def _do_pull(self, args: Any) -> None:
-        from nbddp.cells import pull
-        from nbddp.jobs import UnknownRanks
+        from nbddp.jobs.cells import pull
+        from nbddp.jobs.job import UnknownRanks
 
         try:
             self.shell.user_ns.update(pull(*args.names, rank=args.rank))

@@ -90,7 +90,7 @@ def _run_processes() -> dict[int, psutil.Process]:
         if p.pid == me:
             continue
         cmd = " ".join(p.info["cmdline"] or [])
-        if "ipyparallel" not in cmd and "nbddp.reaper" not in cmd:
+        if "ipyparallel" not in cmd and "nbddp.cluster.reaper" not in cmd:
             continue
         try:
             if p.environ().get(RUN_MARKER) == _RUN_ID:
@@ -101,14 +101,14 @@ def _run_processes() -> dict[int, psutil.Process]:
 
 
 def _shm_files() -> set[str]:
-    from nbddp.shipping import shm_dir
+    from nbddp.shipping.pickling import shm_dir
 
     return set(glob.glob(os.path.join(shm_dir(), "nbddp-*")))
 
 
 def owned_pids() -> set[int]:
     """Every pid the live session legitimately holds, and their descendants (one pass over /proc)."""
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     s = get_session()
     if not s.started:
@@ -148,7 +148,7 @@ class _IOErrors(logging.Handler):
     """What raised in a ZMQ stream's callback in the client's IO thread (pyzmq logs it to tornado.general).
 
     Such a raise can leave the stream unread for good: an output message ipyparallel could not handle once
-    stopped all later output of the session (nbddp/iopub.py)."""
+    stopped all later output of the session (nbddp/cluster/iopub_guard.py)."""
 
     def __init__(self) -> None:
         super().__init__(level=logging.ERROR)
@@ -171,9 +171,9 @@ def no_leaks(request):
     shm_before = _shm_files()
     io_errors = len(_IO_ERRORS.seen)
     yield
-    if "nbddp.session" not in sys.modules:
+    if "nbddp.session.session" not in sys.modules:
         return
-    s = sys.modules["nbddp.session"].get_session()
+    s = sys.modules["nbddp.session.session"].get_session()
     s.wait_healed(raise_error=False)
     problems = _leaked_processes() + _leaked_files(s, shm_before) + _leaked_threads()
     if len(_IO_ERRORS.seen) > io_errors:
@@ -252,7 +252,7 @@ def _suite_session():
 def workers(_suite_session):
     """The suite's shared 2 CPU workers (started or healed as needed)."""
     import nbddp
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     s = get_session()
     if s.started:

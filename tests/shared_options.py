@@ -13,7 +13,7 @@ from typing import Any
 def reset_to_default_options(session: Any) -> None:
     """The default timeout (a new group on the same engines, only when it differs) and no stall timeout."""
     import nbddp
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+    from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
 
     if session.options.timeout != DEFAULT_PG_TIMEOUT_S:
         nbddp.start(n=session.world_size, backend=session.backend, timeout=DEFAULT_PG_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""The workers' C allocator keeps training's buffers (nbddp/worker/memory.py).
+"""The workers' C allocator keeps training's buffers (nbddp/worker/memory/allocator.py).
 
 The effect is checked where it is deterministic: a fresh interpreter frees
 100 MiB of 1 MiB tensors and allocates them again. With glibc's defaults the
@@ -17,13 +17,13 @@ import sys
 import pytest
 
 import nbddp
-from nbddp.worker import memory
-
+from nbddp.protocol import allocator_setting
+from nbddp.worker.memory import allocator as memory
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning is glibc-only")
 
 _PROBE = r"""
 import json, resource, sys, torch
-from nbddp.worker.memory import tune_allocator
+from nbddp.worker.memory.allocator import tune_allocator
 done = tune_allocator()
 def round_trip():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -36,7 +36,7 @@ print(json.dumps({"done": done, "faults": round_trip()}))
 
 
 def _probe(extra_env: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in (memory.OPT_OUT, "LD_PRELOAD")}
+    env = {k: v for k, v in os.environ.items() if k not in (allocator_setting.OPT_OUT, "LD_PRELOAD")}
     env.update(extra_env)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -45,9 +45,9 @@ def _probe(extra_env: dict[str, str]) -> dict:
 @glibc_only
 def test_tuned_allocator_reuses_freed_memory_where_the_default_faults_it_in_again():
     tuned = _probe({})
-    default = _probe({memory.OPT_OUT: "default"})
+    default = _probe({allocator_setting.OPT_OUT: "default"})
     assert tuned["done"] == "tuned"
-    assert default["done"] == f"default ({memory.OPT_OUT}=default)"
+    assert default["done"] == f"default ({allocator_setting.OPT_OUT}=default)"
     # 100 MiB is 25,600 pages of 4 KiB: the default run faults them all in again (25,594 here); the tuned
     # one reuses them (256-2,048 faults here, from the interpreter's own allocations around the loop)
     assert default["faults"] > 20_000, default
@@ -62,18 +62,18 @@ def test_tuned_allocator_reuses_freed_memory_where_the_default_faults_it_in_agai
     ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "another allocator is preloaded (/usr/lib/libjemalloc.so.2)"),
 ])
 def test_a_persons_own_allocator_choice_is_left_alone(env, why):
-    assert memory.reason_to_leave_alone(env) == why
+    assert allocator_setting.reason_to_leave_alone(env) == why
     assert memory.tune_allocator(env) == f"default ({why})"
 
 
 def test_unrelated_glibc_tunables_do_not_stop_the_tuning():
-    expected = None if platform.libc_ver()[0] == "glibc" else memory.reason_to_leave_alone({})
-    assert memory.reason_to_leave_alone({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == expected
+    expected = None if platform.libc_ver()[0] == "glibc" else allocator_setting.reason_to_leave_alone({})
+    assert allocator_setting.reason_to_leave_alone({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) == expected
 
 
 def test_an_unknown_setting_is_an_error_that_names_the_value():
     with pytest.raises(ValueError, match=r"NBDDP_MALLOC='fast' is not understood; set it to 'default'"):
-        memory.reason_to_leave_alone({"NBDDP_MALLOC": "fast"})
+        allocator_setting.reason_to_leave_alone({"NBDDP_MALLOC": "fast"})
 
 
 @glibc_only

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nbddp import preflight
-from nbddp.resident import ResidentSet
-from nbddp.topology import Placement
+from nbddp.fit import preflight
+from nbddp.session.resident_datasets import ResidentSet
+from nbddp.protocol.placement import Placement
 
 
 def fake_session(device: str = "cpu", world: int = 2):
@@ -66,21 +66,21 @@ def test_block_must_be_a_bool():
 
 
 def test_start_takes_a_cluster_or_an_attachment_not_both():
-    from nbddp.session import Session
+    from nbddp.session.session import Session
 
     with pytest.raises(ValueError, match=r"start\(\) takes either cluster=\.\.\. or profile=/cluster_id=\.\.\., not both"):
         Session().start(cluster=object(), profile="default")
 
 
 def test_an_optimizer_factory_must_return_an_optimizer():
-    from nbddp.worker.setup import make_optimizer
+    from nbddp.worker.training.setup import make_optimizer
 
     with pytest.raises(TypeError, match=r"optimizer=\.\.\. must be an Optimizer class or a factory of params"):
         make_optimizer(lambda params: "sgd", nn.Linear(2, 2).parameters(), 0.1)
 
 
 def test_precision_names_and_their_aliases_are_one_vocabulary():
-    from nbddp.options import make_config
+    from nbddp.fit.option_checks import make_config
 
     assert [make_config(precision=p).precision for p in ("32", "32-true", "bf16", "bf16-mixed", "16-mixed")] == [
         "32-true", "32-true", "bf16-mixed", "bf16-mixed", "16-mixed"]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import nbddp
 from faultkit import D, Net, regression_data
-from nbddp.errors import FitRunningError, NotStartedError, WorkerError
+from nbddp.protocol.errors import FitRunningError, NotStartedError, WorkerError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(240)
@@ -195,7 +195,7 @@ def test_run_needs_a_function(workers):
 
 def test_dist_fit_after_stop(monkeypatch):
     """After ``stop()`` a fit says to start again (a fresh Session stands in for a stopped one)."""
-    import nbddp.session as session_mod
+    import nbddp.session.session as session_mod
 
     stopped = session_mod.Session()
     stopped.stopped_explicitly = True

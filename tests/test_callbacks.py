@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbddp
-from nbddp.callbacks import Callback, Record
-from nbddp.fit_hooks import FitHooks
-from nbddp.history import History
+from nbddp.callbacks.base import Callback, Record
+from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.fit.history import History
 
 
 def _data(n: int = 64, seed: int = 0, sign: float = 1.0):
@@ -219,7 +219,7 @@ def test_history_data_bad_input(monkeypatch):
 
 
 def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     started = get_session().started
     fit = dict(model=_fast(), data=_data(), live=False)

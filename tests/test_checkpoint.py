@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.checkpoints import files as ckpt
 
 _WRITER = """
 import sys, torch
-from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.checkpoints import files as ckpt
 directory = sys.argv[1]
 ckpt.save(directory, 1, {"model": {"w": torch.ones(4)}, "optimizer": {}, "step": 1, "epoch": 0})
 print("saved", flush=True)

@@ -3,7 +3,7 @@
 The person's code is defined in IPython cells (``ip.run_cell``), as in a
 notebook: its file is ``<ipython-input-N-...>``, which exists only in the
 kernel's ``linecache``, so every source line a worker shows came with the
-call (``nbddp.sources``). pytest's stdin is no terminal: a breakpoint during
+call (``nbddp.shipping.source_lines``). pytest's stdin is no terminal: a breakpoint during
 a blocking call is released (the headless rule), and prompts are driven with
 ``nbddp.debug(commands=[...])`` from the test; the real prompt in a real
 kernel is ``test_debug_kernel.py``.
@@ -23,8 +23,8 @@ import torch
 from IPython.core.error import UsageError
 
 import nbddp
-from nbddp.console import NoPrompt, parse_ranks
-from nbddp.errors import NothingToDebug, WorkerError
+from nbddp.debugging.conversation import NoPrompt, parse_ranks
+from nbddp.protocol.errors import NothingToDebug, WorkerError
 
 pytestmark = pytest.mark.timeout(240)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -116,8 +116,8 @@ def _fit(shell, step, **options):
 
 
 def test_code_keeps_its_file_and_its_lines_travel_once_per_worker_per_content():
-    from nbddp import shipping
-    from nbddp.sources import SourceLedger
+    from nbddp.shipping import pickling as shipping
+    from nbddp.session.source_ledger import SourceLedger
 
     name = "/tmp/ipykernel_0/notebook-cell-only.py"
     text = "def f(x):\n    y = x + 1\n    return y / 0\n"
@@ -143,8 +143,8 @@ def test_code_keeps_its_file_and_its_lines_travel_once_per_worker_per_content():
 
 
 def test_a_paused_rank_and_the_ranks_waiting_for_it_are_never_stalled():
-    from nbddp.messages import Beat
-    from nbddp.stalls import StallWatch
+    from nbddp.protocol.messages import Beat
+    from nbddp.monitor.stalls import StallWatch
 
     now = [0.0]
     watch = StallWatch([0, 1], clock=lambda: now[0])
@@ -160,14 +160,13 @@ def test_a_paused_rank_and_the_ranks_waiting_for_it_are_never_stalled():
 
 
 def test_bad_input_says_what_exists(monkeypatch):
-    from nbddp import session
-
+    from nbddp.session import session
     with pytest.raises(TypeError, match=r"commands=\['p x', 'c'\]; got str 'p x'"):
         nbddp.debug(commands="p x")
     with pytest.raises(TypeError, match=r"takes a rank number, e\.g\. debug\(1\); got str '1'"):
         nbddp.debug("1")
     assert parse_ranks("0, 2:4") == [0, 2, 3]
-    monkeypatch.setattr(session, "get_session", lambda: session.Session())
+    monkeypatch.setattr(nbddp.api, "get_session", lambda: session.Session())
     with pytest.raises(NothingToDebug, match=r"no workers are running \(start them with nbddp.start\(\)\)"):
         nbddp.debug()
 

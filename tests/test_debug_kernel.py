@@ -115,7 +115,7 @@ class Kernel:
 
 PIDS = """
 import json, psutil
-from nbddp.session import get_session
+from nbddp.session.session import get_session
 s = get_session()
 pids = set(s.workers.all_pids()) | {p.pid for p in s.placements} | {s.workers.reaper.pid}
 for pid in list(pids):

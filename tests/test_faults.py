@@ -23,7 +23,7 @@ import nbddp
 from interrupts import interrupt_when
 from faultkit import (CountingStep, FailingData, FailingLoss, FailingMetric, Net, engine_pids, good_fit, mark,
                       read_mark, record_time, regression_data)
-from nbddp.errors import WorkerDied, WorkerError
+from nbddp.protocol.errors import WorkerDied, WorkerError
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.faults]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -218,7 +218,7 @@ def test_second_interrupt_hard_stops_and_replaces_workers(workers, tmp_path):
 
 
 def test_hung_collective_fails_after_the_configured_timeout(workers, tmp_path):
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+    from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
 
     assert workers.options.timeout == DEFAULT_PG_TIMEOUT_S <= 600, "the default must report a hang in minutes"
     generation = workers.generation

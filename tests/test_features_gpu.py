@@ -14,7 +14,7 @@ pytestmark = pytest.mark.requires_gpu
 @pytest.fixture
 def gpu_workers(_suite_session):
     """One worker per visible GPU with NCCL (the CPU `workers` fixture restarts its own afterwards)."""
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     s = get_session()
     if s.started and s.backend != "nccl":

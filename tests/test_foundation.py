@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbddp
-from nbddp.errors import NotStartedError
+from nbddp.protocol.errors import NotStartedError
 
 
 PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "stacks",
@@ -202,7 +202,7 @@ def test_stop_leaves_no_process_and_start_after_stop_works(workers):
     nbddp.stop()
     import glob
 
-    from nbddp.shipping import shm_dir
+    from nbddp.shipping.pickling import shm_dir
 
     assert not glob.glob(os.path.join(shm_dir(), prefix + "*")), "stop() must remove the session's shared-memory files"
     assert nbddp.status()["running"] is False
@@ -233,7 +233,7 @@ def test_the_shared_workers_get_back_the_default_options_a_test_left_changed(wor
     another file, in the CI runs that ordered the two that way) and a stall timeout are put back."""
     from shared_options import reset_to_default_options
 
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+    from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
 
     nbddp.start(n=2, timeout=250)
     workers.options.stall_timeout = 30.0
@@ -249,8 +249,8 @@ def test_only_the_current_process_group_store_file_exists(workers):
     """Rebuilding the group (a new generation) removes the old generation's file store."""
     import glob
 
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
-    from nbddp.shipping import shm_dir
+    from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
+    from nbddp.shipping.pickling import shm_dir
 
     nbddp.start(n=2, timeout=250)  # a new timeout re-forms the group on the same engines
     try:

@@ -18,8 +18,7 @@ import torch
 
 import nbddp
 from interrupts import interrupt_when
-from nbddp import output
-
+from nbddp.jobs import rank_output as output
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -364,8 +363,7 @@ def test_a_module_the_workers_cannot_import_travels_by_value(workers, tmp_path):
 def test_installed_packages_still_travel_by_reference_and_either_can_be_forced():
     import cloudpickle
 
-    from nbddp import modules
-
+    from nbddp.shipping import by_value as modules
     assert not modules.travels_by_value("torch.nn.functional", torch.nn.functional)
     assert not modules.travels_by_value("nbddp.api", sys.modules["nbddp.api"])
     assert modules.travels_by_value("faultkit", sys.modules.setdefault("faultkit", importlib.import_module("faultkit")))
@@ -383,7 +381,8 @@ def test_installed_packages_still_travel_by_reference_and_either_can_be_forced()
 
 
 def test_ddp_start_takes_every_option_start_takes(monkeypatch, ipython_shell):
-    from nbddp import api, health
+    from nbddp import api
+    from nbddp.monitor import status as health
 
     seen = {}
     monkeypatch.setattr(api, "start", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs))

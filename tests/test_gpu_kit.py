@@ -130,7 +130,7 @@ def test_wheel_list_is_pinned_and_unique():
 @pytest.mark.requires_gpu
 def test_model_living_on_cuda_comes_back_to_its_device(_suite_session):
     import nbddp
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     s = get_session()
     if s.started and s.backend != "nccl":

@@ -24,8 +24,8 @@ import torch.nn as nn
 
 import nbddp
 from faultkit import FailingData, Net, good_fit, mark, rank, read_mark, record_time, regression_data
-from nbddp import stalls
-from nbddp.errors import ClusterError, NotStartedError, WorkerError, WorkerStalled
+from nbddp.monitor import stalls
+from nbddp.protocol.errors import ClusterError, NotStartedError, WorkerError, WorkerStalled
 
 pytestmark = pytest.mark.timeout(240)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -205,7 +205,7 @@ def test_a_bad_stall_timeout_is_refused_before_anything_runs(bad, error, text):
 
 @pytest.mark.faults
 def test_a_process_group_timeout_error_carries_the_ranks_last_stacks(workers):
-    from nbddp.session import DEFAULT_PG_TIMEOUT_S
+    from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
 
     nbddp.start(n=2, backend="gloo", timeout=3)
     try:
@@ -439,7 +439,7 @@ def _restart_and_fit(session) -> float:
 
 
 def _beat(rank: int, seq: int, progress: int, phase: str, micro: int = 1, step: int = 0, step_time_s: float = 0.0):
-    from nbddp.messages import Beat
+    from nbddp.protocol.messages import Beat
 
     return Beat(rank=rank, seq=seq, progress=progress, phase=phase, step=step, micro=micro, step_time_s=step_time_s,
                 idle_s=0.0, stack=f'  File "x.py", line 1, in {phase}_here\n')
@@ -506,7 +506,7 @@ def test_in_a_cell_a_finished_rank_or_one_in_a_collective_is_ahead():
 
 
 def test_faulthandlers_dump_gives_the_main_threads_task_frames():
-    from nbddp.rank_stacks import main_thread_text
+    from nbddp.monitor.stacks import main_thread_text
 
     dump = ('Thread 0x00007f0000000002 (most recent call first):\n'
             '  File "/lib/threading.py", line 320 in wait\n\n'
@@ -523,7 +523,7 @@ def test_faulthandlers_dump_gives_the_main_threads_task_frames():
 
 
 def test_the_monitor_samples_a_stack_that_changes_only_when_the_code_moves():
-    from nbddp.worker import monitor
+    from nbddp.worker.engine import heartbeat as monitor
 
     def here(line: int = 0):
         frames = monitor.user_frames(sys._getframe())
@@ -538,7 +538,7 @@ def test_the_monitor_samples_a_stack_that_changes_only_when_the_code_moves():
 
 
 def test_a_step_time_does_not_count_the_set_up():
-    from nbddp.worker.monitor import Heartbeat
+    from nbddp.worker.engine.heartbeat import Heartbeat
 
     beat = Heartbeat()
     beat.reset("setup")
@@ -549,7 +549,7 @@ def test_a_step_time_does_not_count_the_set_up():
 
 
 def test_the_stacks_answer_is_labelled_by_rank_and_says_what_it_lacks():
-    from nbddp.rank_stacks import RankStack, RankStacks
+    from nbddp.monitor.stacks import RankStack, RankStacks
 
     answer = RankStacks([RankStack(1, "h", 11, "idle", "", "idle"),
                          RankStack(0, "h", 10, "busy", '  File "/t/distributed_c10d.py", line 3, in all_reduce\n',
@@ -562,10 +562,10 @@ def test_the_stacks_answer_is_labelled_by_rank_and_says_what_it_lacks():
 
 
 def test_stacks_needs_workers_and_a_positive_timeout(monkeypatch):
-    from nbddp import session as session_mod
-    from nbddp.session import Session
+    from nbddp.session import session as session_mod
+    from nbddp.session.session import Session
 
-    import nbddp.rank_stacks  # noqa: F401 - a submodule named like the function would shadow it
+    import nbddp.monitor.stacks  # noqa: F401 - a submodule named like the function would shadow it
 
     assert callable(nbddp.stacks)
     with pytest.raises(ValueError, match=r"stacks\(timeout=\.\.\.\) is in seconds and must be > 0, got 0"):
@@ -576,11 +576,11 @@ def test_stacks_needs_workers_and_a_positive_timeout(monkeypatch):
 
 
 def test_the_views_show_each_ranks_position_and_the_stalled_ranks_frames():
-    from nbddp.history import History
+    from nbddp.fit.history import History
     from nbddp.live.state import LiveState
     from nbddp.live.text import progress_line
     from nbddp.live.widget import rank_table_html, rank_rows, stalls_html
-    from nbddp.messages import RankInfo
+    from nbddp.protocol.messages import RankInfo
 
     state = LiveState(status="training", world_size=2, placements=[RankInfo(0, "a", "cpu", 1),
                                                                     RankInfo(1, "b", "cpu", 2)])
@@ -598,7 +598,7 @@ def test_the_views_show_each_ranks_position_and_the_stalled_ranks_frames():
 
 
 def test_a_worker_stalled_error_names_the_rank_and_shows_the_stacks():
-    from nbddp.errors import RankFailure
+    from nbddp.protocol.errors import RankFailure
 
     failure = RankFailure(1, "WorkerStalled", "made no progress for 12 s in data; stall_timeout=10 s",
                           '  File "d.py", line 9, in __getitem__\n', pid=7, host="h")

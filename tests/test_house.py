@@ -97,25 +97,70 @@ def test_no_import_cycle():
     assert cycles == []
 
 
-def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
+SHARED = ("nbddp.protocol", "nbddp.shipping", "nbddp.partitioning")  # what both sides import
+WORKER = ("nbddp.worker",)
+ENTRY_POINTS = ("nbddp.worker.tasks",)  # the only part of worker/ the kernel imports: what it sends
+
+
+def inside(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _violations(where: tuple[str, ...], allowed: tuple[str, ...], unless: tuple[str, ...] = ()) -> list[str]:
+    """Imports of nbddp modules from modules ``where`` that are not ``allowed``."""
     out = []
     for name, path in MODULES.items():
-        if not name.startswith(prefix):
+        if not inside(name, where) or inside(name, unless):
             continue
         for target, line, _ in imports_of(path):
-            if target.startswith(forbidden):
+            if target.startswith("nbddp") and not inside(target, allowed):
                 out.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     return out
 
 
+def test_the_worker_side_imports_only_itself_and_the_shared_layer():
+    assert _violations(WORKER, WORKER + SHARED) == []
+
+
+def test_the_shared_layer_imports_nothing_above_it():
+    assert _violations(SHARED, SHARED) == []
+
+
+def test_the_kernel_imports_only_the_workers_entry_points():
+    kernel_allowed = tuple(m for m in MODULES if not inside(m, WORKER)) + ENTRY_POINTS
+    assert _violations(("nbddp",), kernel_allowed, unless=WORKER + SHARED) == []
+
+
+def test_the_rules_would_see_a_violation():
+    """Each rule's scanner finds a forbidden import when there is one (else the rules above could not fail)."""
+    assert inside("nbddp.worker.tasks.entry", ENTRY_POINTS) and not inside("nbddp.workerx", WORKER)
+    entry = MODULES["nbddp.worker.tasks.entry"]
+    assert any(t.startswith("nbddp.worker.training") for t, _, _ in imports_of(entry))
+    assert _violations(("nbddp.worker.tasks.entry",), SHARED)  # entry imports worker/ modules: not shared ones
+
+
+def test_the_tree_reads_as_packages_by_concern():
+    """No more than 12 files directly under nbddp/, 8 under nbddp/worker/, and every package says what it owns."""
+    top = [p for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".py"]
+    worker = [p for p in (PACKAGE / "worker").iterdir() if p.is_file() and p.suffix == ".py"]
+    assert len(top) <= 12 and len(worker) <= 8, (sorted(p.name for p in top), sorted(p.name for p in worker))
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(ROOT)} has no docstring saying what the folder owns"
+
+
 def test_worker_side_never_imports_the_kernels_display_code():
-    forbidden = ("nbddp.live", "nbddp.magics", "nbddp.health", "nbddp.cells", "nbddp.output", "IPython.display",
-                 "IPython.core", "ipywidgets", "matplotlib")
-    assert _violations("nbddp.worker", forbidden) == []
+    forbidden = ("IPython.display", "IPython.core", "ipywidgets", "matplotlib")
+    found = [f"{path.relative_to(ROOT)}:{line} imports {target}" for name, path in MODULES.items()
+             if inside(name, WORKER) for target, line, _ in imports_of(path) if target.startswith(forbidden)]
+    assert found == []
 
 
 def test_live_views_never_import_torch_distributed():
-    assert _violations("nbddp.live", ("torch.distributed", "nbddp.worker")) == []
+    found = [f"{path.relative_to(ROOT)}:{line} imports {target}" for name, path in MODULES.items()
+             if inside(name, ("nbddp.live",)) for target, line, _ in imports_of(path)
+             if target.startswith(("torch.distributed", "nbddp.worker"))]
+    assert found == []
 
 
 def test_no_private_name_crosses_a_module():
@@ -144,7 +189,65 @@ def test_no_private_name_crosses_a_module():
 
 def test_the_checks_see_what_they_look_for(tmp_path):
     """The import scanner finds function-level and relative imports (else the rules above could not fail)."""
-    probe = PACKAGE / "worker" / "loop.py"
+    probe = PACKAGE / "worker" / "training" / "loop.py"
     targets = {t for t, _, _ in imports_of(probe)}
-    assert "nbddp.worker.setup" in targets and "torch.distributed" in targets
-    assert "nbddp.worker.loop" in graph()["nbddp.worker.entry"]  # a function-level import in entry.fit_task
+    assert "nbddp.worker.training.setup" in targets and "torch.distributed" in targets
+    assert "nbddp.worker.training.loop" in graph()["nbddp.worker.tasks.entry"]  # a function-level import in entry.fit_task
+
+
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_PYTHON = {"nbddp.resumed"}  # an MLflow tag prefix (docs/loggers.md), not a Python name
+
+
+def test_every_dotted_name_in_the_docs_resolves_after_a_plain_import():
+    """``nbddp.callbacks.Callback`` and every other ``nbddp.x.y`` the docs name: public ones from ``import nbddp``
+    alone, module paths (``python -m nbddp.cluster.reaper``) by importing them."""
+    import re
+    import subprocess
+
+    names = sorted({m for f in DOC_FILES for m in re.findall(r"\bnbddp(?:\.[A-Za-z_]\w*)+", f.read_text())}
+                   - NOT_PYTHON)
+    assert "nbddp.callbacks.Callback" in names and len(names) > 30
+    script = r'''
+import importlib, json, sys
+import nbddp
+bad = []
+for name in json.loads(sys.argv[1]):
+    obj, parts = nbddp, name.split(".")[1:]
+    try:
+        for part in parts:
+            obj = getattr(obj, part)
+        continue
+    except AttributeError:
+        pass
+    public = parts[0] in nbddp.__all__ or parts[0] in ("callbacks", "shipping", "loggers")
+    for cut in range(len(parts), 0, -1):  # a module path: import the longest module, then its attributes
+        try:
+            obj = importlib.import_module(".".join(["nbddp", *parts[:cut]]))
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+            break
+        except (ImportError, AttributeError):
+            obj = None
+    if obj is None or (public and cut < len(parts)):
+        bad.append(name)
+print(json.dumps(bad))
+'''
+    import json
+
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(names)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_moved_module_name_still_works_with_a_warning():
+    import warnings
+
+    import nbddp
+    from nbddp.shipping import by_value
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert nbddp.modules.ship_by_value is by_value.ship_by_value
+    assert any(issubclass(w.category, DeprecationWarning) and "nbddp.shipping" in str(w.message) for w in seen)

@@ -23,9 +23,10 @@ import nbddp
 
 def _overhead_on_this_worker(extra_modules: int) -> dict:
     """Runs on a worker: the cost of a whole ``nbddp.run`` task around a trivial function, with more modules imported."""
-    from nbddp import shipping
-    from nbddp.worker import entry, freshness
-    from nbddp.worker.state import STATE
+    from nbddp.shipping import pickling as shipping
+    from nbddp.worker.tasks import entry
+    from nbddp.worker.tasks import module_reload as freshness
+    from nbddp.worker.engine.rank_state import STATE
 
     fakes = {}
     for i in range(extra_modules):
@@ -102,8 +103,7 @@ def test_warm_calls_stay_within_reach_of_bare_ipyparallel_on_the_same_engines(wo
 
 
 def test_modules_are_sorted_once_per_module_object_and_again_when_replaced_or_forced(tmp_path, monkeypatch):
-    from nbddp import modules
-
+    from nbddp.shipping import by_value as modules
     name = f"sorted_once_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -161,7 +161,7 @@ def test_a_failed_cell_gives_its_memory_back_once_its_post_mortem_is_dropped(wor
 
     The failing ranks keep the failure for ``%ddp debug`` (issue 23) until their next fit or ``--clear``: then the
     memory goes, frames frozen with the engine's objects included."""
-    from nbddp.debugging import clear
+    from nbddp.api import clear_debug as clear
 
     def fail(mib: int) -> None:
         with pytest.raises(nbddp.WorkerError, match="on purpose"):
@@ -182,6 +182,6 @@ def test_a_failed_cell_gives_its_memory_back_once_its_post_mortem_is_dropped(wor
 
 
 def _rss() -> int:
-    from nbddp.worker.usage import rss_bytes
+    from nbddp.worker.memory.usage import rss_bytes
 
     return rss_bytes()

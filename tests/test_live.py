@@ -18,15 +18,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbddp
-from nbddp.errors import FitRunningError
-from nbddp.history import History
+from nbddp.protocol.errors import FitRunningError
+from nbddp.fit.history import History
 from nbddp.live import NullView, choose_view
 from nbddp.live.state import LiveState
-from nbddp.messages import FitPlanInfo, Progress, RankInfo
+from nbddp.protocol.messages import FitPlanInfo, Progress, RankInfo
 from nbddp.live.text import TextView, progress_line
 from nbddp.live import widget
 from nbddp.live.widget import WIDGET_VIEW, WidgetView, summary_text
-from nbddp.worker.report import WINDOW
+from nbddp.worker.training.report import WINDOW
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -228,9 +228,9 @@ def test_text_view_on_a_terminal_rewrites_one_line_and_ends_with_the_summary_onc
 
 
 def _bare_run():
-    from nbddp.debugboard import DebugBoard
-    from nbddp.fitting import FitRun
-    from nbddp.tasks import RankTasks
+    from nbddp.debugging.rank_lines import DebugBoard
+    from nbddp.fit.fit_run import FitRun
+    from nbddp.jobs.rank_tasks import RankTasks
 
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
     plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1))

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from nbddp.errors import RankFailure, WorkerError
-from nbddp.history import History
+from nbddp.protocol.errors import RankFailure, WorkerError
+from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.live.text import TextView, progress_line, rank_state
 from nbddp.live.widget import WidgetView, rank_rows, summary_text
-from nbddp.messages import FitPlanInfo, RankInfo
+from nbddp.protocol.messages import FitPlanInfo, RankInfo
 
 
 class Run:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers import CSV, Logger, MLflow, TensorBoard, WandB
 
 SENTINEL = "nbddp-sentinel-7c1e"  # a W&B project name and tag: must never reach a worker
@@ -117,7 +117,7 @@ def test_four_backends_hold_every_record_and_a_resumed_fit_continues_the_same_ru
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from nbddp import fitting
+    from nbddp.fit import fit_run as fitting
 
     shipped: list[bytes] = []
     launch = fitting.FitRun.launch
@@ -245,7 +245,7 @@ def _write(logger: Logger, steps: range, start_step: int, resume) -> dict:
 
 def test_loggers_get_every_record_when_the_published_plan_never_arrived(workers, tmp_path, monkeypatch):
     """Rank 0's published plan can land after its result (a short fit on a busy machine): the result carries it."""
-    from nbddp import fitting
+    from nbddp.fit import fit_run as fitting
 
     real = fitting.published
     monkeypatch.setattr(fitting, "published", lambda ar, kind: None if kind == "plan" else real(ar, kind))
@@ -284,7 +284,7 @@ def _fit(**kw):
 
 
 def test_bad_loggers_fail_before_any_worker_starts(tmp_path, monkeypatch):
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     started = get_session().started
     with pytest.raises(ValueError, match=r"unknown logger name; the names are 'tensorboard', 'wandb', 'mlflow', 'csv'"):

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import nbddp
-from nbddp.cluster import ClusterError, Workers
-from nbddp.errors import FitRunningError, NotStartedError
-from nbddp.session import Session
-from nbddp.start_options import validate_start
-from nbddp.worker import loop
-from nbddp.worker.state import STATE, check_generation
+from nbddp.cluster.engines import ClusterError, Workers
+from nbddp.protocol.errors import FitRunningError, NotStartedError
+from nbddp.session.session import Session
+from nbddp.session.start_options import validate_start
+from nbddp.worker.training import loop
+from nbddp.worker.engine.rank_state import STATE, check_generation
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,9 @@ from IPython.core.error import UsageError
 
 import nbddp
 from interrupts import interrupt_when
-from nbddp import health, output
-from nbddp.errors import FitRunningError
+from nbddp.monitor import status as health
+from nbddp.jobs import rank_output as output
+from nbddp.protocol.errors import FitRunningError
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_cell_output_is_labelled_by_rank_and_streams_live(ip, workers, written):
 
 def test_a_widget_opened_on_a_rank_does_not_stop_the_output_of_later_cells(ip, workers, written):
     """A progress bar on a worker is an ipywidget: the comm it opens reached ipyparallel's output handler, which
-    raised in a shell that is not a Jupyter kernel's, and no output of any later cell arrived (nbddp/iopub.py)."""
+    raised in a shell that is not a Jupyter kernel's, and no output of any later cell arrived (nbddp/cluster/iopub_guard.py)."""
     ip.run_cell_magic("ddp", "", "from comm import create_comm\nc = create_comm(target_name='nbddp-test')\n"
                                  "c.close()\ndel c, create_comm")
     t0 = time.monotonic()

@@ -21,8 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbddp
-from nbddp.worker import memory
-
+from nbddp.protocol import allocator_setting
 MiB = 1 << 20
 FD_JITTER = 4  # a rebuilt process group's sockets may differ by a few from the one before
 WIDTH, LAYERS = 768, 16
@@ -49,9 +48,9 @@ def fit(strategy="ddp", model=stack, **kw):
 
 def resources():
     """This worker now: resident bytes, open fds, threads, its /dev/shm files (measured inside a task of its own)."""
-    from nbddp.shipping import shm_dir
-    from nbddp.worker.state import STATE
-    from nbddp.worker.usage import rss_bytes
+    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.worker.engine.rank_state import STATE
+    from nbddp.worker.memory.usage import rss_bytes
 
     shm = [f for f in os.listdir(shm_dir()) if STATE.file_prefix and f.startswith(STATE.file_prefix)]
     return {"rss": rss_bytes(), "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
@@ -86,9 +85,9 @@ def test_a_fit_gives_back_what_it_used_and_keeps_what_was_kept(warm):
     kept = [r["param_bytes"] for r in h.ranks]
     after_keep = rss()
     assert within(after_keep, before, extra=max(kept)), (before, after_keep, kept)
-    status = nbddp.run(lambda: __import__("nbddp.worker.cells", fromlist=["health"]).health().kept)
+    status = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().kept)
     assert all(dict(k).get("kept_net") == kept[0] for k in status), status
-    nbddp.run_cell("del kept_net")  # let go: a module in reference cycles, frozen with the engine (worker/release.py)
+    nbddp.run_cell("del kept_net")  # let go: a module in reference cycles, frozen with the engine (worker/memory/release.py)
     assert within(rss(), before), (before, rss())
 
 
@@ -132,7 +131,7 @@ def test_a_short_soak_leaves_every_worker_flat(warm, tmp_path):
     """Two rounds of fits, a cell, a call, a push, a failing fit and an interrupt: 14 tasks (the benchmark runs 50).
 
     The failing fit and the interrupt each rebuild the process group; the old group's threads and sockets go with
-    it (a full collection, worker/group.py), so threads and fds end each round where they ended the first. The
+    it (a full collection, worker/tasks/process_group.py), so threads and fds end each round where they ended the first. The
     failing fit's frames are kept for ``%ddp debug`` until the next fit, and they hold that fit's DDP module and so
     its group: each round is measured once that post-mortem is dropped, as ``%ddp debug --clear`` drops it."""
     levels = []
@@ -140,7 +139,7 @@ def test_a_short_soak_leaves_every_worker_flat(warm, tmp_path):
         for task in ROUND:
             task(str(tmp_path))
             warm.wait_healed(raise_error=True)
-        assert nbddp.debugging.clear() == "nbddp: dropped the failure kept on rank 0, 1"
+        assert nbddp.api.clear_debug() == "nbddp: dropped the failure kept on rank 0, 1"
         levels.append(nbddp.run(resources))
     first, last = levels
     for rank, (a, b) in enumerate(zip(first, last)):
@@ -150,7 +149,7 @@ def test_a_short_soak_leaves_every_worker_flat(warm, tmp_path):
 
 
 def test_status_shows_each_workers_memory_and_what_it_keeps(workers):
-    from nbddp import health
+    from nbddp.monitor import status as health
 
     nbddp.push(status_blob=torch.zeros(1 << 20))  # 4 MiB
     nbddp.run_cell("status_small = list(range(10))")
@@ -160,7 +159,7 @@ def test_status_shows_each_workers_memory_and_what_it_keeps(workers):
             assert row["memory"].endswith("MB") or row["memory"].endswith("GB"), row
             assert "status_blob 4 MB" in row["keeps"], row
         assert "<th>keeps</th>" in table._repr_html_() and "status_blob 4 MB" in repr(table)
-        kept = nbddp.run(lambda: __import__("nbddp.worker.cells", fromlist=["health"]).health().kept)
+        kept = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().kept)
         assert all(dict(k)["status_blob"] == 4 * MiB and 0 < dict(k)["status_small"] < 4096 for k in kept), kept
         assert all([size for _, size in k] == sorted((size for _, size in k), reverse=True) for k in kept), kept
     finally:
@@ -185,8 +184,8 @@ def test_a_value_in_a_reference_cycle_goes_when_the_cell_that_let_it_go_ends(wor
 def test_kept_items_count_each_storage_once_and_name_datasets():
     from torch.utils.data import TensorDataset
 
-    from nbddp.health import kept_text
-    from nbddp.worker.keeps import kept_items, nbytes
+    from nbddp.monitor.status import kept_text
+    from nbddp.worker.memory.kept_objects import kept_items, nbytes
 
     t = torch.zeros(1000)  # 4,000 bytes
     net = nn.Linear(10, 10)  # 440 bytes of parameters
@@ -203,12 +202,12 @@ def test_kept_items_count_each_storage_once_and_name_datasets():
 def test_an_unknown_allocator_setting_names_the_accepted_values():
     with pytest.raises(ValueError, match=r"NBDDP_MALLOC='jemalloc' is not understood.*accepted: default, off, 0, no, "
                                          r"false to leave it; tuned, on, 1, yes, true or unset to tune it"):
-        memory.reason_to_leave_alone({"NBDDP_MALLOC": "jemalloc"})
+        allocator_setting.reason_to_leave_alone({"NBDDP_MALLOC": "jemalloc"})
 
 
 def _in_a_fresh_process(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k not in (memory.OPT_OUT, "LD_PRELOAD")})
+                         env={k: v for k, v in os.environ.items() if k not in (allocator_setting.OPT_OUT, "LD_PRELOAD")})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -218,7 +217,8 @@ def test_the_fence_keeps_large_blocks_out_of_the_heaps_free_chunks():
     """After freed blocks leave free chunks in the heap, a fenced heap still gives new blocks mappings of their own."""
     got = _in_a_fresh_process("""
         import ctypes, json
-        from nbddp.worker import heap, memory
+        from nbddp.worker.memory import heap
+        from nbddp.worker.memory import allocator as memory
         assert memory.tune_allocator({}) == "tuned"
         lib = heap.libc()
         blocks = [lib.malloc(4 << 20) for _ in range(16)]  # 64 MiB in the heap (steady-state setting)
@@ -245,8 +245,8 @@ def test_the_fence_keeps_large_blocks_out_of_the_heaps_free_chunks():
 def test_a_kept_value_let_go_is_collected_even_from_the_frozen_engine():
     got = _in_a_fresh_process("""
         import json, weakref
-        from nbddp.worker import release
-        from nbddp.worker.state import STATE
+        from nbddp.worker.memory import release
+        from nbddp.worker.engine.rank_state import STATE
 
         class Cyclic:
             def __init__(self):
@@ -305,7 +305,7 @@ def test_a_sequential_of_different_layers_is_checkpointed_in_segments_with_the_s
 
 
 def test_segments_are_recomputed_in_backward_and_the_last_runs_once():
-    from nbddp.worker.blocks import apply_activation_checkpointing, remove_activation_checkpointing, segments
+    from nbddp.partitioning.blocks import apply_activation_checkpointing, remove_activation_checkpointing, segments
 
     assert segments(6) == [(0, 2), (2, 4), (4, 6)] and segments(2) == [(0, 1), (1, 2)]
     assert segments(96)[:2] == [(0, 10), (10, 19)] and len(segments(96)) == 10

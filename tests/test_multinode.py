@@ -24,7 +24,7 @@ import pytest
 
 import nbddp
 from netns_hosts import fake_hosts, netns_available
-from nbddp.cluster import ClusterError, Workers
+from nbddp.cluster.engines import ClusterError, Workers
 
 _AVAILABLE, _WHY_NOT = netns_available()
 needs_netns = pytest.mark.skipif(not _AVAILABLE, reason=f"netns tests skipped: {_WHY_NOT}")
@@ -51,8 +51,8 @@ _NOTEBOOK = _BUILD + r"""
 import json, os, sys, time
 import ipyparallel as ipp
 import nbddp
-from nbddp.session import get_session
-from nbddp.topology import TopologyError
+from nbddp.session.session import get_session
+from nbddp.protocol.placement import TopologyError
 
 info = json.loads(os.environ["NBDDP_FAKE_HOSTS"])
 attach = dict(profile=info["profile_dir"], cluster_id=info["cluster_id"])

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_workers, pytest.mark.f
 
 START = """
 import json, psutil, nbddp
-from nbddp.session import get_session
+from nbddp.session.session import get_session
 nbddp.start(n=2, backend="gloo")
 s = get_session()
 pids = set(s.workers.all_pids()) | {p.pid for p in s.placements} | {s.workers.reaper.pid}

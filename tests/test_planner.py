@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from nbddp.scaling import ScalingReport, recommend, world_sizes
-from nbddp.worker.planner import is_out_of_memory
+from nbddp.measure.scaling import ScalingReport, recommend, world_sizes
+from nbddp.worker.tasks.trials import is_out_of_memory
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,9 +7,7 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from nbddp import shipping
-
-
+from nbddp.shipping import pickling as shipping
 def test_fingerprint_follows_content_not_object():
     x, y = torch.randn(50, 3), torch.randint(0, 2, (50,))
     ds1 = torch.utils.data.TensorDataset(x, y)

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nbddp import shipping
-
-
+from nbddp.shipping import pickling as shipping
+from nbddp.shipping import shm_files
 class Tied(nn.Module):
     def __init__(self):
         super().__init__()
@@ -27,7 +26,7 @@ def test_pack_lifts_tensors_into_one_private_file_and_round_trips():
     model = Tied()
     parcel = shipping.pack(model)
     try:
-        assert parcel.path is not None and parcel.path.startswith(shipping.shm_dir())
+        assert parcel.path is not None and parcel.path.startswith(shm_files.shm_dir())
         assert os.stat(parcel.path).st_mode & 0o777 == 0o600
         # the pickle holds references only: far smaller than the tensors
         assert len(parcel.data) < sum(t.nbytes for t in parcel.tensors) + 4096
@@ -79,7 +78,7 @@ def test_notebook_class_with_super_loads_in_a_process_without_it(tmp_path):
     script = tmp_path / "make.py"
     script.write_text(
         "import torch.nn as nn, pickle, sys\n"
-        "from nbddp import shipping\n"
+        "from nbddp.shipping import pickling as shipping\n"
         "class Net(nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
@@ -108,18 +107,18 @@ def test_unpicklable_attribute_is_named_with_a_fix():
 
 
 def test_no_file_left_when_pickling_fails():
-    before = set(os.listdir(shipping.shm_dir()))
+    before = set(os.listdir(shm_files.shm_dir()))
     with pytest.raises(shipping.ShippingError):
         shipping.pack({"w": torch.ones(3), "bad": threading.Lock()})
-    leftover = {f for f in set(os.listdir(shipping.shm_dir())) - before if f.startswith(f"nbddp-{os.getpid()}-")}
+    leftover = {f for f in set(os.listdir(shm_files.shm_dir())) - before if f.startswith(f"nbddp-{os.getpid()}-")}
     assert not leftover
 
 
 def test_pool_reuses_its_files_and_keeps_only_a_few():
-    pool = shipping.BufferPool(prefix=f"nbddp-test-{os.getpid()}-pool", keep=1)
+    pool = shm_files.BufferPool(prefix=f"nbddp-test-{os.getpid()}-pool", keep=1)
     try:
         first = shipping.pack({"w": torch.randn(1000)}, pool=pool)
-        assert first.pooled and first.path.startswith(os.path.join(shipping.shm_dir(), pool.prefix))
+        assert first.pooled and first.path.startswith(os.path.join(shm_files.shm_dir(), pool.prefix))
         first.discard()  # back to the pool, not removed
         assert os.path.exists(first.path)
         second = shipping.pack({"w": torch.ones(2000)}, pool=pool)  # larger: the same file grows
@@ -137,16 +136,16 @@ def test_pool_reuses_its_files_and_keeps_only_a_few():
 
 
 def test_a_reader_never_removes_a_pooled_file():
-    pool = shipping.BufferPool(prefix=f"nbddp-test-{os.getpid()}-reader")
+    pool = shm_files.BufferPool(prefix=f"nbddp-test-{os.getpid()}-reader")
     try:
         parcel = shipping.pack(torch.ones(3), pool=pool)
         received = shipping.Parcel(parcel.data, parcel.path, parcel.tensors, pooled=True)  # as another process sees it
-        shipping._POOL_OF.pop(parcel.path)  # that process has no pool for it
+        shm_files._POOL_OF.pop(parcel.path)  # that process has no pool for it
         received.discard()
         assert os.path.exists(parcel.path)
     finally:
         pool.close()
-        shipping.remove_files(pool.prefix)
+        shm_files.remove_files(pool.prefix)
     assert not os.path.exists(parcel.path)
 
 
@@ -155,7 +154,7 @@ def test_remove_files_takes_every_file_of_a_prefix_only():
     mine = [shipping.pack(torch.ones(2), prefix=prefix) for _ in range(3)]
     other = shipping.pack(torch.ones(2), prefix=f"{prefix}x"[::-1])
     try:
-        assert shipping.remove_files(prefix) == 3
+        assert shm_files.remove_files(prefix) == 3
         assert not any(os.path.exists(p.path) for p in mine)
         assert os.path.exists(other.path)
     finally:

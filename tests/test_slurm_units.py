@@ -20,10 +20,10 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbddp
-from nbddp.errors import SlurmError
-from nbddp.slurm import SlurmRequest, batch_template, check_time, controller_address, slurm_request
-from nbddp.slurm_jobs import GONE, JobState, cancel, never_starts, parse_squeue, query
-from nbddp.slurm_watch import JobLine, SlurmJobs, ended_words, fmt_clock, job_lines
+from nbddp.protocol.errors import SlurmError
+from nbddp.cluster.slurm.request import SlurmRequest, batch_template, check_time, controller_address, slurm_request
+from nbddp.cluster.slurm.queue import GONE, JobState, cancel, never_starts, parse_squeue, query
+from nbddp.cluster.slurm.watch import JobLine, SlurmJobs, ended_words, fmt_clock, job_lines
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def _render(tmp_path, request: SlurmRequest, n: int, per_node: int, threads=None
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from nbddp.slurm_launcher import SlurmEngines
+    from nbddp.cluster.slurm.launcher import SlurmEngines
 
     c = Config()
     c.SlurmEngines.batch_template = batch_template(request, threads)
@@ -152,7 +152,7 @@ def test_the_batch_script_asks_for_every_setting_and_one_engine_per_gpu(tmp_path
 
 
 def test_sbatch_refusing_a_job_is_slurms_own_message(tmp_path, fake_slurm):
-    from nbddp.slurm_launcher import SlurmEngines
+    from nbddp.cluster.slurm.launcher import SlurmEngines
 
     fake_slurm({"sbatch": "echo 'sbatch: error: invalid partition specified: nope' >&2; exit 1"})
     launcher = SlurmEngines(work_dir=os.fspath(tmp_path), profile_dir=os.fspath(tmp_path), cluster_id="lab")
@@ -284,7 +284,7 @@ def test_the_wait_ends_when_the_engines_registered_and_an_interrupt_cancels(fake
     calls = fake_slurm(_squeue("42|PENDING|Priority||0:00|30:00|debug|2"))
     jobs, stream = _jobs(), io.StringIO()
     lines = []
-    monkeypatch.setattr("nbddp.slurm_watch.JobLine", lambda: _Recorder(lines, stream))
+    monkeypatch.setattr("nbddp.cluster.slurm.watch.JobLine", lambda: _Recorder(lines, stream))
     monkeypatch.setattr(SlurmJobs, "_check_pending", _interrupt_after(0.3))  # Kernel > Interrupt, while pending
     with pytest.raises(KeyboardInterrupt):
         jobs.wait_started(FakeWorkers(), 2, queue_timeout=None, run_timeout=60, show=True)
@@ -330,7 +330,7 @@ def test_the_line_is_rewritten_on_a_terminal_and_written_on_change_elsewhere():
 
 # ---- the reaper cancels the jobs of a dead kernel --------------------------------------------
 def test_the_reaper_cancels_the_jobs_of_a_dead_kernel(tmp_path, fake_slurm):
-    from nbddp.reaper import Reaper
+    from nbddp.cluster.reaper import Reaper
 
     calls = fake_slurm({"scancel": "exit 0"})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -340,7 +340,7 @@ def test_the_reaper_cancels_the_jobs_of_a_dead_kernel(tmp_path, fake_slurm):
     pidfile = reaper.pidfile
     reaper.process.kill()  # this reaper watched the test process; run one for a dead "kernel" instead
     reaper.process.wait()
-    done = subprocess.run([sys.executable, "-m", "nbddp.reaper", str(dead.pid), pidfile], timeout=30,
+    done = subprocess.run([sys.executable, "-m", "nbddp.cluster.reaper", str(dead.pid), pidfile], timeout=30,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert done.returncode == 0
     assert "scancel 42" in calls.read_text()
@@ -351,7 +351,7 @@ def test_sigterm_during_a_task_ends_the_engine_at_once_and_idle_handling_comes_b
     """Slurm's scancel sends SIGTERM, then waits KillWait (30 s) before SIGKILL: a busy engine must not wait."""
     code = textwrap.dedent("""
         import os, signal, sys, time
-        from nbddp.worker.state import exit_on_sigterm
+        from nbddp.worker.engine.rank_state import exit_on_sigterm
         idle = lambda signum, frame: print("idle handler", flush=True)
         signal.signal(signal.SIGTERM, idle)
         with exit_on_sigterm():

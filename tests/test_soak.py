@@ -21,7 +21,7 @@ import pytest
 
 import nbddp
 from faultkit import Net, read_mark, record_time, regression_data
-from nbddp.errors import WorkerDied, WorkerError
+from nbddp.protocol.errors import WorkerDied, WorkerError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.faults]

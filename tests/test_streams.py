@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 import nbddp
-from nbddp.errors import WorkerError
+from nbddp.protocol.errors import WorkerError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(240)
@@ -330,9 +330,10 @@ def test_data_of_no_accepted_form_names_the_forms(workers):
 def test_a_notebook_class_reaches_loader_workers_started_by_a_forkserver(workers):
     """Under CUDA the loader workers come from a forkserver: a class defined in a cell must reach them by value."""
     def from_forkserver():
-        from nbddp.worker import loaders, streams
-        from nbddp.worker.data import DataSpec
-        from nbddp.options import make_config
+        from nbddp.worker.data import loaders
+        from nbddp.worker.data import streams
+        from nbddp.protocol.data_forms import DataSpec
+        from nbddp.fit.option_checks import make_config
 
         import torch.distributed as dist
 
@@ -417,7 +418,7 @@ def test_the_feed_hands_out_what_every_rank_holds_and_knows_the_end_a_window_ahe
 
 
 def _check_feed(mine: int, peer: int, accum: int) -> None:
-    from nbddp.worker.agreement import UNKNOWN, EpochFeed
+    from nbddp.worker.data.batch_agreement import UNKNOWN, EpochFeed
 
     feed = EpochFeed(_items(mine), Peer(peer), epoch=0, accum=accum)
     known = []
@@ -434,7 +435,7 @@ def _check_feed(mine: int, peer: int, accum: int) -> None:
 
 
 def test_an_empty_share_names_the_rank():
-    from nbddp.worker.agreement import EmptyShard, EpochFeed, lockstep
+    from nbddp.worker.data.batch_agreement import EmptyShard, EpochFeed, lockstep
 
     with pytest.raises(EmptyShard, match=r"the training data: rank 0 got no sample in epoch 2: its share of the stream "
                                          r"is empty while rank 1 has data"):
@@ -446,7 +447,7 @@ def test_an_empty_share_names_the_rank():
 
 
 def test_a_rank_whose_data_fails_raises_it_and_the_others_learn_it_at_the_same_batch():
-    from nbddp.worker.agreement import Agreement, EpochFeed, PeerFailed
+    from nbddp.worker.data.batch_agreement import Agreement, EpochFeed, PeerFailed
 
     def broken():
         yield from _items(2)
@@ -482,10 +483,10 @@ def test_a_failing_data_pipeline_fails_every_rank_together_none_stuck(workers):
 
 
 def test_a_mid_epoch_checkpoint_read_with_other_loader_workers_is_refused():
-    from nbddp.options import make_config
-    from nbddp.worker.agreement import Agreement
-    from nbddp.worker.data import DataSpec
-    from nbddp.worker.streams import Stream as RankStream
+    from nbddp.fit.option_checks import make_config
+    from nbddp.worker.data.batch_agreement import Agreement
+    from nbddp.protocol.data_forms import DataSpec
+    from nbddp.worker.data.streams import Stream as RankStream
 
     cfg = make_config(batch_size=8, num_workers=0)
     stream = RankStream(Stream(20), DataSpec(stream=True), cfg, 0, 2, torch.device("cpu"), Agreement(0, 2))
@@ -500,12 +501,12 @@ def test_a_mid_epoch_checkpoint_read_with_other_loader_workers_is_refused():
 def test_the_live_view_shows_a_streams_unknown_total_then_an_estimate():
     from types import SimpleNamespace
 
-    from nbddp.history import History
+    from nbddp.fit.history import History
     from nbddp.live.state import LiveState
     from nbddp.live.text import progress_line
     from nbddp.live.widget import progress_text
     from nbddp.live.text import progress_fields
-    from nbddp.messages import FitPlanInfo
+    from nbddp.protocol.messages import FitPlanInfo
 
     plan = FitPlanInfo(total_steps=None, steps_per_epoch=None, start_step=0, batch_size=8)
     run = SimpleNamespace(live_state=LiveState(status="training", world_size=2, epochs=3, plan=plan),
@@ -535,7 +536,7 @@ class Squares(torch.utils.data.Dataset):
 def test_loader_workers_come_from_a_forkserver_once_cuda_is_up_and_notebook_classes_reach_them(_suite_session,
                                                                                                tmp_path):
     """On GPU workers CUDA is initialised before the loaders start: forking the engine then would break."""
-    from nbddp.session import get_session
+    from nbddp.session.session import get_session
 
     s = get_session()
     if s.started and s.backend != "nccl":
@@ -547,8 +548,7 @@ def test_loader_workers_come_from_a_forkserver_once_cuda_is_up_and_notebook_clas
         assert h.status == "completed" and h.steps[-1]["step"] > 0
 
         def method():
-            from nbddp.worker import loaders
-
+            from nbddp.worker.data import loaders
             return loaders.start_method()
 
         assert set(nbddp.run(method)) == {"forkserver"}

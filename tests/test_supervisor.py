@@ -14,10 +14,10 @@ import torch
 
 import nbddp
 from faultkit import Net, regression_data
-from nbddp.cluster import Workers
-from nbddp.errors import ClusterError
-from nbddp.group import check_versions
-from nbddp.topology import Probe
+from nbddp.cluster.engines import Workers
+from nbddp.protocol.errors import ClusterError
+from nbddp.session.process_group import check_versions
+from nbddp.protocol.placement import Probe
 
 pytestmark = pytest.mark.timeout(240)
 

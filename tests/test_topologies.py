@@ -410,7 +410,7 @@ def test_a_stream_under_a_pipeline_is_refused_naming_what_works(workers):
 
 
 def test_fp16_with_a_gradient_scaler_is_refused_under_model_parallelism():
-    from nbddp.topology_checks import check_batch
+    from nbddp.fit.parallel_checks import check_batch
 
     for strategy in (nbddp.Pipeline(), nbddp.TensorParallel()):
         with pytest.raises(ValueError, match=r"precision='16-mixed'\) cannot train under nbddp\.\w+: its gradient "
@@ -419,7 +419,7 @@ def test_fp16_with_a_gradient_scaler_is_refused_under_model_parallelism():
 
 
 def test_the_balanced_cut_makes_the_largest_stage_smallest():
-    from nbddp.worker.stages import balanced_cuts, plan_stages
+    from nbddp.partitioning.pipeline_stages import balanced_cuts, plan_stages
 
     assert balanced_cuts([1, 1, 1, 1], 2) == [2]
     assert balanced_cuts([10, 1, 1, 1, 1, 10], 3) == [1, 5]
@@ -428,7 +428,7 @@ def test_the_balanced_cut_makes_the_largest_stage_smallest():
 
 
 def test_the_tp_plan_finds_the_usual_pairs():
-    from nbddp.worker.tensor_plan import find_plan
+    from nbddp.partitioning.tensor_plan import find_plan
 
     assert find_plan(Block()) == {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
                                   "attn.o_proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
@@ -436,8 +436,8 @@ def test_the_tp_plan_finds_the_usual_pairs():
 
 
 def test_a_rank_waiting_in_a_collective_is_waiting_and_its_peer_is_stalled():
-    from nbddp.messages import Beat
-    from nbddp.stalls import MIN_STALL_S, StallWatch
+    from nbddp.protocol.messages import Beat
+    from nbddp.monitor.stalls import MIN_STALL_S, StallWatch
 
     now = [0.0]
     watch = StallWatch([0, 1], clock=lambda: now[0])
@@ -469,7 +469,7 @@ class Skips(Branchy):
 
 
 def test_a_model_that_cannot_be_traced_into_its_stages_is_refused_with_the_fix():
-    from nbddp.worker.stages import stage_modules
+    from nbddp.partitioning.pipeline_stages import stage_modules
 
     example = (torch.randn(2, 6),)
     with pytest.raises(RuntimeError, match=r"could not trace Branchy into stages .*Write the model as an nn.Sequential"):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from nbddp.topology import Probe, TopologyError, assign, describe, interface_for, master_address, socket_interfaces
+from nbddp.protocol.placement import Probe, TopologyError, assign, describe, interface_for, master_address, socket_interfaces
 
 
 def probes(layout: dict[str, list[int]], gpus: int = 4) -> list[Probe]:

@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nbddp.options import make_config
-from nbddp.worker.precision import precision_tools
-from nbddp.worker.setup import check_resumable
-from nbddp.worker.batches import BatchError, batch_size_of, run_batch
-from nbddp.worker.data import SkipSampler, StridedSampler
+from nbddp.fit.option_checks import make_config
+from nbddp.worker.strategies.precision import precision_tools
+from nbddp.worker.training.setup import check_resumable
+from nbddp.worker.data.batches import BatchError, batch_size_of, run_batch
+from nbddp.worker.data.datasets import SkipSampler, StridedSampler
 
 
 class _Keyword(nn.Module):
@@ -69,7 +69,7 @@ def test_default_loss_is_cross_entropy_for_labels_and_mse_for_values():
 
 
 def test_fp16_on_cpu_and_sync_batchnorm_on_cpu_are_refused_on_the_worker_in_the_kernels_words():
-    from nbddp.options import check_device_rules
+    from nbddp.protocol.fit_options import check_device_rules
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"precision='16-mixed'\) needs CUDA GPUs .* workers run on \['cpu'\]; "
@@ -120,7 +120,8 @@ def test_feature_options_are_checked_in_the_kernel_with_the_fix_named(tmp_path):
 
 
 def test_a_key_the_worker_does_not_hold_is_a_clear_error():
-    from nbddp.worker.data import DataSpec, keep_only, materialise
+    from nbddp.protocol.data_forms import DataSpec
+    from nbddp.worker.data.datasets import keep_only, materialise
 
     cache = {"a": "dataset-a", "b": "dataset-b"}
     keep_only(cache, ["b"])
@@ -135,7 +136,7 @@ def test_a_stop_signal_that_lands_after_the_loop_is_a_flag_not_a_keyboard_interr
     import os
     import signal
 
-    from nbddp.worker.state import STATE, stop_on_sigint
+    from nbddp.worker.engine.rank_state import STATE, stop_on_sigint
 
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # what the engine installs for a task
     try:
@@ -153,8 +154,8 @@ def test_a_stop_signal_that_lands_after_the_loop_is_a_flag_not_a_keyboard_interr
 
 def test_every_cuda_figure_a_rank_measures_reaches_history_ranks(monkeypatch):
     """``History.ranks`` carries what ``RANK_SLOTS`` names: a figure cuda_memory() measures must have a slot."""
-    from nbddp.worker import report, usage
-
+    from nbddp.worker.training import report
+    from nbddp.worker.memory import usage
     for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: 1)
     measured = usage.cuda_memory(torch.device("cuda", 0))

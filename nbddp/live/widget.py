@@ -39,7 +39,7 @@ from typing import Any
 
 from nbddp.live.plot import LossPlot
 from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
-from nbddp.messages import innermost_frames
+from nbddp.protocol.messages import innermost_frames
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",

@@ -26,7 +26,7 @@ import os
 import tempfile
 from typing import Any
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 
 EXTRA_HINT = 'pip install "nbddp[loggers]"'
 _NOT_METRICS = ("step", "epoch", "time")

@@ -16,7 +16,7 @@ import csv
 import os
 from typing import Any
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger, writable_dir
 
 FIRST = ["run", "kind", "step", "epoch", "loss", "lr", "samples_per_s", "time"]

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger
 
 RUNS_FILE = "nbddp-runs.json"  # in checkpoint_dir: the run each logger wrote, for a resumed fit to continue

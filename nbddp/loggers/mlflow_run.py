@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger, need
 
 _STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}

@@ -14,7 +14,7 @@ import glob
 import os
 from typing import Any
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger, need, writable_dir
 
 

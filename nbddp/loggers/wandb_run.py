@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.fitinfo import FitInfo
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger, metrics_of, need, writable_dir
 
 _LOCAL_MODES = ("offline", "disabled", "dryrun")

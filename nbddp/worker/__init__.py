@@ -1,6 +1,6 @@
 """Engine-side code: runs inside the ipyparallel engines, one per rank.
 
-Nothing here imports ipywidgets or IPython display code; the kernel side
-(``nbddp.live``, ``nbddp.magics``) never imports this package's training
-loop. Functions called from the kernel live in ``worker.entry``.
+Imports only ``worker/`` and the shared layer (``protocol/``, ``shipping/``,
+``partitioning/``); never ipywidgets or IPython display code. The kernel
+imports only the entry points in ``worker/tasks/``.
 """

@@ -16,8 +16,8 @@ def make_strategy(spec: Any, device: torch.device, precision: str = "32-true", m
         return DDPStrategy(device)
     if isinstance(spec, str) or spec is None:
         raise ValueError(f"unknown strategy {spec!r}")
-    from nbddp.sharding import FSDP
-    from nbddp.topologies import Pipeline, TensorParallel
+    from nbddp.protocol.parallel_settings import FSDP
+    from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
 
     if isinstance(spec, FSDP):
         from nbddp.worker.strategies.fsdp import FSDPStrategy

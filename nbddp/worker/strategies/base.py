@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from nbddp.worker.batches import run_batch
-from nbddp.worker.monitor import BEAT
+from nbddp.worker.data.batches import run_batch
+from nbddp.worker.engine.heartbeat import BEAT
 
 
 class Strategy(ABC):
@@ -27,7 +27,7 @@ class Strategy(ABC):
     lockstep_validation: bool = False
     #: every batch must have the full batch size (a pipeline's stages exchange tensors of one shape)
     whole_batches: bool = False
-    #: after the first step the loop's freed buffers stay in the C heap for the next step (worker/memory.py)
+    #: after the first step the loop's freed buffers stay in the C heap for the next step (worker/memory/allocator.py)
     heap_steady_state: bool = True
 
     def __init__(self, device: torch.device):

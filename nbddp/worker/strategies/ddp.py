@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nbddp.worker import checkpoint as ckpt
+from nbddp.worker.checkpoints import files as ckpt
 from nbddp.worker.strategies.base import Strategy
 
 

@@ -15,7 +15,7 @@ and with accumulation and clipping to 6e-8.
 * Buffers (BatchNorm statistics) are not sharded and, unlike DDP, not
   synchronised: each rank keeps its own, and rank 0's come back.
 * Checkpoints are ``torch.distributed.checkpoint`` directories: each rank
-  writes its own shards (``worker/dcp.py``).
+  writes its own shards (``worker/checkpoints/sharded.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nbddp.worker import blocks
-from nbddp.worker import dcp
+from nbddp.partitioning import blocks
+from nbddp.worker.checkpoints import sharded as dcp
 from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.shards import local_param_bytes, restore_own, snapshot_own
 
@@ -36,7 +36,7 @@ from nbddp.worker.strategies.shards import local_param_bytes, restore_own, snaps
 class FSDPStrategy(Strategy):
     name = "fsdp"
     lockstep_validation = True
-    heap_steady_state = False  # gathered units and reduce-scatter buffers fragment a heap that keeps them (worker/memory.py)
+    heap_steady_state = False  # gathered units and reduce-scatter buffers fragment a heap that keeps them (worker/memory/allocator.py)
 
     def __init__(self, device: torch.device, spec: Any, precision: str = "32-true"):
         super().__init__(device)

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nbddp.worker import stages as cut
-from nbddp.worker.batches import BatchError, default_loss
-from nbddp.worker.monitor import BEAT
-from nbddp.worker.strategies.grid import MeshStrategy, full_tensors, recv_state, send_state
+from nbddp.partitioning import pipeline_stages as cut
+from nbddp.worker.data.batches import BatchError, default_loss
+from nbddp.worker.engine.heartbeat import BEAT
+from nbddp.worker.strategies.model_parallel import MeshStrategy, full_tensors, recv_state, send_state
 
 
 class PipelineStrategy(MeshStrategy):
@@ -109,7 +109,7 @@ class PipelineStrategy(MeshStrategy):
 
     def _example(self) -> Any:
         """A micro-batch of the training data, for its shapes (RNG left as it was)."""
-        from nbddp.worker.checkpoint import rng_state, set_rng_state
+        from nbddp.worker.checkpoints.files import rng_state, set_rng_state
 
         ds, collate, batch_size = self.sample_data  # set by setup.build
         rows = min(len(ds), max(1, batch_size // self.spec.microbatches))
@@ -122,7 +122,7 @@ class PipelineStrategy(MeshStrategy):
             set_rng_state(saved)
 
     def _autocast(self) -> Any:
-        from nbddp.worker.precision import precision_tools
+        from nbddp.worker.strategies.precision import precision_tools
 
         return precision_tools(self.precision, self.device)[0]
 

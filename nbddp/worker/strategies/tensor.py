@@ -1,7 +1,7 @@
 """Tensor parallelism: the planned ``nn.Linear`` layers split over the ``tp`` ranks of a group (DTensor).
 
 ``parallelize_module(model, mesh["tp"], plan)`` with torch's
-``ColwiseParallel``/``RowwiseParallel`` (``worker/tensor_plan.py`` finds or
+``ColwiseParallel``/``RowwiseParallel`` (``partitioning/tensor_plan.py`` finds or
 checks the plan). Every rank of a group runs the whole forward on the same
 batch; a colwise layer computes a slice of the features, the rowwise layer
 after it sums the slices with one all-reduce. Over ``dp``, replicas average
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 from nbddp.worker.strategies.gradients import average_gradients
-from nbddp.worker.strategies.grid import MeshStrategy
-from nbddp.worker.tensor_plan import parallel_styles, resolve_plan
+from nbddp.worker.strategies.model_parallel import MeshStrategy
+from nbddp.partitioning.tensor_plan import parallel_styles, resolve_plan
 
 
 class TensorParallelStrategy(MeshStrategy):

@@ -1,0 +1,136 @@
+"""Callbacks for ``dist_fit(callbacks=[...])``: called in the kernel as the records arrive.
+
+A callback is any object with one or more of the hooks::
+
+    on_fit_start(info)      # training began: a FitInfo (steps, model, world size, hyperparameters)
+    on_record(record)       # every record: step, epoch and validation ones (``record.kind`` says which)
+    on_epoch_end(record)    # every epoch's record (after its on_record)
+    on_fit_end(history)     # the final History (also when the fit failed: status "failed")
+
+They run in the fit's watcher thread, in the order the records were made,
+while the workers train on. A hook may stop the fit by returning
+``"stop"`` or calling ``nbddp.stop_fit()``: every rank stops at the next
+sync, through the same path as the Stop button. A hook that raises is
+reported with its traceback, that callback gets no more records (only
+``on_fit_end``) and, unless it sets ``stop_on_error = False``, the fit stops
+the same clean way: the model keeps the weights of that step, and
+``History.stop_reason`` says why.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any, Callable
+
+from nbddp.protocol.errors import NbddpError
+
+HOOKS = ("on_fit_start", "on_record", "on_epoch_end", "on_fit_end")
+_current = threading.local()  # the hook being called in this thread: who asked nbddp.stop_fit() to stop
+
+
+class Callback:
+    """An optional base class: override the hooks you need (any object with one of them works too)."""
+
+    #: an exception in a hook stops the fit (True), or the fit goes on without this callback (False)
+    stop_on_error = True
+
+    def on_fit_start(self, info: Any) -> Any:
+        return None
+
+    def on_record(self, record: "Record") -> Any:
+        return None
+
+    def on_epoch_end(self, record: "Record") -> Any:
+        return None
+
+    def on_fit_end(self, history: Any) -> Any:
+        return None
+
+
+class Record(dict):
+    """A record as a callback gets it: a copy of History's dict, with ``.kind`` (``"step"``, ``"epoch"``, ``"val"``)."""
+
+    def __init__(self, kind: str, values: dict[str, Any]):
+        super().__init__(values)
+        self.kind = kind
+
+
+def check_callbacks(callbacks: Any) -> list[Any]:
+    """``dist_fit(callbacks=...)`` as a list; an object without any hook raises here, before training."""
+    if callbacks is None:
+        return []
+    items = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    for cb in items:
+        if isinstance(cb, type):
+            raise TypeError(f"dist_fit(callbacks=[...]) got the class {cb.__name__}; pass an instance: {cb.__name__}()")
+        if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
+            raise TypeError(f"dist_fit(callbacks=[...]): {type(cb).__name__} {cb!r} has none of the hook methods "
+                            f"{', '.join(HOOKS)}; a callback defines at least one of them (or subclasses "
+                            "nbddp.callbacks.base.Callback)")
+    return items
+
+
+def stop_fit(reason: str | None = None) -> None:
+    """Stop the running ``dist_fit`` cleanly at the next sync, as the Stop button does.
+
+    From a callback's hook it stops that callback's fit (and ``History.stop_reason``
+    names the callback); from a notebook cell, the fit running now
+    (``block=False``).
+
+    Raises:
+        NbddpError: no fit is running.
+    """
+    current = getattr(_current, "hook", None)
+    if current is not None:
+        stop, label = current
+        stop(reason or f"{label} called nbddp.stop_fit()")
+        return
+    from nbddp.session.session import get_session
+
+    run = get_session().running
+    if run is None or getattr(run, "hooks", None) is None:
+        raise NbddpError("nbddp.stop_fit(): no dist_fit is running. It stops a fit from one of its callbacks, or "
+                         "from a cell while a dist_fit(..., block=False) trains")
+    run.request_stop(reason or "nbddp.stop_fit()")
+
+
+class CallbackSet:
+    """The callbacks of one fit, called by ``FitHooks`` in the watcher thread."""
+
+    def __init__(self, callbacks: list[Any]):
+        self.callbacks = callbacks
+        self.dropped: set[int] = set()
+        self.errors: list[dict[str, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.callbacks)
+
+    def call(self, hook: str, arg: Any, stop: Callable[[str], None]) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is None or (id(cb) in self.dropped and hook != "on_fit_end"):
+                continue
+            label = f"{type(cb).__name__}.{hook}"
+            _current.hook = (stop, label)
+            try:
+                out = fn(arg)
+            except Exception as exc:  # noqa: BLE001 - reported; the fit stops cleanly (or goes on)
+                self._failed(cb, label, exc, stop)
+                continue
+            finally:
+                _current.hook = None
+            if isinstance(out, str) and out == "stop":
+                stop(f"{label} returned 'stop'")
+
+    def _failed(self, cb: Any, label: str, exc: Exception, stop: Callable[[str], None]) -> None:
+        text = "".join(traceback.format_exception(exc))
+        stops = getattr(cb, "stop_on_error", True)
+        then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else "the fit goes on"
+        sys.stderr.write(f"nbddp: callback {label} raised; it gets no more records, and {then}.\n{text}")
+        sys.stderr.flush()
+        self.errors.append({"source": f"callback {label}", "error": f"{type(exc).__name__}: {exc}", "traceback": text})
+        self.dropped.add(id(cb))  # in an unknown state now: only on_fit_end still comes, to let it clean up
+        if stops:
+            stop(f"{label} raised {type(exc).__name__}: {exc}")

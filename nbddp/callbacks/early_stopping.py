@@ -1,0 +1,107 @@
+"""``EarlyStopping``: stop a fit when the monitored value stops improving.
+
+It is a kernel callback like any other: it reads each check's record as it
+arrives and, after ``patience`` checks without improvement, asks the fit to
+stop (the Stop button's path: every rank stops at the next sync). A check
+is a validation pass for a ``val_*`` value, an epoch's end otherwise. With
+``restore_best=True`` the workers keep the best check's weights
+(``worker/training/best_weights.py``) and end with them, so the notebook's model gets those.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from nbddp.callbacks.base import Callback, Record, stop_fit
+from nbddp.protocol.fit_options import MODES, BestSpec
+
+
+class EarlyStopping(Callback):
+    """``dist_fit(..., callbacks=[nbddp.EarlyStopping(patience=3)])``.
+
+    Args:
+        monitor: the record value to watch: ``"val_loss"``, ``"val_<metric>"``
+            (checked at every validation pass, including ``val_every``'s), or
+            ``"loss"`` (the epoch's training loss, checked at each epoch's end).
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        patience: checks without improvement before the fit stops.
+        min_delta: how much a value must beat the best by to count as better.
+        restore_best: end with the best check's weights (every rank, so also
+            ``keep=``'s module), instead of those of the step the fit stopped at.
+
+    After the fit, ``History.best`` holds ``monitor``, ``value``, ``step`` and
+    ``epoch`` of the best check, and whether its weights were restored.
+    """
+
+    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 restore_best: bool = False):
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"EarlyStopping(monitor=...) names a recorded value such as 'val_loss'; got {monitor!r}")
+        if mode not in MODES:
+            raise ValueError(f"EarlyStopping(mode=...) must be 'min' (lower is better) or 'max'; got {mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, numbers.Integral) or patience < 1:
+            raise ValueError(f"EarlyStopping(patience=...) is a number of checks, an int >= 1; got {patience!r}")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not min_delta >= 0:
+            raise ValueError(f"EarlyStopping(min_delta=...) must be a number >= 0; got {min_delta!r}")
+        if not isinstance(restore_best, bool):
+            raise TypeError(f"EarlyStopping(restore_best=...) must be True or False; got {restore_best!r}")
+        self.spec = BestSpec(monitor, mode, float(min_delta))
+        self.patience = int(patience)
+        self.restore_best = restore_best
+        self._reset()
+
+    @property
+    def monitor(self) -> str:
+        return self.spec.monitor
+
+    def _reset(self) -> None:
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.best_epoch: int | None = None
+        self.checks = 0
+        self.wait = 0  # checks since the best one
+        self.stopped_at: int | None = None
+
+    def check_fit(self, known: set[str] | None, has_val: bool) -> None:
+        """Raise before training when this fit will never record ``monitor``.
+
+        ``known``: every value the fit's checks record, or None when a
+        ``step_fn`` may add ``val_*`` values of its own.
+        """
+        m = self.monitor
+        if m.startswith("val_") and not has_val:
+            raise ValueError(f"EarlyStopping(monitor={m!r}) watches validation, but the fit has no val_data; pass "
+                             "val_data=..., or monitor='loss' (the epoch's training loss)")
+        if known is not None and m not in known:
+            raise ValueError(f"EarlyStopping(monitor={m!r}): this fit records {sorted(known)} at its checks, not "
+                             f"{m!r}. A metric needs metrics={{'{m.removeprefix('val_')}': fn}} and val_data=...")
+
+    def on_fit_start(self, info: Any) -> None:
+        self._reset()
+
+    def on_record(self, record: Record) -> None:
+        if record.kind != self.spec.kind:
+            return
+        value = record.get(self.monitor)
+        if not isinstance(value, numbers.Real):
+            held = sorted(k for k in record if k not in ("step", "epoch"))
+            raise KeyError(f"EarlyStopping(monitor={self.monitor!r}): the {record.kind} records hold {held}")
+        self.checks += 1
+        if self.spec.improved(float(value), self.best):
+            self.best, self.best_step, self.best_epoch, self.wait = float(value), record["step"], record.get("epoch"), 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience and self.stopped_at is None:
+            self.stopped_at = record["step"]
+            stop_fit(f"EarlyStopping: {self.monitor} did not improve for {self.wait} checks (best {self.best:.6g} at "
+                     f"step {self.best_step})")
+
+    def summary(self) -> dict[str, Any]:
+        """What ``History.best`` holds."""
+        return {"monitor": self.monitor, "mode": self.spec.mode, "value": self.best, "step": self.best_step,
+                "epoch": self.best_epoch, "checks": self.checks, "stopped_at": self.stopped_at, "restored": False}
+
+    def __repr__(self) -> str:
+        return (f"EarlyStopping(monitor={self.monitor!r}, mode={self.spec.mode!r}, patience={self.patience}, "
+                f"min_delta={self.spec.min_delta}, restore_best={self.restore_best})")

@@ -1,0 +1,198 @@
+"""A fit's loggers and callbacks, fed by the kernel's watcher thread (``fitting.FitRun``).
+
+``FitHooks.build`` runs in ``dist_fit`` before any worker starts: every
+logger name, callback and ``EarlyStopping`` monitor is checked, and every
+logger's ``check`` runs (its package, its directory, its store). Then:
+
+* ``start`` when the workers publish their plan (training began): the
+  loggers open their runs (the same runs again when the fit resumes from a
+  checkpoint: they are noted in ``checkpoint_dir/nbddp-runs.json``), then
+  ``on_fit_start``;
+* ``record`` for each of rank 0's records, strictly in order. Should the
+  watcher ever fall behind the stream's window, delivery pauses and
+  ``finish`` delivers the rest from rank 0's full list: no logger sees a
+  record twice, out of order, or never;
+* all of it runs in a thread of its own (``nbddp-fit-hooks``), fed by a
+  queue: the watcher only hands records over, so a slow logger (a W&B run
+  opening over the network) never makes it fall behind the workers' stream;
+* ``finish`` (or ``close`` when the fit failed): the last records, the
+  loggers' runs closed, ``on_fit_end``, and what the History keeps of it.
+
+None of it travels to the workers except ``best`` (plain settings: what to
+monitor, for ``restore_best``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import traceback
+from typing import Any
+
+from nbddp.callbacks.base import CallbackSet, Record, check_callbacks
+from nbddp.callbacks.early_stopping import EarlyStopping
+from nbddp.loggers.fit_info import FitInfo, callable_name, fit_info
+from nbddp.protocol.fit_options import BestSpec
+from nbddp.loggers import resolve
+from nbddp.loggers.guard import LoggerSet, read_runs, runs_file, write_runs
+
+
+def _known_values(val_data: Any, metrics: Any, step_fn: Any) -> set[str] | None:
+    """Every value a check records (None: a step_fn may add its own ``val_*``)."""
+    if step_fn is not None and val_data is not None:
+        return None
+    known = {"loss"}
+    if val_data is not None:
+        known |= {"val_loss", *(f"val_{name}" for name in (metrics or {}))}
+    return known
+
+
+JOIN_S = 300.0  # at the end, how long the fit waits for its loggers to close their runs (uploads included)
+
+
+class FitHooks:
+    def __init__(self, loggers: list[Any], callbacks: list[Any], described: dict[str, Any],
+                 best: BestSpec | None = None):
+        self.loggers = LoggerSet(loggers)
+        self.callbacks = CallbackSet(callbacks)
+        self.described = described
+        self.best = best
+        self.stoppers = [cb for cb in callbacks if isinstance(cb, EarlyStopping)]
+        self.run: Any = None
+        self.info: FitInfo | None = None
+        self.next_seq = 0  # the next record to hand over (watcher thread)
+        self.flushed = 0  # records handed over when the last flush was asked for
+        self.planned = False
+        self.finishing = False
+        self.queue: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def build(cls, loggers: Any = None, callbacks: Any = None, *, val_data: Any = None, metrics: Any = None,
+              step_fn: Any = None, **described: Any) -> "FitHooks":
+        """Check everything that can be checked before training (bad input raises here)."""
+        chosen, cbs = resolve(loggers), check_callbacks(callbacks)
+        known = _known_values(val_data, metrics, step_fn)
+        restoring = []
+        for es in (cb for cb in cbs if isinstance(cb, EarlyStopping)):
+            es.check_fit(known, val_data is not None)
+            restoring += [es] if es.restore_best else []
+        if len(restoring) > 1:
+            raise ValueError(f"dist_fit(callbacks=[...]) has {len(restoring)} EarlyStopping(restore_best=True); the "
+                             "model can end with one best check's weights only: keep restore_best on one of them")
+        for logger in chosen:
+            logger.check()
+        names = {k: callable_name(v) for k, v in described.items()}
+        names["metrics"] = ",".join(sorted(metrics)) if metrics else None
+        names["step_fn"] = callable_name(step_fn)
+        return cls(chosen, cbs, names, restoring[0].spec if restoring else None)
+
+    def __bool__(self) -> bool:
+        return bool(self.loggers) or bool(self.callbacks)
+
+    def attach(self, plan: Any) -> None:
+        """Tell the workers what to monitor when they must end with the best check's weights (plain settings)."""
+        if self.best is not None:
+            plan.launch = dataclasses.replace(plan.launch, best=self.best)
+
+    def bind(self, run: Any) -> None:
+        self.run = run
+
+    def _stop(self, reason: str) -> None:
+        if not self.finishing:  # a stop asked while the fit ends has nothing left to stop
+            self.run.request_stop(reason)
+
+    # ---- the watcher thread's side: hand over, in order --------------------------
+    def start(self, plan: Any) -> None:
+        """The workers' plan arrived (``messages.FitPlanInfo``): training began."""
+        if self.planned or not self:
+            return
+        self.planned = True
+        self.thread = threading.Thread(target=self._serve, name="nbddp-fit-hooks", daemon=True)
+        self.thread.start()
+        self.queue.put(("start", plan))
+
+    def record(self, seq: int, kind: str, record: dict[str, Any]) -> None:
+        if seq != self.next_seq or not self.planned:  # a gap (or no plan yet): finish() hands over from here
+            return
+        self.next_seq += 1
+        self.queue.put(("record", (kind, record)))
+
+    def tick(self, step: int | None) -> None:
+        """After each look at the stream: the loggers write what they buffered (once per new batch of records)."""
+        if self.loggers and self.next_seq > self.flushed:
+            self.flushed = self.next_seq
+            self.queue.put(("flush", step))
+
+    def finish(self, history: Any, records: list[tuple[int, str, dict[str, Any]]], plan: Any,
+               restored: dict[str, Any] | None) -> None:
+        """The fit ended on the workers: the records not handed over yet, then ``close``; wait for all of it."""
+        self.finishing = True
+        if plan is not None:
+            self.start(plan)
+        for seq, kind, record in records[self.next_seq:] if self.planned else ():
+            self.record(seq, kind, record)
+        self.close(history, restored)
+
+    def close(self, history: Any, restored: dict[str, Any] | None = None) -> None:
+        """Close the runs, call ``on_fit_end``, and keep in ``history`` what happened (also after a failure)."""
+        self.finishing = True
+        history.stop_reason = getattr(self.run, "stop_reason", None)
+        if self.thread is None:
+            self._best(history, restored)
+            return
+        self.queue.put(("close", (history, restored)))
+        self.thread.join(JOIN_S)
+        if self.thread.is_alive():
+            sys.stderr.write(f"nbddp: the loggers were still closing their runs after {JOIN_S:.0f} s; the fit "
+                             "returns without waiting for them.\n")
+
+    # ---- the hooks thread: loggers and callbacks ---------------------------------
+    def _serve(self) -> None:
+        while True:
+            what, arg = self.queue.get()
+            try:
+                {"start": self._started, "record": self._deliver, "flush": self.loggers.flush,
+                 "close": self._closed}[what](arg)
+            except Exception:  # noqa: BLE001 - the guards catch the loggers' and callbacks' own errors
+                sys.stderr.write(f"nbddp: internal error in the fit's loggers/callbacks ({what}):\n"
+                                 f"{traceback.format_exc()}")
+            if what == "close":
+                return
+
+    def _started(self, plan: Any) -> None:
+        cfg = self.run.plan.cfg
+        path = runs_file(cfg)
+        saved = read_runs(path) if cfg.resume and plan.start_step > 0 else {}
+        self.info = fit_info(cfg, self.run.session, plan, self.described, saved.get("run_name"))
+        if self.loggers:
+            states = self.loggers.start(self.info, saved.get("loggers", {}))
+            if cfg.checkpoint_dir:
+                write_runs(path, self.info.run_name, states)
+        self.callbacks.call("on_fit_start", self.info, self._stop)
+
+    def _deliver(self, item: tuple[str, dict[str, Any]]) -> None:
+        kind, record = item
+        if self.loggers:
+            self.loggers.log(kind, record)
+        if self.callbacks:
+            copy = Record(kind, record)
+            self.callbacks.call("on_record", copy, self._stop)
+            if kind == "epoch":
+                self.callbacks.call("on_epoch_end", copy, self._stop)
+
+    def _best(self, history: Any, restored: dict[str, Any] | None) -> None:
+        if self.stoppers:
+            es = next((e for e in self.stoppers if e.restore_best), self.stoppers[0])
+            history.best = {**es.summary(), "restored": restored is not None and es.restore_best}
+
+    def _closed(self, item: tuple[Any, dict[str, Any] | None]) -> None:
+        history, restored = item
+        self._best(history, restored)
+        if self.loggers:
+            history.loggers = self.loggers.finish(history.status, history.last_step)
+        self.callbacks.call("on_fit_end", history, self._stop)
+        history.errors = [*({"source": f"logger {g.key}", "error": g.error, "traceback": g.traceback}
+                            for g in self.loggers.guards if g.error), *self.callbacks.errors]

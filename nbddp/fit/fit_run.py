@@ -1,0 +1,263 @@
+"""A fit in flight, on the kernel's side: launch, watch, stop, bring the weights back.
+
+``FitRun`` launches one task per rank (``worker.entry.fit_task``) and
+watches them in a background thread (``tasks.RankTasks``), feeding rank 0's
+stream of records to the ``History`` and the live view. The calling cell
+either waits (``block=True``, where Kernel > Interrupt becomes a coordinated
+stop) or gets a ``FitHandle`` at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+from nbddp.shipping import pickling as shipping
+from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.fit.history import History
+from nbddp.live.state import LiveState
+from nbddp.protocol.messages import FitResult, RankInfo, published
+from nbddp.fit.preflight import FitPlan
+from nbddp.monitor.stalls import StuckStop
+from nbddp.jobs.rank_tasks import RankTasks
+
+HARD_STOP_WAIT_S = 30.0
+PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
+
+
+class FitRun:
+    """One fit in flight: tasks on every rank, a watcher thread, the live view."""
+
+    def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None,
+                 hooks: FitHooks | None = None):
+        self.session = session
+        self.plan = plan
+        self.view = view
+        self.stall_timeout = stall_timeout  # seconds without progress that fail the fit (WorkerStalled)
+        self.history = History(world_size=session.world_size, batch_size=plan.cfg.batch_size)
+        self.error: BaseException | None = None
+        self.done_event = threading.Event()
+        self.stop_requested = False
+        self.stop_reason: str | None = None  # who asked for the stop (History.stop_reason)
+        self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
+        self.hooks.bind(self)
+        self.hooks.attach(plan)  # restore_best: what the workers monitor
+        self._training_started = False
+        self._stop_sent = False
+        self.hard_stopped = False
+        self.hard_stop_reason = ""
+        self.tasks: RankTasks | None = None
+        self._seen = 0
+        self.started_at = time.perf_counter() - plan.ship_s  # the call began when shipping began
+        self.live_state = LiveState(world_size=session.world_size, backend=session.backend, epochs=plan.cfg.epochs,
+                                    placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements])
+        self.thread: threading.Thread | None = None
+        self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
+        self.watch_cpu_s: float | None = None
+
+    # ---- the work protocol (Session.running) -----------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.done_event.is_set()
+
+    def wait_done(self, timeout: float) -> bool:
+        return self.done_event.wait(timeout)
+
+    def describe(self) -> str:
+        return "a dist_fit"
+
+    def launch(self) -> None:
+        """Start every rank's task and the watcher; if that fails, the shipped files go and the session is free."""
+        try:
+            self._launch()
+        except BaseException:
+            self.plan.discard()
+            self.session.running = None
+            raise
+
+    def _launch(self) -> None:
+        from nbddp.worker.tasks.entry import fit_task
+
+        s = self.session
+        plan = self.plan
+        s.follow_kernel_paths()
+        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg,
+                                                         plan.launch, s.sources.attach(plan.model_parcels.get(p.local), p))
+               for p in s.placements}
+        self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
+        s.running = self
+        self.view.start(self)
+        self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
+        self.thread.start()
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """The coordinated stop: every rank stops at the same step (``reason``: who asks, for History)."""
+        if self.finished or self.stop_requested:
+            return
+        self.stop_requested = True
+        self.stop_reason = reason or PERSON_STOP
+        self.live_state.status = "stopping"
+        self.session.debugger.let_go(self, "the fit is stopping")  # a paused rank could not take the stop
+        if self.tasks is not None:  # a rank that stalled cannot take the stop: it is killed after a grace
+            self.tasks.stalls.stop_at = time.monotonic()
+        if self._training_started:
+            self._send_stop()
+        # else: sent by _stream when rank 0 first reports. Before that a rank may not yet have
+        # turned SIGINT into a stop flag, and the signal would kill its task instead.
+
+    def _send_stop(self) -> None:
+        if not self._stop_sent:
+            self._stop_sent = True
+            self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
+
+    def hard_stop(self, reason: str = "a second interrupt") -> None:
+        """Kill every rank now (they are replaced); the model keeps its old weights."""
+        if self.finished:
+            return
+        self.hard_stopped = True
+        self.hard_stop_reason = reason
+        self.session.supervisor.kill_ranks([p.rank for p in self.session.placements])
+        self.done_event.wait(HARD_STOP_WAIT_S)
+
+    # ---- watcher thread --------------------------------------------------------
+    def _stream(self) -> None:
+        """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
+        self._take_records()
+        stalls = self.tasks.stalls
+        stalls.tick()
+        self.live_state.stalled = list(stalls.stalled)
+        self.live_state.positions = stalls.watch.positions()
+        self.live_state.paused = self.session.debugger.paused()
+        if self._training_started or self.live_state.stalled or self.live_state.paused:
+            self.view.update(self)
+
+    def _take_records(self) -> None:
+        """Take new records from rank 0's published data (seq + window)."""
+        rank0 = self.tasks.ars.get(0)
+        plan, msg = published(rank0, "plan"), published(rank0, "progress")
+        if plan is not None and self.live_state.plan is None:
+            self.live_state.plan = plan
+            self.hooks.start(plan)
+        if msg is None:
+            return
+        if not self._training_started:
+            # rank 0 publishes only after every rank agreed on setup, so all have the stop handler now
+            self._training_started = True
+            if self.stop_requested:
+                self._send_stop()
+        self.live_state.ranks = msg.ranks or self.live_state.ranks
+        if not self.stop_requested:
+            self.live_state.status = msg.status
+        window = msg.window
+        if window and window[0][0] > self._seen:
+            # fell behind the window (a very slow poll): skip ahead so the view goes on;
+            # the final result (every record, from rank 0's return value) fills the gap
+            self.live_state.missed += window[0][0] - self._seen
+            self._seen = window[0][0]
+        for seq, kind, record in window:
+            if seq == self._seen:
+                self.history.add(kind, record)
+                self.hooks.record(seq, kind, record)
+                self._seen = seq + 1
+        self.hooks.tick(self.history.last_step)
+
+    def _watch(self) -> None:
+        try:
+            results = self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
+            self._finish(results)
+        except StuckStop as exc:  # stopped, but a stalled rank could not: its weights never came back
+            self.session.resident.clear()
+            self.history.status = self.live_state.status = "interrupted"
+            self.tasks.stalls.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
+                                     "this call; History.status is 'interrupted'.")
+            self.hooks.close(self.history)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
+            self.error = exc
+            if self.hard_stopped:
+                self.error = KeyboardInterrupt(f"training was killed ({self.hard_stop_reason}); the workers are being "
+                                               "replaced and the model keeps the weights it had before the call")
+            self.session.resident.clear()  # the workers' caches may have changed mid-way: ship afresh next time
+            self.history.status = "failed"
+            self.live_state.status = "failed" if not self.hard_stopped else "interrupted"
+            self.hooks.close(self.history)
+        finally:
+            if self.session.running is self:  # (a restart may have begun other work since)
+                self.session.running = None
+            self.plan.discard()
+            try:  # before done_event: a blocking cell returns only once the final state is drawn
+                self.view.finish(self)
+            except Exception:  # noqa: BLE001 - a display problem must not hide the result
+                pass
+            self.watch_cpu_s = time.thread_time()  # this thread's CPU seconds, view included
+            self.history.timings["watch_cpu_s"] = self.watch_cpu_s
+            self.done_event.set()
+
+    def _finish(self, results: dict[int, FitResult]) -> None:
+        t0 = time.perf_counter()
+        head = results[0]
+        history = History(world_size=self.session.world_size, batch_size=self.plan.cfg.batch_size)
+        for _, kind, record in head.records:
+            history.add(kind, record)
+        history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
+        history.ranks = self._rank_rows(head)
+        parcel: shipping.Parcel | None = head.weights
+        if parcel is not None:
+            try:
+                history.model = self._load_weights(parcel)
+            finally:
+                parcel.discard()
+        loaded = time.perf_counter()
+        history.timings = self._timings(head, t0, loaded)
+        history.transfers = {"shipped_bytes": max(p.nbytes for p in self.plan.parcels.values())
+                             + max((p.nbytes for p in self.plan.model_parcels.values()), default=0),
+                             "returned_bytes": parcel.nbytes if parcel is not None else 0}
+        # the loggers' last records and closed runs, on_fit_end: before the cell gets the History
+        # the plan rank 0 published may land after its result (a short fit on a busy machine): it is in the result too
+        self.live_state.plan = self.live_state.plan or head.plan
+        self.hooks.finish(history, head.records, self.live_state.plan, head.restored)
+        self.history = history
+        self.live_state.status = history.status
+        self.session.resident.mark(self.plan.data_keys)
+
+    def _load_weights(self, parcel: shipping.Parcel) -> Any:
+        """Into the notebook's own model (or one built from the factory); else the trained module itself."""
+        target = self.plan.model
+        if target is None and self.plan.factory is not None:
+            target = self.plan.factory()
+        if target is None:
+            return shipping.unpack(parcel)
+        state = shipping.unpack(parcel, copy=False)
+        target.load_state_dict(state)
+        del state
+        return target
+
+    def _rank_rows(self, head: FitResult) -> list[dict[str, Any]]:
+        """One dict per rank: where it ran (the kernel knows) and what it measured (rank 0's last reduction)."""
+        figures = {r["rank"]: r for r in head.ranks}
+        return [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
+                                                                        if k != "rank"}}
+                for p in self.live_state.placements]
+
+    def _timings(self, head: FitResult, t0: float, loaded: float) -> dict[str, float]:
+        worker = head.timings
+        local = self.session.placements[0].local
+        timings = {
+            "ship_s": self.plan.ship_s,
+            "setup_s": worker["setup_s"],
+            "train_s": worker["train_s"],
+            "publish_s": worker.get("publish_s", 0.0),  # of train_s: rank 0 streaming records to the kernel
+            # from rank 0's last step to the weights in the notebook's model: same clock on one host
+            "return_s": (time.time() - worker["end_wall"]) if local else worker.get("pack_s", 0.0) + loaded - t0,
+            "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out
+            "load_s": loaded - t0,  # the kernel reading them into the model
+            "total_s": loaded - self.started_at,
+        }
+        timings["overhead_s"] = timings["total_s"] - timings["train_s"]
+        return timings
+
+    def result(self) -> History:
+        if self.error is not None:
+            raise self.error
+        return self.history

@@ -1,0 +1,283 @@
+"""Before a fit: check every argument the kernel can judge, then ship them.
+
+``prepare`` turns the person's arguments into a ``FitPlan``: the validated
+``FitConfig``, what each rank is told (``FitLaunch``), and the pickled
+arguments (one ``Parcel`` per kind of host). Everything that can be known
+before a worker starts is raised here, naming the argument and the fix, so
+a typo costs an error message and nothing changes on the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nbddp.shipping import pickling as shipping
+from nbddp.protocol.errors import ShippingError
+from nbddp.protocol.messages import FitLaunch
+from nbddp.fit.option_checks import make_config
+from nbddp.protocol.fit_options import FitConfig, check_device_rules
+from nbddp.protocol.parallel_settings import data_parallel_size
+
+
+@dataclass
+class FitPlan:
+    cfg: FitConfig
+    launch: FitLaunch
+    model: Any  # the person's nn.Module (weights come back into it) or None for a factory
+    factory: Any = None  # the model factory, when the kernel builds the module the weights go into
+    parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # local? -> parcel
+    model_parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # the model alone (sharded training)
+    ship_s: float = 0.0
+    data_keys: list[str] = field(default_factory=list)  # resident on the workers once this fit succeeds
+
+    def discard(self) -> None:
+        for parcel in [*self.parcels.values(), *self.model_parcels.values()]:
+            parcel.discard()
+
+
+def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
+    """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size).
+
+    A stream (``IterableDataset``) has no length here: its epochs end where a
+    rank's share of it ends (``worker/data/batch_agreement.py``).
+    """
+    from torch.utils.data import DataLoader
+
+    from nbddp.protocol import data_forms as dataforms
+    from nbddp.protocol.data_forms import DataSpec
+
+    if dataforms.is_split_dict(data):
+        data = dataforms.one_split(data, name)
+    if isinstance(data, DataLoader):
+        from torch.utils.data.dataloader import default_collate
+
+        collate = None if data.collate_fn is default_collate else data.collate_fn
+        if dataforms.is_stream(data.dataset):
+            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None)
+            return spec, None, data.batch_size
+        return DataSpec(dataset=data.dataset, collate_fn=collate), len(data.dataset), data.batch_size
+    if isinstance(data, (tuple, list)) and _tensor_tuple(data):
+        return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
+    if dataforms.is_stream(data):
+        return DataSpec(dataset=data, stream=True), None, None
+    if dataforms.is_map_style(data):
+        return DataSpec(dataset=data), len(data), None
+    if callable(data):
+        return DataSpec(factory=data), None, None
+    hint = ""
+    if isinstance(data, Iterator):
+        hint = (". An iterator or generator can be read only once and cannot travel to the workers: wrap what makes it "
+                "in an IterableDataset whose __iter__ starts afresh (class S(IterableDataset): def __iter__(self): ...)")
+    raise TypeError(f"{name} must be {dataforms.FORMS}; got {dataforms.describe(data)}{hint}")
+
+
+def _tensor_tuple(data: Any) -> bool:
+    """Whether ``data`` is meant as tensors (x, y, ...): any tuple, or a list of tensors only."""
+    import torch
+
+    return isinstance(data, tuple) or bool(data) and all(isinstance(t, torch.Tensor) for t in data)
+
+
+def _tensor_dataset(data: Any, name: str) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    if not data or not all(isinstance(t, torch.Tensor) for t in data):
+        kinds = [type(t).__name__ for t in data]
+        raise TypeError(f"{name}: a tuple must hold tensors (x, y, ...), got ({', '.join(kinds)})")
+    lengths = [t.shape[0] if t.dim() else None for t in data]
+    if None in lengths or len(set(lengths)) != 1:
+        raise ValueError(
+            f"{name}: the tensors of the tuple must have the same first dimension (one row per sample); "
+            f"got lengths {lengths}"
+        )
+    return TensorDataset(*data)
+
+
+def check_model(model: Any) -> Any:
+    """The module the weights come back into, or None for a factory (built on each worker)."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return model
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        return None  # a Module class is a factory: Net() is built on each worker
+    if callable(model) and not isinstance(model, type):
+        return None
+    what = f"the class {model.__name__}, which is not an nn.Module" if isinstance(model, type) else type(model).__name__
+    raise TypeError(f"dist_fit(model=...) must be a torch.nn.Module or a zero-argument function returning one; got {what}")
+
+
+def _check_callable(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"dist_fit({name}=...) must be callable, got {type(value).__name__} {value!r}")
+
+
+def check_functions(optimizer: Any, lr: Any, metrics: Any, val_data: Any, step_fn: Any, **callables: Any) -> None:
+    """The optimizer, metrics and the other callables, and how they combine."""
+    import torch
+
+    for name, value in callables.items():
+        _check_callable(name, value)
+    _check_callable("step_fn", step_fn)
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "dist_fit(optimizer=...) got an optimizer already built on the notebook's parameters; each rank needs its own. "
+                "Pass the class (optimizer=torch.optim.SGD, with lr=...) or a factory: optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+            )
+        _check_callable("optimizer", optimizer)
+        is_class = isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+        if lr is not None and not is_class:
+            raise ValueError(
+                f"dist_fit(lr={lr!r}) is only used for the default optimizer or an optimizer class; a factory sets its "
+                "own learning rate. Put it in the factory (optimizer=lambda params: torch.optim.SGD(params, lr=...)) "
+                "and drop lr=..., or pass the class (optimizer=torch.optim.SGD, lr=...)"
+            )
+    if metrics is not None:
+        if not isinstance(metrics, Mapping) or not all(isinstance(k, str) and callable(v) for k, v in metrics.items()):
+            raise TypeError("dist_fit(metrics=...) must be a dict of name -> fn(output, target), e.g. {'acc': accuracy}")
+        if val_data is None:
+            raise ValueError("dist_fit(metrics=...) are computed on validation data; pass val_data=... too")
+        if step_fn is not None:
+            raise ValueError("dist_fit(metrics=...) cannot see outputs inside a step_fn; return the values in step_fn's dict instead")
+
+
+def check_keep(keep: Any, return_weights: Any) -> None:
+    import keyword
+
+    if keep is not None and (not isinstance(keep, str) or not keep.isidentifier() or keyword.iskeyword(keep)):
+        raise ValueError(f"dist_fit(keep=...) names the variable that holds the trained module in every rank's %%ddp "
+                         f"namespace, so it must be a Python identifier like 'model'; got {keep!r}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"dist_fit(return_weights=...) must be True or False, got {return_weights!r}")
+
+
+def check_units(model: Any, cfg: FitConfig) -> None:
+    """Module classes named for sharding or checkpointing must exist in the model (a factory is built on meta)."""
+    import torch
+
+    from nbddp.partitioning.blocks import units
+
+    named = [(where, n) for where, n in (("nbddp.FSDP(shard_modules=...)", getattr(cfg.strategy, "shard_modules", None)),
+                                          ("dist_fit(activation_checkpointing=...)", cfg.activation_checkpointing))
+             if isinstance(n, frozenset)]
+    if not named:
+        return
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            model = model()
+    for where, group in named:
+        try:
+            units(model, group)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False) -> None:
+    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``)."""
+    from nbddp.protocol.parallel_settings import Pipeline
+    from nbddp.fit.parallel_checks import check_batch, check_model, resolve
+
+    cfg.strategy, cfg.mesh = resolve(cfg.strategy, cfg.mesh, world)
+    check_batch(cfg.strategy, cfg.batch_size, step_fn, cfg.precision)
+    check_model(model, cfg.strategy, cfg.mesh)
+    if stream and isinstance(cfg.strategy, Pipeline):
+        raise ValueError("dist_fit(data=...) is a stream (an IterableDataset), and nbddp.Pipeline needs a map-style "
+                         "Dataset: its stages must know a micro-batch's shapes before the first step, and every step's "
+                         "batch must be whole. Give a map-style Dataset, or train the stream with "
+                         "nbddp.TensorParallel(), 'fsdp' or 'ddp'")
+
+
+def check_shard(cfg: FitConfig, n: int, world: int) -> None:
+    """``world``: the data-parallel ranks (the ranks of one pipeline or TP group share a shard)."""
+    shard = n // world if cfg.drop_last else -(-n // world)
+    if shard < cfg.batch_size:
+        raise ValueError(
+            f"dist_fit(batch_size={cfg.batch_size}) is larger than each rank's shard: {n} samples over {world} ranks "
+            f"gives {shard} per rank. batch_size is per rank; use batch_size<={max(shard, 1)} or fewer workers."
+        )
+
+
+def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_fn: Callable | None = None,
+            optimizer: Any = None, scheduler: Callable | None = None, metrics: Mapping[str, Callable] | None = None,
+            step_fn: Callable | None = None, batch_size: int | None = None, keep: str | None = None,
+            return_weights: bool = True, **options: Any) -> FitPlan:
+    """Check everything, then pack the arguments for the workers."""
+    returned = check_model(model)
+    check_keep(keep, return_weights)
+    spec, n_train, loader_bs = data_spec(data, "dist_fit(data=...)")
+    if n_train == 0:
+        raise ValueError("dist_fit(data=...) is empty (len 0); nothing to train on")
+    val_spec = None
+    if val_data is not None:
+        val_spec, n_val, _ = data_spec(val_data, "dist_fit(val_data=...)")
+        if n_val == 0:
+            raise ValueError("dist_fit(val_data=...) is empty (len 0); pass None to skip validation")
+    check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
+    cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32), **options)
+    check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
+                       cfg.strategy)
+    check_units(model, cfg)
+    check_topology(model, cfg, session.world_size, step_fn, stream=bool(getattr(spec, "stream", False)))
+    if n_train is not None:
+        check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, session.world_size))
+    keys = session.resident.key_specs([spec, val_spec])
+    launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
+                       resident=session.resident.to_keep(keys), keep=keep)
+    parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": loss_fn, "optimizer": optimizer,
+             "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
+    plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
+                   factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys)
+    if cfg.strategy != "ddp" and returned is not None:
+        parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
+        ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)
+    ship(session, plan, parts, plan.parcels)
+    return plan
+
+
+def _returns(model: Any, cfg: FitConfig, return_weights: bool) -> str:
+    """What rank 0 sends back: the weights (into the notebook's model), the trained module, or nothing."""
+    if not return_weights:
+        return "none"
+    if model is not None or cfg.strategy != "ddp":  # a sharded module cannot travel whole: the kernel builds one
+        return "state_dict"
+    return "module"
+
+
+def ship(session: Any, plan: FitPlan, parts: dict[str, Any], into: dict[bool, shipping.Parcel],
+         pooled: bool = True) -> None:
+    """Pack ``parts`` once per kind of host (shared memory on the kernel's, inline elsewhere).
+
+    ``pooled=False``: a file of its own, never rewritten, for what the workers
+    keep reading after the fit's start (a sharded model's views).
+    """
+    t0 = time.perf_counter()
+    try:
+        for local in sorted({p.local for p in session.placements}, reverse=True):
+            into[local] = shipping.pack(parts, what="the dist_fit arguments", local=local,
+                                        pool=session.send_pool if local and pooled else None,
+                                        prefix=session.file_prefix)
+    except ShippingError:
+        plan.discard()
+        _raise_for_unpicklable_argument(parts)
+        raise
+    except BaseException:
+        plan.discard()
+        raise
+    plan.ship_s += time.perf_counter() - t0
+
+
+def _raise_for_unpicklable_argument(parts: dict[str, Any]) -> None:
+    """After a failed pack: pickle each argument alone to name the one that fails.
+
+    Only on the failure path: pickling every argument again on each fit would
+    double the cost of shipping.
+    """
+    for name, value in parts.items():
+        if name in ("data", "val_data") and value is not None:
+            value = value.dataset if value.dataset is not None else value.factory
+        shipping.dumps(value, what=f"dist_fit({name}=...)", label=name)

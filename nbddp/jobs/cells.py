@@ -1,0 +1,93 @@
+"""The kernel's half of ``%%ddp`` and ``%ddp push/pull``, callable from Python too.
+
+``run_cell(code)`` is what ``%%ddp`` runs: the code goes to every rank (or
+the ``ranks`` given) as a string and runs in a namespace that persists on
+that rank, with ``rank``, ``local_rank``, ``world_size`` and ``device``
+defined and the process group ready. Output comes back labelled
+``[rank N]``; a failing rank raises ``WorkerError`` at once; interrupts
+follow ``jobs.Job``.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from typing import Any
+
+from nbddp.shipping import pickling as shipping
+from nbddp.jobs.job import run_job
+from nbddp.session.session import get_session
+from nbddp.shipping.source_lines import register_text
+
+_CELL_NUMBERS = itertools.count(1)
+
+
+def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) -> None:
+    """Run ``code`` on every rank (or ``ranks``), as ``%%ddp`` does; print each rank's output labelled.
+
+    Args:
+        code: Python source, as in a notebook cell; names it defines stay
+            defined on each rank for later cells; a final expression's value
+            is printed.
+        ranks: run on these ranks only (e.g. ``[0]``).
+        stream: print output as it arrives; ``False`` prints it grouped by
+            rank when the cell ends.
+
+    Raises:
+        SyntaxError: before any rank runs.
+        WorkerError: a rank raised (the first one; the others are listed).
+    """
+    from nbddp.worker.tasks.cells import CELL_FILENAME
+    from nbddp.worker.tasks.cells import run_cell as remote_cell
+
+    if not isinstance(code, str):
+        raise TypeError(f"run_cell(code=...) takes the cell's source as a str, got {type(code).__name__}")
+    number = next(_CELL_NUMBERS)
+    filename = CELL_FILENAME.format(n=number)
+    ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
+    register_text(filename, code)  # nbddp.stacks() and the debugger show its lines
+    s = get_session()
+    run_job(s, "%%ddp cell", lambda p: s.client[p.engine_id].apply_async(remote_cell, code, number, s.generation),
+            ranks, output=stream)
+
+
+def push(**values: Any) -> None:
+    """Put ``name=value`` pairs into every rank's ``%%ddp`` namespace (by value, like ``dist_fit``'s arguments)."""
+    from nbddp.worker.tasks.cells import push as remote_push
+
+    if not values:
+        raise TypeError("push() needs at least one name=value pair, e.g. nbddp.push(config=config)")
+    s = get_session()
+    what = f"%ddp push {' '.join(values)}"
+    parcels: dict[bool, shipping.Parcel] = {}
+
+    def submit(p: Any) -> Any:
+        if p.local not in parcels:
+            parcels[p.local] = shipping.pack(values, what=what, local=p.local)
+        return s.client[p.engine_id].apply_async(remote_push, s.sources.attach(parcels[p.local], p), s.generation)
+
+    try:
+        run_job(s, what, submit)
+    finally:
+        for parcel in parcels.values():
+            parcel.discard()
+
+
+def pull(*names: str, rank: int = 0) -> dict[str, Any]:
+    """``{name: value}`` copied from ``rank``'s ``%%ddp`` namespace into the notebook."""
+    from nbddp.worker.tasks.cells import pull as remote_pull
+
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"pull() takes the variable names as strings, e.g. nbddp.pull('model', rank=0); got {names!r}")
+    s = get_session()
+    what = f"%ddp pull {' '.join(names)}"
+    reply = run_job(s, what, lambda p: s.client[p.engine_id].apply_async(remote_pull, list(names)), [rank])[rank]
+    if "missing" in reply:
+        available = ", ".join(reply["available"]) or "none yet"
+        raise NameError(f"%ddp pull: rank {rank} has no variable named {', '.join(map(repr, reply['missing']))}; "
+                        f"the names defined there are: {available}. Define it in a %%ddp cell first.")
+    parcel = reply["parcel"]
+    try:
+        return shipping.unpack(parcel)
+    finally:
+        parcel.discard()

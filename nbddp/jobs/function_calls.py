@@ -1,0 +1,33 @@
+"""``nbddp.run``: call one function on every rank and bring the results back in rank order."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from nbddp.shipping import pickling as shipping
+from nbddp.jobs.job import run_job
+
+
+def call_everywhere(session: Any, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank."""
+    from nbddp.worker.tasks.entry import call_task
+
+    name = getattr(fn, "__name__", "the function")
+    parcels: dict[bool, shipping.Parcel] = {}
+
+    def submit(p: Any) -> Any:  # packed under the session's lock, once per kind of worker (local or remote)
+        if p.local not in parcels:
+            parcels[p.local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=p.local)
+        return session.client[p.engine_id].apply_async(call_task, session.sources.attach(parcels[p.local], p),
+                                                      session.generation)
+
+    try:
+        results = run_job(session, f"nbddp.run({name})", submit, output=True)
+    finally:
+        for parcel in parcels.values():
+            parcel.discard()
+    try:
+        return [shipping.unpack(results[rank]) for rank in sorted(results)]
+    finally:
+        for parcel in results.values():
+            parcel.discard()

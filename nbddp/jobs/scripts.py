@@ -1,0 +1,48 @@
+"""``nbddp.run_script`` and ``%ddp script``: a torchrun script, unchanged, on the warm workers.
+
+``torchrun --nproc-per-node N train.py --lr 0.1`` becomes
+``%ddp script train.py --lr 0.1``: the same script on every rank, with
+torchrun's environment, but no new processes, no new group, and the
+workers still warm for the next cell.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nbddp.jobs.job import run_job
+from nbddp.protocol.messages import ScriptResult
+from nbddp.session.session import get_session
+
+
+def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
+    """Run the script at ``path`` on every rank as ``__main__`` with ``sys.argv = [path, *args]``.
+
+    Relative paths, in ``path`` and inside the script, resolve from the
+    notebook's folder (the kernel's working directory). Output is labelled
+    by rank. ``sys.exit(0)`` counts as success; an exception or another exit
+    status raises ``WorkerError`` naming the rank. Kernel > Interrupt stops
+    the script on every rank.
+
+    Returns:
+        One ``ScriptResult`` per rank, in rank order (``exit_code`` 0).
+    """
+    from nbddp.worker.tasks.scripts import run_script as remote_script
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"run_script(path=...) takes the script's path, got {type(path).__name__} {path!r}")
+    full = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"run_script({os.fspath(path)!r}): no such file (looked for {full}); paths are "
+                                f"relative to the notebook's folder, {os.getcwd()}")
+    with open(full, encoding="utf-8") as f:
+        source = f.read()
+    compile(source, full, "exec")  # a SyntaxError is raised here, before any rank runs
+    argv = [str(a) for a in args]
+    s = get_session()
+    cwd = os.getcwd()
+    results = run_job(s, f"the script {os.path.basename(full)}",
+                      lambda p: s.client[p.engine_id].apply_async(remote_script, source, full, argv, cwd, s.generation),
+                      output=True)
+    return [results[rank] for rank in sorted(results)]

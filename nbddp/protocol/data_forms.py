@@ -1,0 +1,90 @@
+"""Which form of data a person handed over, told apart the same way in the kernel and on the workers.
+
+``dist_fit`` takes map-style datasets (sharded by ``DistributedSampler``),
+streams (a ``torch.utils.data.IterableDataset`` or a Hugging Face
+``datasets.IterableDataset``, sharded by ``worker/data/streams.py``), loaders over
+either, tuples of tensors and zero-argument factories of any of these.
+
+Hugging Face ``datasets`` is never imported here: an object can only be one
+of its datasets if the person's code imported the package already, so the
+checks look it up in ``sys.modules`` (importing ``nbddp`` stays instant, and
+a person without ``datasets`` installed never pays for it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable
+
+FORMS = ("a map-style Dataset (with __len__ and __getitem__, e.g. a Hugging Face datasets.Dataset), "
+         "an IterableDataset (torch's, or Hugging Face's from load_dataset(..., streaming=True)), "
+         "a DataLoader over either, a tuple of tensors (x, y, ...), or a zero-argument function that "
+         "builds one of these on each worker")
+
+
+def _hf(name: str) -> Any:
+    """``datasets.<name>`` if the person's code imported ``datasets``, else None."""
+    module = sys.modules.get("datasets")
+    return getattr(module, name, None) if module is not None else None
+
+
+def is_hf_iterable(obj: Any) -> bool:
+    cls = _hf("IterableDataset")
+    return cls is not None and isinstance(obj, cls)
+
+
+def is_stream(obj: Any) -> bool:
+    """A dataset read by iterating it: torch's ``IterableDataset`` or Hugging Face's."""
+    from torch.utils.data import IterableDataset
+
+    return isinstance(obj, IterableDataset) or is_hf_iterable(obj)
+
+
+def is_map_style(obj: Any) -> bool:
+    return (not isinstance(obj, (type, str, bytes, Mapping)) and not is_stream(obj)
+            and hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
+
+
+def is_split_dict(obj: Any) -> bool:
+    """A Hugging Face ``DatasetDict`` / ``IterableDatasetDict`` (splits by name)."""
+    kinds = tuple(c for c in (_hf("DatasetDict"), _hf("IterableDatasetDict")) if c is not None)
+    return bool(kinds) and isinstance(obj, kinds)
+
+
+def one_split(obj: Any, name: str) -> Any:
+    """The only split of a ``DatasetDict`` (what ``load_dataset`` returns without ``split=``).
+
+    Raises:
+        ValueError: it holds several splits (or none); the message names them
+            and shows how to pass one as ``data`` and another as ``val_data``.
+    """
+    splits = list(obj)
+    if len(splits) == 1:
+        return obj[splits[0]]
+    train = "train" if "train" in splits else (splits[0] if splits else "train")
+    others = [s for s in splits if s != train]
+    val = next((s for s in ("validation", "test") if s in splits), others[0] if others else "test")
+    raise ValueError(
+        f"{name} got a {type(obj).__name__} with the splits {splits}; pass one split as data and another as "
+        f"val_data: dist_fit(model, dd[{train!r}], val_data=dd[{val!r}]), or load_dataset(..., split={train!r}) "
+        "in a factory"
+    )
+
+
+def describe(obj: Any) -> str:
+    return f"the class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+
+
+class DataSpec:
+    """How to rebuild a user's data on a worker (picklable)."""
+
+    def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
+                 collate_fn: Callable | None = None, key: str | None = None, stream: bool = False,
+                 prebatched: bool = False):
+        self.dataset = dataset
+        self.factory = factory
+        self.collate_fn = collate_fn
+        self.key = key  # cache key: the same key means the same data
+        self.stream = stream  # an IterableDataset (a factory's data is told apart on the worker)
+        self.prebatched = prebatched  # a DataLoader(batch_size=None) over a stream that yields whole batches

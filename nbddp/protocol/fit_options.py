@@ -1,0 +1,101 @@
+"""The plain (non-callable) options of ``dist_fit`` as the workers read them, and which check is the best.
+
+``FitConfig`` is plain data: it travels to the workers with ordinary pickle.
+The kernel builds it from ``dist_fit``'s arguments and checks every value
+first (``fit/option_checks.py``), so a typo costs an error message, not a
+broken process group.
+
+``BestSpec``: ``EarlyStopping`` and ``restore_best`` must agree on which
+check was the best one, so both apply this one rule to the same reduced
+values (rank 0's records are the kernel's records, bit for bit). It is the
+only part of a callback that travels to the workers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
+SCHEDULER_INTERVALS = ("step", "epoch")
+DEFAULT_LR = 1e-3
+
+
+@dataclass
+class FitConfig:
+    """Validated options, as the worker loop reads them."""
+
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    lr: float | None = None  # None: DEFAULT_LR for the default optimizer or an optimizer class
+    shuffle: bool = True
+    seed: int = 0
+    precision: str = "32-true"
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    sync_batchnorm: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool | str = False
+    log_every: int = 20
+    val_every: int | None = None
+    scheduler_interval: str = "step"
+    strategy: Any = "ddp"  # "ddp", an nbddp.FSDP, nbddp.Pipeline or nbddp.TensorParallel settings object
+    mesh: dict[str, int] | None = None  # {"dp": 2, "pp": 2}: completed for the world size by preflight (topologies)
+    activation_checkpointing: Any = False  # False, True (every unit) or a frozenset of module class names
+    drop_last: bool = False
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
+    record_interval_s: float = 1.0
+    publish_interval_s: float = 0.25
+
+
+def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:
+    """What needs CUDA, said once: checked in the kernel before a fit, and again on each rank.
+
+    Raises:
+        ValueError: ``16-mixed`` or ``sync_batchnorm`` on workers that are not all on CUDA.
+    """
+    if precision == "16-mixed" and device_types != {"cuda"}:
+        raise ValueError("dist_fit(precision='16-mixed') needs CUDA GPUs (fp16 with a gradient scaler), but the workers "
+                         f"run on {sorted(device_types)}; on CPU workers use precision='bf16-mixed'")
+    if sync_batchnorm and device_types != {"cuda"}:
+        raise ValueError(
+            f"dist_fit(sync_batchnorm=True) needs CUDA GPUs: SyncBatchNorm has no CPU kernel, and the workers run on "
+            f"{sorted(device_types)}. On CPU workers leave it off (each rank then normalises over its own batch)"
+        )
+    if getattr(strategy, "cpu_offload", False) and device_types != {"cuda"}:
+        raise ValueError(f"nbddp.FSDP(cpu_offload=True) moves shards between CPU and GPU memory, but the workers run on "
+                         f"{sorted(device_types)}: their parameters already live in CPU memory. Leave cpu_offload off.")
+
+
+MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class BestSpec:
+    """What is monitored, and which way is better."""
+
+    monitor: str = "val_loss"
+    mode: str = "min"
+    min_delta: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """The records the value is read from: every validation pass for ``val_*``, else every epoch's record."""
+        return "val" if self.monitor.startswith("val_") else "epoch"
+
+    def improved(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` beats ``best`` by more than ``min_delta`` (the first finite value always does)."""
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta

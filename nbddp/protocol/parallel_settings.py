@@ -1,0 +1,322 @@
+"""``nbddp.Pipeline`` and ``nbddp.TensorParallel``: model-parallel settings, and the mesh they train on.
+
+Plain data, checked in the kernel, like ``nbddp.FSDP``. A fit's ranks form a
+2-D mesh ``(dp, mp)``: ``mp`` ranks hold one copy of the model between them
+(the stages of a pipeline, ``"pp"``, or the shards of tensor parallelism,
+``"tp"``), and ``dp`` such groups train on different data (DDP or FSDP over
+``"dp"``). Rank ``r`` sits at ``(r // mp, r % mp)``: the ranks of one
+model-parallel group are neighbours (on one host, the fast links).
+
+``resolve`` turns what the person wrote (``strategy=``, ``mesh=``) and the
+running world size into one strategy and one mesh, or a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+MESH_DIMS = ("dp", "pp", "tp")
+TP_STYLES = ("colwise", "rowwise")
+
+
+def _dp(value: Any, where: str) -> Any:
+    """What runs over the ``dp`` dimension: ``"ddp"`` or an ``FSDP`` (``"fsdp"`` is ``FSDP()``)."""
+    if value == "ddp" or isinstance(value, FSDP):
+        return value
+    if value == "fsdp":
+        return FSDP()
+    raise ValueError(f"{where}(dp=...) says what runs over the data-parallel dimension: 'ddp', 'fsdp' or an "
+                     f"nbddp.FSDP(...); got {value!r}")
+
+
+def _count(where: str, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}({name}=...) must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}({name}=...) must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism: the model cut into ``stages``, each on its own rank, fed ``microbatches`` per batch.
+
+    Args:
+        stages: how many pieces. With ``"gpipe"`` and ``"1f1b"`` each rank of a
+            pipeline holds one; with ``"interleaved"`` each holds
+            ``stages / pp`` pieces that are not neighbours (less idle time).
+        microbatches: each batch is cut into this many equal micro-batches
+            that flow through the stages one after another; ``batch_size``
+            must be divisible by it. More microbatches: less idle time,
+            ``(stages - 1) / (microbatches + stages - 1)`` for one pipeline.
+        schedule: ``"1f1b"`` (one forward, one backward: at most ``stages``
+            micro-batches' activations alive; needs ``microbatches >= stages``),
+            ``"gpipe"`` (all forwards, then all backwards), ``"interleaved"``
+            (interleaved 1F1B over several pieces per rank).
+        split: where the cuts go, as the names of the modules that begin a new
+            stage: child names of an ``nn.Sequential`` (``[2]`` or ``["2"]``),
+            or module paths of any model (``["blocks.2"]``, traced with
+            ``torch.distributed.pipelining.pipeline``). Default: cut an
+            ``nn.Sequential``'s children, or a model's repeated blocks (the
+            layers of a transformer), into stages of about equal parameter count.
+        dp: what runs over the data-parallel dimension of ``mesh=``: ``"ddp"``
+            (replicas; gradients averaged after each step) or ``"fsdp"`` /
+            ``nbddp.FSDP(...)`` (each stage sharded over its replicas).
+
+    The loss is computed on the last stage; batches are ``(x, y)`` or
+    ``(x1, ..., y)`` (the inputs go to the first stage, the target to the last).
+    A partial last batch of an epoch is dropped: stages exchange tensors of a
+    fixed shape.
+    """
+
+    stages: int = 2
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    split: Any = None  # normalised to a tuple of module names, or None
+    dp: Any = "ddp"
+
+    def __post_init__(self) -> None:
+        _count("nbddp.Pipeline", "stages", self.stages, 2)
+        _count("nbddp.Pipeline", "microbatches", self.microbatches, 1)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"nbddp.Pipeline(schedule={self.schedule!r}) is not a schedule nbddp knows; use one of "
+                             f"{SCHEDULES}")
+        if self.schedule == "1f1b" and self.microbatches < self.stages:
+            raise ValueError(f"nbddp.Pipeline(schedule='1f1b') needs at least one micro-batch per stage, got "
+                             f"microbatches={self.microbatches} for stages={self.stages}; use microbatches>="
+                             f"{self.stages}, or schedule='gpipe'")
+        object.__setattr__(self, "split", _split(self.split, self.stages))
+        object.__setattr__(self, "dp", _dp(self.dp, "nbddp.Pipeline"))
+
+    name = property(lambda self: "pipeline")
+    mp_dim = property(lambda self: "pp")
+
+
+def _split(value: Any, stages: int) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, int)) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"nbddp.Pipeline(split=...) takes the names of the modules that begin a stage, e.g. "
+                        f"['blocks.2']; got {type(value).__name__} {value!r}") from None
+    if not all(isinstance(i, str) or (isinstance(i, int) and not isinstance(i, bool)) for i in items):
+        raise TypeError(f"nbddp.Pipeline(split=...) takes module names (or an nn.Sequential's child indices); got {value!r}")
+    names = tuple(str(i) for i in items)
+    if len(names) != stages - 1:
+        raise ValueError(f"nbddp.Pipeline(stages={stages}, split={list(names)}) names {len(names)} cut point(s); "
+                         f"{stages} stages need {stages - 1} (the first module of each stage after the first)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"nbddp.Pipeline(split={list(names)}) names a cut point twice, which leaves a stage empty")
+    return names
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallelism: each large ``nn.Linear`` split across the ``tp`` ranks of a group.
+
+    Args:
+        plan: ``None`` finds the usual pairs: an MLP's up and down projections
+            (``fc1``/``fc2``, ``gate_proj``/``up_proj``/``down_proj``, or an
+            ``nn.Sequential`` of Linear-activation-Linear): the first split by
+            output features (``"colwise"``), the second by input features
+            (``"rowwise"``); attention's ``q_proj``/``k_proj``/``v_proj``
+            colwise and ``o_proj`` rowwise. Attention must reshape into heads
+            with ``-1`` (``view(b, t, -1, head_dim)``): each rank holds
+            ``heads / tp`` of them. Or a dict ``{"module.path": "colwise" |
+            "rowwise" | ParallelStyle}``.
+        dp: what runs over the data-parallel dimension of ``mesh=``: ``"ddp"``
+            or ``"fsdp"`` / ``nbddp.FSDP(...)`` (FSDP2 over ``dp`` on top of
+            TP, as torchtitan composes them).
+    """
+
+    plan: Any = None
+    dp: Any = "ddp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", _plan(self.plan))
+        object.__setattr__(self, "dp", _dp(self.dp, "nbddp.TensorParallel"))
+
+    name = property(lambda self: "tensor")
+    mp_dim = property(lambda self: "tp")
+
+
+def _plan(plan: Any) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or not plan:
+        raise TypeError(f"nbddp.TensorParallel(plan=...) must be None or a non-empty dict of module path -> 'colwise', "
+                        f"'rowwise' or a ParallelStyle; got {plan!r}")
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    for name, style in plan.items():
+        if not isinstance(name, str) or not (style in TP_STYLES or isinstance(style, ParallelStyle)):
+            raise ValueError(f"nbddp.TensorParallel(plan=...): {name!r}: {style!r} is not 'colwise', 'rowwise' or a "
+                             "torch.distributed.tensor.parallel.ParallelStyle")
+    return dict(plan)
+
+
+def is_model_parallel(strategy: Any) -> bool:
+    return isinstance(strategy, (Pipeline, TensorParallel))
+
+
+def check_mesh_shape(mesh: Any) -> dict[str, int] | None:
+    """``dist_fit(mesh=...)``: named dimensions and their sizes (the world size is checked later)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, dict) or not mesh:
+        raise TypeError(f"dist_fit(mesh=...) must be a dict of dimension -> size, e.g. {{'dp': 2, 'pp': 2}}; got {mesh!r}")
+    unknown = sorted(set(mesh) - set(MESH_DIMS))
+    if unknown:
+        raise ValueError(f"dist_fit(mesh=...) has unknown dimension(s) {unknown}; the dimensions are {MESH_DIMS}")
+    for dim, size in mesh.items():
+        _count("dist_fit(mesh=...)", dim, size, 1)
+    if mesh.get("pp", 1) > 1 and mesh.get("tp", 1) > 1:
+        raise ValueError(f"dist_fit(mesh={mesh}): pipeline and tensor parallelism together (3-D) are not supported; "
+                         "use {'dp': ..., 'pp': ...} or {'dp': ..., 'tp': ...}")
+    return {dim: mesh[dim] for dim in MESH_DIMS if dim in mesh}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits in a ``(dp, mp)`` mesh; ``kind`` is ``"pp"``, ``"tp"`` or ``""`` (data parallel only)."""
+
+    dp: int
+    mp: int = 1
+    kind: str = ""
+    names: tuple[str, ...] = field(default=("dp",))
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return rank // self.mp, rank % self.mp
+
+    def mp_ranks(self, dp_rank: int) -> list[int]:
+        return list(range(dp_rank * self.mp, (dp_rank + 1) * self.mp))
+
+    def dp_ranks(self, mp_rank: int) -> list[int]:
+        return list(range(mp_rank, self.dp * self.mp, self.mp))
+
+
+def layout(mesh: dict[str, int] | None, world: int) -> Layout:
+    """The ``Layout`` of a resolved mesh (``None``: every rank a data-parallel replica)."""
+    if not mesh:
+        return Layout(dp=world)
+    kind = "pp" if "pp" in mesh else "tp" if "tp" in mesh else ""
+    return Layout(dp=mesh["dp"], mp=mesh.get(kind, 1), kind=kind, names=("dp", kind) if kind else ("dp",))
+
+
+def data_parallel_size(strategy: Any, mesh: dict[str, int] | None, world: int) -> int:
+    """How many ranks read different data (the model-parallel ranks of a group read the same batches)."""
+    return layout(mesh, world).dp if is_model_parallel(strategy) else world
+
+
+def describe(strategy: Any, mesh: dict[str, int] | None, world: int) -> str:
+    """``"dp=2 x pp=2 (1f1b, ddp)"``, ``"tp=2"``, ``"ddp"``: a fit's topology in a few words."""
+    if not is_model_parallel(strategy):
+        return getattr(strategy, "name", str(strategy))
+    lay = layout(mesh, world)
+    dims = " x ".join(f"{n}={lay.dp if n == 'dp' else lay.mp}" for n in lay.names if n != "dp" or lay.dp > 1)
+    dp = f", {getattr(strategy.dp, 'name', strategy.dp)} over dp" if lay.dp > 1 else ""
+    extra = strategy.schedule if isinstance(strategy, Pipeline) else ""
+    return f"{dims} ({extra}{', ' if extra and dp else ''}{dp[2:]})" if extra or dp else dims
+
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def class_name(cls: Any) -> str:
+    """How a module class is named across the kernel and the workers (notebook classes travel by value)."""
+    if isinstance(cls, str):
+        return cls
+    return cls.__qualname__
+
+
+@dataclass(frozen=True)
+class FSDP:
+    """Sharded training: each rank holds 1/N of every parameter, gradient and optimizer state.
+
+    Args:
+        shard_modules: the module classes to shard as units (classes, or
+            their names), e.g. ``{Block}`` or ``{"LlamaDecoderLayer"}``. Default:
+            each repeated child block (every layer of an ``nn.ModuleList`` or
+            ``nn.Sequential`` whose children share one class, like the layers
+            of a transformer), then the root.
+        reshard_after_forward: free each unit's gathered parameters after its
+            forward (less memory, one more all-gather in backward). ``None``:
+            torch's default (True for the units, False for the root).
+        cpu_offload: keep the sharded parameters, gradients and optimizer
+            state in CPU memory, moved to the GPU per unit (CUDA workers only).
+        init_on_meta: build a model *factory* on the ``meta`` device and
+            materialise only each rank's shards (when every module that holds
+            parameters or buffers can ``reset_parameters()``; otherwise the
+            factory's model is built whole, then sharded). A given
+            ``nn.Module`` is never built again: its shipped weights are sharded
+            in place.
+
+    ``precision="bf16-mixed"`` becomes FSDP's mixed-precision policy: bf16
+    parameters and compute, float32 gradient reduction.
+    """
+
+    shard_modules: Any = None  # normalised to a frozenset of class names
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    init_on_meta: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_modules", module_classes(self.shard_modules, "nbddp.FSDP(shard_modules=...)"))
+        for setting, allowed in (("reshard_after_forward", (bool, type(None))), ("cpu_offload", (bool,)),
+                                 ("init_on_meta", (bool,))):
+            value = getattr(self, setting)
+            if not isinstance(value, allowed):
+                want = "True, False or None" if type(None) in allowed else "True or False"
+                raise TypeError(f"nbddp.FSDP({setting}=...) must be {want}, got {type(value).__name__} {value!r}")
+
+    @property
+    def name(self) -> str:
+        return "fsdp"
+
+
+def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[str] | None:
+    """nn.Module classes or class names -> a frozenset of names (``None`` stays ``None``); ``alternative`` ends errors."""
+    import torch.nn as nn
+
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, type)) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"{where} takes module classes or their names, e.g. {{Block}}{alternative}; got "
+                        f"{type(value).__name__} {value!r}") from None
+    if not items:
+        raise ValueError(f"{where} is empty; leave it None for the repeated blocks{alternative}")
+    for item in items:
+        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
+            raise TypeError(f"{where} takes nn.Module classes or their names{alternative}; got {item!r}")
+    return frozenset(class_name(i) for i in items)
+
+
+def resolve_strategy(value: Any) -> Any:
+    """``"ddp"``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting (``nbddp.protocol.parallel_settings``)."""
+    if isinstance(value, FSDP) or getattr(value, "mp_dim", None) in ("pp", "tp"):
+        return value
+    if value == "fsdp":
+        return FSDP()
+    if value == "ddp":
+        return "ddp"
+    raise ValueError(f"dist_fit(strategy=...) must be one of {STRATEGIES} or an nbddp.FSDP(...), nbddp.Pipeline(...) "
+                     f"or nbddp.TensorParallel(...), got {value!r}")
+
+
+def within(cfg: Any, k: int) -> Any:
+    """``cfg`` for a subgroup of ``k`` ranks (the scaling report): one rank trains the model whole."""
+    if not is_model_parallel(cfg.strategy):
+        return cfg
+    mp = cfg.mesh[cfg.strategy.mp_dim]
+    if k < mp:
+        return dataclasses.replace(cfg, strategy=cfg.strategy.dp, mesh=None)
+    return dataclasses.replace(cfg, mesh={"dp": k // mp, cfg.strategy.mp_dim: mp})

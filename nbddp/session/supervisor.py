@@ -1,0 +1,163 @@
+"""The one owner of killing and replacing ranks.
+
+Fits, ``%%ddp`` cells, ``run``, scripts and ``stop()`` all end broken ranks
+through here, so the rules live in one place:
+
+* ``kill(ranks)`` SIGKILLs engines by pid (no signal breaks a rank stuck in a
+  gloo/NCCL collective, so nothing gentler is tried);
+* ``recover(engine_ids)`` kills, then heals in the background: replaces the
+  dead or killed engines and forms the group again as a new generation. A
+  group that saw a failure is never reused;
+* while the session is closing (``stop()``), ``recover`` only kills: a stop
+  never starts engines, and a heal under way is cancelled at its next step.
+
+The heal runs in the ``nbddp-heal`` thread holding the session's lock, so no
+fit, cell or ``status()`` sees half a heal. Callers wait for it through the
+session's condition, which releases the lock while waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from nbddp.protocol.errors import ClusterError, SlurmError
+
+PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
+PING_TIMEOUT_S = 5.0
+
+
+class HealCancelled(Exception):
+    """``stop()`` was called while a heal was under way."""
+
+
+class Supervisor:
+    def __init__(self, session: Any):
+        self.session = session
+        self.closing = False
+        self._again = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def healing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- killing ------------------------------------------------------------
+    def kill_ranks(self, ranks: list[int]) -> list[int]:
+        """SIGKILL these ranks' engines now; return their engine ids."""
+        by_rank = self.session.group.by_rank() if self.session.group else {}
+        ids = [by_rank[r].engine_id for r in ranks if r in by_rank]
+        if ids:
+            self.session.workers.kill(ids)
+        return ids
+
+    def replace_ranks(self, ranks: list[int]) -> None:
+        """Kill these ranks' engines now and start replacing them in the background."""
+        self.recover(self.kill_ranks(ranks))
+
+    def recover(self, killed: list[int]) -> None:
+        """After any failure: the engines ``killed`` are gone; heal in the background (unless closing)."""
+        if self.closing or self.session.workers is None:
+            return
+        if self.healing:  # the heal under way pings every engine: it finds these dead ones too
+            self._again = True
+            return
+        self._again = False
+        self._error = None
+        self._thread = threading.Thread(target=self._heal_thread, args=(list(killed),), name="nbddp-heal", daemon=True)
+        self._thread.start()
+
+    def controller_lost(self, problem: str, what: str) -> ClusterError:
+        """The controller is gone, so no result can come back and no engine can be replaced.
+
+        Kills the engines this session started (they would wait for a controller that never
+        answers); returns the error to raise. ``nbddp.restart()`` starts afresh.
+        """
+        workers = self.session.workers
+        killed = ""
+        if workers is not None and workers.owned:
+            workers.kill_all()
+            killed = " The engines this kernel started were stopped."
+        return ClusterError(f"{problem} while {what} ran, so its results cannot come back.{killed} "
+                            "Run nbddp.restart() to start fresh workers (or nbddp.stop()).")
+
+    def job_lost(self, job: Any, what: str | None = None) -> SlurmError:
+        """The Slurm job holding the engines is over (``job``: its ``slurm_jobs.JobState``).
+
+        Its engines are gone with it, so nothing is healed: a replacement would
+        be another job in the queue that nobody asked for. ``nbddp.restart()``
+        submits a new one.
+        """
+        from nbddp.cluster.slurm.watch import ended_words
+
+        during = f" while {what} ran" if what else ""
+        return SlurmError(f"{ended_words(job)}{during}; the workers were in that job, so they are gone. "
+                          "Run nbddp.restart() (%ddp restart) to submit a new job, or nbddp.stop().",
+                          job.job_id, job.state)
+
+    # ---- healing ------------------------------------------------------------
+    def _heal_thread(self, killed: list[int]) -> None:
+        s = self.session
+        with s.lock:
+            try:
+                self._heal(killed)
+                while self._again and not self.closing:  # more ranks were killed while this heal ran
+                    self._again = False
+                    self._heal([])
+            except HealCancelled:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported at the next call
+                self._error = exc
+            finally:
+                s.cond.notify_all()
+
+    def _check_cancelled(self) -> None:
+        if self.closing:
+            raise HealCancelled()
+
+    def _heal(self, killed: list[int]) -> None:
+        """Replace ``killed`` engines and dead or unresponsive ones; form the group again."""
+        from nbddp.worker.tasks.entry import ping
+
+        s = self.session
+        workers = s.workers
+        want = s.world_size or (s.options.n or 2)
+        workers.forget_dead(killed)
+        if killed:
+            time.sleep(PEER_SETTLE_S)
+        ars = {eid: workers.client[eid].apply_async(ping) for eid in workers.ids}
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        alive, unresponsive = [], []
+        for eid, ar in ars.items():
+            try:
+                ar.get(timeout=max(0.1, deadline - time.monotonic()))
+                alive.append(eid)
+            except Exception:  # noqa: BLE001 - dead or stuck: replaced
+                unresponsive.append(eid)
+        extra = sorted(alive)[want:]  # keep the world size stable
+        if unresponsive or extra:
+            workers.kill(unresponsive + extra)
+            workers.forget_dead(unresponsive + extra)
+        self._check_cancelled()
+        missing = want - len(workers.ids)
+        if missing > 0:
+            workers.add_engines(missing, want)
+        self._check_cancelled()
+        s.form_group(reprobe=bool(killed or unresponsive or missing))
+
+    def wait(self, raise_error: bool) -> None:
+        """Wait for a heal under way (callers must not hold the session's lock)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        self.raise_if_failed(raise_error)
+
+    def raise_if_failed(self, raise_error: bool = True) -> None:
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise ClusterError(
+                f"replacing failed workers did not work: {type(error).__name__}: {error}. "
+                "Run nbddp.restart() to start a fresh set."
+            ) from error

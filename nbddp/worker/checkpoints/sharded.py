@@ -1,0 +1,105 @@
+"""Sharded checkpoints: one ``torch.distributed.checkpoint`` directory per step, each rank writing its shards.
+
+``checkpoint_dir/step-00000120/`` holds DCP's ``.metadata``, one ``__<rank>_0.distcp``
+file per rank, and ``loop.pt``: the loop's own state (step, epoch, position in
+the epoch, every rank's RNG, scheduler and scaler), a plain ``torch.save``
+file. Written into ``step-00000120.tmp`` and renamed by rank 0 once every
+rank has written, so a crash never leaves a half checkpoint under the final
+name; the newest ``checkpoint.KEEP`` are kept (file checkpoints of DDP fits
+in the same folder count too).
+
+Resume restores model and optimizer shards with DCP's own state-dict
+helpers; it needs the same world size as the save, as a mid-epoch resume
+does anyway. ``export`` turns a directory into one plain file that
+``torch.load`` reads without nbddp or a process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nbddp.worker.checkpoints import files as ckpt
+
+LOOP_FILE = ckpt.SHARDED_LOOP_FILE
+METADATA = ckpt.SHARDED_METADATA
+
+
+def _options(flat: bool) -> Any:
+    """``flat``: the optimizer's state and hyper-parameters keyed by parameter name, not by position.
+
+    Needed when ranks hold different parameters (pipeline stages): by position,
+    every rank's first param group is ``param_groups.0`` and DCP keeps one
+    rank's copy, whose parameter names the others do not have.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
+
+
+def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], rank: int,
+         flat: bool = False) -> None:
+    """Collective: every rank writes its shards; rank 0 the loop state, then renames the directory."""
+    import torch.distributed.checkpoint as checkpoint
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = ckpt.dir_for(directory, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+        os.makedirs(tmp)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
+    checkpoint.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    if rank == 0:
+        torch.save(extra, os.path.join(tmp, LOOP_FILE))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        ckpt.prune(directory)
+    dist.barrier()
+
+
+def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str, Any]:
+    """Collective: restore this rank's model and optimizer shards; return the loop state."""
+    import torch.distributed.checkpoint as checkpoint
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if os.path.isfile(path):
+        raise ValueError(f"resume={path!r} is a checkpoint of a DDP fit (one file); resume it with strategy='ddp'")
+    if not ckpt.is_sharded(path):
+        raise ValueError(f"resume={path!r} is not a sharded nbddp checkpoint (no {METADATA} and {LOOP_FILE} in it); pass "
+                         "a step-* directory that dist_fit(strategy='fsdp', checkpoint_dir=...) wrote, or that directory")
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))  # shapes for DCP to load into
+    state = {"model": model_state, "optim": optim_state}
+    checkpoint.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(flat))
+    return torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
+
+
+def export(path: str, out: str) -> str:
+    """Write a sharded checkpoint as one plain ``torch.save`` file: ``{"model": full state dict, "optimizer": ..., step...}``.
+
+    Runs in one process, with no process group. The model's state dict has the
+    module's own keys (``model.load_state_dict(torch.load(out)["model"])``
+    works on a plain module); the optimizer state is keyed by parameter name.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not ckpt.is_sharded(path):
+        raise ValueError(f"export_checkpoint({path!r}): not a sharded nbddp checkpoint directory (it needs {METADATA} "
+                         f"and {LOOP_FILE}); pass a step-* directory under the fit's checkpoint_dir")
+    tmp = out + ".tmp"
+    dcp_to_torch_save(path, tmp)
+    state = torch.load(tmp, map_location="cpu", weights_only=True)
+    loop = torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
+    plain = {"model": state["model"], "optimizer": state["optim"],
+             **{k: loop[k] for k in ("step", "epoch", "batches_done", "world_size", "batch_size") if k in loop}}
+    torch.save(plain, tmp)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,43 @@
+"""What every task that runs the person's code does around it, in one place.
+
+Fits, ``nbddp.run`` calls, ``%%ddp`` cells, pushes, pulls and scripts all
+run inside ``user_task``: the task is checked against this engine's
+process-group generation, edited modules are reloaded, frameworks see this
+generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
+is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
+``"cell"``, ``"call"``, ``"script"``, ``"push"``), SIGTERM ends the engine
+at once (``state.exit_on_sigterm``: a Slurm job being cancelled), and the
+modules the task imported are noted for the next one. A failure of the
+person's code is kept for ``%ddp debug`` (``worker.postmortem``) until the
+rank's next fit; a debugger line still open when the task ends is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from nbddp.worker.debugging import rank_pdb as debugger
+from nbddp.worker.tasks import module_reload as freshness
+from nbddp.worker.debugging import postmortem
+from nbddp.worker.engine import torchrun
+from nbddp.worker.engine.heartbeat import monitoring
+from nbddp.worker.engine.rank_state import check_generation, exit_on_sigterm
+
+
+@contextlib.contextmanager
+def user_task(generation: int | None, phase: str = "call", trains: bool | None = None) -> Iterator[None]:
+    """``trains``: the task trains (default: a fit), so a kept failure and the memory its frames hold go first."""
+    check_generation(generation)
+    if phase == "fit" if trains is None else trains:
+        postmortem.clear()
+    freshness.reload_changed()
+    try:
+        with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm():
+            yield
+    except BaseException as exc:
+        postmortem.keep(exc)
+        raise
+    finally:
+        debugger.end_of_task()
+        freshness.note_imported()

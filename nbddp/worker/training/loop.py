@@ -1,0 +1,266 @@
+"""The training loop that runs on every rank, around one ``TrainState``.
+
+Shape of one fit (``fit``):
+
+1. *setup*, in two phases that every rank agrees on (``setup.py``), so a
+   failure on one rank raises on all instead of leaving peers waiting;
+2. *train* (``run_epoch``, ``train_micro_batch``, ``optimizer_step``):
+   micro-batches without gradient sync until the accumulation window ends,
+   then the optimizer step. Metrics accumulate on the device; every few
+   steps one collective reduces them (``report.Reporter``) and carries the
+   stop flag, so a stop lands on the same step on every rank;
+3. *epoch end* (``end_epoch``): the epoch record, validation, a checkpoint;
+4. *finish*: the result, with the full weights gathered for rank 0.
+
+Which collectives the wrapping does, and how gradients are synchronised and
+clipped, is the strategy's (``worker/strategies``); this loop never asks
+which strategy it runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
+from nbddp.protocol.fit_options import FitConfig
+from nbddp.shipping.pickling import Parcel
+from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.training import setup
+from nbddp.worker.data import streams
+from nbddp.worker.data.batch_agreement import PeerFailed
+from nbddp.worker.data.batches import move
+from nbddp.worker.training.best_weights import BestWeights
+from nbddp.worker.data.datasets import SkipSampler
+from nbddp.worker.data.prefetch import prefetch
+from nbddp.worker.engine.heartbeat import BEAT
+from nbddp.worker.training.report import Reporter
+from nbddp.worker.engine.rank_state import STATE
+from nbddp.worker.training.fit_state import TrainState
+from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
+from nbddp.worker.training.validate import validate
+_END = object()  # the end of an epoch's batches
+
+
+def agree(error: BaseException | None, device: torch.device, what: str) -> None:
+    """All ranks learn whether any rank failed ``what``; all raise together."""
+    BEAT.mark("collective")
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(flag)
+    if error is not None:
+        raise error
+    if flag.item() > 0:
+        raise PeerFailed(f"another rank failed during {what}")
+
+
+def described(model: torch.nn.Module) -> tuple[str, int]:
+    """The person's model as the loggers' hyperparameters name it: ``module.QualName`` and its parameter count."""
+    return f"{type(model).__module__}.{type(model).__qualname__}", sum(p.numel() for p in model.parameters())
+
+
+def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
+        model_parcel: Parcel | None = None) -> tuple[FitResult, TrainState]:
+    """Train on this rank; rank 0's result carries the records and the full weights."""
+    device = torch.device(STATE.placement.device)
+    t_setup = time.perf_counter()
+    base_mem = reset_peak_memory(device)
+    ts = parts = path = None
+    error: BaseException | None = None
+    try:
+        BEAT.mark("setup")
+        ts, parts = setup.build(parcel, cfg, launch, model_parcel)
+        path = setup.resume_path(cfg)
+    except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
+        error = exc
+    agree(error, device, "setup")
+    model_class, params = described(ts.model)  # the whole model, before a strategy keeps its part of it
+    try:
+        BEAT.mark("setup")
+        setup.wrap_and_restore(ts, parts, path)
+    except BaseException as exc:  # noqa: BLE001
+        error = exc
+    agree(error, device, "wrapping the model and loading the checkpoint")
+    del parts
+    plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
+                       steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
+                       model_class=model_class, params=params)
+    ts.best = BestWeights(launch.best) if launch.best is not None else None
+    ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
+                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
+    if ts.restored is not None:
+        ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
+    setup_s = time.perf_counter() - t_setup
+    t_train = time.perf_counter()
+    try:
+        train(ts)
+    finally:
+        streams.release(ts)  # loader worker processes end with the fit
+    train_s = time.perf_counter() - t_train
+    return finish(ts, launch, {"setup_s": setup_s, "train_s": train_s}), ts
+
+
+def train(ts: TrainState) -> None:
+    """Every epoch from where ``ts`` stands, until the last epoch, ``max_steps`` or a stop."""
+    # the engine's ~300k long-lived objects (IPython, zmq, torch) are frozen out of the collector
+    # while any task runs (worker/memory/release.py): collections during training walk what the fit allocated
+    stopped = ts.step >= ts.total_steps
+    while ts.epoch < ts.cfg.epochs and not stopped:
+        stopped = run_epoch(ts)
+
+
+def epoch_batches(ts: TrainState) -> tuple[int, Iterator[Any]]:
+    """(index of the first batch, an iterator over the rest of this epoch's batches)."""
+    first = ts.skip if ts.epoch == ts.start_epoch else 0
+    if ts.stream is not None:
+        loader = ts.stream.epoch_loader(ts.epoch, first)
+    else:
+        ts.sampler.set_epoch(ts.epoch)
+        loader = ts.make_loader(SkipSampler(ts.sampler, first * ts.cfg.batch_size)) if first else ts.loader
+    ts.strategy.wrapped.train()
+    # a DataLoader iterator draws a seed from the global RNG when it is created: restore the
+    # checkpoint's RNG where the uninterrupted run stood (before the epoch's iterator when the
+    # checkpoint closed an epoch, after it when it was saved mid-epoch)
+    if ts.rng is not None and not first:
+        ckpt.set_rng_state(ts.rng)
+    batches = iter(loader)
+    if ts.rng is not None and first:
+        ckpt.set_rng_state(ts.rng)
+    ts.rng = None
+    if ts.stream is not None:  # handed out only as far as every rank has them
+        batches = ts.stream.epoch_feed(batches, ts.epoch, first)
+    return first, prefetch(batches, ts.device, ts.cfg.prefetch)
+
+
+def run_epoch(ts: TrainState) -> bool:
+    """One epoch (or what is left of it); return whether training stops."""
+    cfg, rep = ts.cfg, ts.reporter
+    first, batches = epoch_batches(ts)
+    bi, stopped = first - 1, False
+    while True:
+        BEAT.micro_batch()  # "data": a rank stuck in its data pipeline shows it
+        batch = next(batches, _END)
+        if batch is _END:
+            break
+        bi += 1
+        if not train_micro_batch(ts, bi, batch):
+            continue  # inside an accumulation window
+        optimizer_step(ts)
+        end_of_epoch = bi == ts.batches_per_epoch - 1
+        ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
+        # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
+        if rep.due(ts.step) or end_of_epoch or ckpt_due:
+            BEAT.mark("collective")
+            if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
+                stopped, ts.status = True, "interrupted"
+        if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
+            validate(ts)
+        if stopped or ts.step >= ts.total_steps:
+            stopped = True
+            break
+        if ckpt_due and not end_of_epoch:
+            save_checkpoint(ts, bi + 1)
+    if bi == ts.batches_per_epoch - 1:
+        end_epoch(ts)
+    elif stopped and cfg.checkpoint_dir:
+        save_checkpoint(ts, bi + 1)
+    return stopped
+
+
+def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
+    """Forward and backward one micro-batch; return whether it closed an accumulation window."""
+    accum = ts.cfg.grad_accum
+    window_start = bi - bi % accum
+    window = min(accum, ts.batches_per_epoch - window_start)
+    last_micro = bi - window_start == window - 1
+    BEAT.mark("forward")
+    batch = move(batch, ts.device, ts.non_blocking)
+    with ts.strategy.gradient_sync(last_micro):
+        loss, n, extras = ts.strategy.train_micro_batch(ts, batch, window)
+    ts.reporter.add(loss, n, extras)
+    return last_micro
+
+
+def optimizer_step(ts: TrainState) -> None:
+    """Clip, step (through the scaler under 16-mixed), zero the gradients, step a per-step scheduler."""
+    BEAT.mark("optimizer")
+    opt, scaler = ts.optimizer, ts.scaler
+    if ts.cfg.clip_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        ts.strategy.clip_grad_norm(ts.cfg.clip_grad_norm)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    ts.lr = opt.param_groups[0]["lr"]
+    if ts.scheduler is not None and ts.cfg.scheduler_interval == "step":
+        ts.scheduler.step()
+    ts.step += 1
+    ts.reporter.steps_since += 1
+    BEAT.step_done(ts.step)
+
+
+def end_epoch(ts: TrainState) -> None:
+    """The epoch record (with validation unless stopped), a per-epoch scheduler step, a checkpoint."""
+    rep = ts.reporter
+    record = rep.end_epoch(ts.epoch, ts.step)
+    record.update(streams.epoch_record(ts))
+    if ts.vloader is not None and ts.status != "interrupted":
+        record.update(validate(ts))
+    rep.record("epoch", record)
+    if ts.best is not None:
+        ts.best.consider(ts, "epoch", record)
+    ts.epoch += 1
+    if ts.scheduler is not None and ts.cfg.scheduler_interval == "epoch":
+        ts.scheduler.step()
+    if ts.cfg.checkpoint_dir:  # with checkpoint_dir alone, a checkpoint is written at every epoch end
+        save_checkpoint(ts, 0)
+
+
+def save_checkpoint(ts: TrainState, batches_done: int) -> None:
+    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state."""
+    BEAT.mark("checkpoint")
+    states: list[Any] = [None] * ts.world
+    dist.all_gather_object(states, ckpt.rng_state())
+    rep = ts.reporter
+    extra = {
+        "scheduler": ts.scheduler.state_dict() if ts.scheduler is not None else None,
+        "scaler": ts.scaler.state_dict() if ts.scaler is not None else None,
+        "step": ts.step,
+        "epoch": ts.epoch,
+        "batches_done": batches_done,
+        "epoch_sums": (rep.epoch_loss, rep.epoch_n),
+        "rng_per_rank": states,
+        "stream_per_rank": streams.gather_positions(ts, batches_done),
+        "world_size": ts.world,
+        "batch_size": ts.cfg.batch_size,
+        "strategy": ts.strategy.name,
+    }
+    ts.strategy.save_checkpoint(ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
+
+
+def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitResult:
+    """The last report, then the full weights for rank 0 (a collective under FSDP)."""
+    BEAT.mark("finish")
+    rep = ts.reporter
+    rep.status = ts.status
+    rep.publish(force=True)
+    timings["publish_s"] = rep.publish_s
+    result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings)
+    if ts.best is not None:  # every rank: putting the best weights back may be collective
+        result.restored = ts.best.restore(ts)
+    if launch.returns != "none":
+        state = ts.strategy.full_state_dict(ts.rank)
+        if ts.rank == 0:
+            result.weights = ts.strategy.module if launch.returns == "module" else state
+    if ts.rank == 0:
+        result.records = rep.records
+        result.ranks = rep.ranks
+        result.plan = rep.plan
+    return result

@@ -1,0 +1,181 @@
+"""Set-up of one fit on one rank: model, data, optimizer, precision, resume.
+
+Two phases, each agreed by every rank (``loop.fit``) so that a failure on one
+rank raises on all instead of leaving peers waiting in a collective:
+
+1. ``build`` (local work only): unpack the arguments, build the model and the
+   data loaders, check the precision, find the checkpoint to resume from;
+2. ``wrap_and_restore``: the strategy wraps the model (DDP's shape check and
+   broadcast, or FSDP's sharding, are collective), the optimizer is built on
+   the wrapped parameters, and a checkpoint's state is loaded.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from nbddp.protocol.data_forms import is_stream
+from nbddp.protocol.messages import FitLaunch
+from nbddp.protocol.fit_options import DEFAULT_LR, FitConfig, check_device_rules
+from nbddp.shipping.pickling import Parcel, unpack
+from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.memory import allocator as memory
+from nbddp.worker.data import streams
+from nbddp.partitioning.blocks import apply_activation_checkpointing
+from nbddp.worker.data.datasets import keep_only, materialise, train_loader, val_loader
+from nbddp.worker.strategies.precision import precision_tools
+from nbddp.worker.engine.rank_state import STATE
+from nbddp.worker.strategies import make_strategy
+from nbddp.worker.training.fit_state import TrainState
+
+
+def seed_everything(seed: int) -> None:
+    """``random``, numpy and torch; the accelerators' generators only where there is one.
+
+    ``torch.manual_seed`` also queues a seed for CUDA and XPU, recording the
+    caller's stack for each; in an engine's deep stack that is 1-2 ms per
+    call, twice per fit, on workers that have no accelerator to seed.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or accelerator.is_available():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
+def make_optimizer(spec: Any, params: Any, lr: float | None) -> torch.optim.Optimizer:
+    """``None``: AdamW; a class: built with ``lr``; a factory of ``params``: called as it is."""
+    lr = DEFAULT_LR if lr is None else lr
+    if spec is None:
+        return torch.optim.AdamW(params, lr=lr)
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        return spec(params, lr=lr)
+    opt = spec(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer=... must be an Optimizer class or a factory of params returning one; it returned {type(opt).__name__}")
+    return opt
+
+
+def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: str) -> None:
+    """A mid-epoch checkpoint can only continue with the same sharding of the epoch."""
+    if not restored.get("batches_done"):
+        return
+    saved = (restored.get("world_size"), restored.get("batch_size"))
+    if saved != (world, cfg.batch_size):
+        raise ValueError(
+            f"resume={path!r}: that checkpoint was saved mid-epoch with world_size={saved[0]}, batch_size={saved[1]}, "
+            f"but this fit runs world_size={world}, batch_size={cfg.batch_size}; the rest of that epoch cannot be "
+            "found again. Resume with the same workers and batch_size, or from a checkpoint saved at an epoch end."
+        )
+
+
+def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None = None,
+          within: tuple[int, int, Any] | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """Phase 1 (local): the train state without the optimizer; also the unpacked arguments.
+
+    ``model_parcel``: the model shipped on its own (sharded training), read as
+    views of the shipped file so that no rank makes a private copy of it.
+    ``within``: ``(rank, world, group)`` to train in a subgroup of the workers
+    (the scaling report) instead of all of them.
+    """
+    p = STATE.placement
+    rank, world = (within[0], within[1]) if within else (p.rank, p.world_size)
+    device = torch.device(p.device)
+    parts = unpack(parcel)
+    if model_parcel is not None:
+        parts["model"] = unpack(model_parcel, copy=False)["model"]
+    check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
+    strategy = make_strategy(cfg.strategy, device, cfg.precision, cfg.mesh)
+    strategy.group = within[2] if within else None
+    memory.for_setup(sharded=not strategy.heap_steady_state)
+    seed_everything(cfg.seed)  # the same on every rank: a factory builds identical initial weights
+    model = strategy.build(parts["model"])
+    if cfg.activation_checkpointing:
+        names = None if cfg.activation_checkpointing is True else cfg.activation_checkpointing
+        if not apply_activation_checkpointing(model, names or getattr(cfg.strategy, "shard_modules", None)):
+            raise ValueError("dist_fit(activation_checkpointing=True) found no repeated blocks to checkpoint (layers of an "
+                             "nn.ModuleList or nn.Sequential that share one class) and no nn.Sequential to checkpoint in "
+                             "segments; name the module classes instead: activation_checkpointing={MyBlock}")
+    # from here on each rank draws its own random numbers (dropout masks, augmentation): with one
+    # stream on every rank, all ranks would drop the same units, which DDP users do not expect
+    seed_everything(cfg.seed + 1_000_003 * rank)
+    if cfg.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    keep_only(STATE.dataset_cache, list(launch.resident))
+    data = build_data(parts["data"], parts.get("val_data"), cfg, strategy, rank, world, device)
+    autocast, scaler = precision_tools(cfg.precision, device)
+    ts = TrainState(cfg=cfg, rank=rank, world=world, device=device, strategy=strategy, model=model, **data,
+                    loss_fn=parts.get("loss_fn"), step_fn=parts.get("step_fn"), metrics=parts.get("metrics") or {},
+                    autocast=autocast, scaler=scaler)
+    return ts, parts
+
+
+def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, strategy: Any, rank: int, world: int,
+               device: torch.device) -> dict[str, Any]:
+    """The loaders of this rank's shards: a sampler's over map-style data, a ``streams.Stream`` over a stream.
+
+    The ranks that hold one model copy between them (a pipeline's stages, a tensor-parallel group)
+    read the same shard: ``strategy.data_shard``.
+    """
+    train_ds = materialise(data_spec, STATE.dataset_cache)
+    strategy.sample_data = (train_ds, data_spec.collate_fn, cfg.batch_size)
+    shard, shards = strategy.data_shard(rank, world)
+    out: dict[str, Any] = {"vloader": None}
+    if is_stream(train_ds):
+        stream = streams.train_stream(train_ds, data_spec, cfg, shard, shards, device, strategy.group)
+        out.update(loader=stream.loader, sampler=None, make_loader=None, stream=stream, agreement=stream.agreement)
+    else:
+        loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, shard, shards, device,
+                                                    strategy.whole_batches)
+        if len(loader) == 0:
+            raise ValueError(
+                f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
+                f"drop_last=True with batch_size={cfg.batch_size}"
+            )
+        out.update(loader=loader, sampler=sampler, make_loader=make_loader)
+    if val_spec is not None:
+        val_ds = materialise(val_spec, STATE.dataset_cache)
+        make_val = streams.val_stream_loader if is_stream(val_ds) else val_loader
+        out["vloader"] = make_val(val_ds, val_spec, cfg, shard, shards, device)
+    return out
+
+
+def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | None) -> None:
+    """Phase 2 (collective): wrap, build the optimizer and scheduler, load the checkpoint."""
+    identical = isinstance(parts["model"], nn.Module) or resume_path is not None
+    ts.strategy.wrap(ts.model, identical)
+    ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
+    ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
+    if ts.strategy.heap_steady_state:
+        memory.steady_after_first_step(ts.optimizer)
+    ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
+    if resume_path:
+        restore(ts, resume_path)
+
+
+def restore(ts: TrainState, path: str) -> None:
+    extra = ts.strategy.load_checkpoint(path, ts.optimizer)
+    check_resumable(extra, ts.cfg, ts.world, path)
+    if ts.scheduler is not None and extra.get("scheduler") is not None:
+        ts.scheduler.load_state_dict(extra["scheduler"])
+    if ts.scaler is not None and extra.get("scaler") is not None:
+        ts.scaler.load_state_dict(extra["scaler"])
+    ts.step, ts.epoch, ts.skip = extra["step"], extra["epoch"], extra["batches_done"]
+    ts.start_step, ts.start_epoch = ts.step, ts.epoch
+    states = extra.get("rng_per_rank")
+    ts.rng = states[ts.rank] if states and ts.rank < len(states) else None
+    ts.restored = extra
+    if ts.stream is not None:
+        ts.stream.restore(extra, path)
+
+
+def resume_path(cfg: FitConfig) -> str | None:
+    """The checkpoint ``resume=`` points at, or None to start fresh."""
+    return ckpt.resolve(cfg.resume, cfg.checkpoint_dir)

@@ -1,0 +1,106 @@
+"""One validation pass on every rank, reduced once: exact means over the whole set.
+
+Each rank evaluates every ``world``-th sample (no padding, so no sample is
+counted twice) and the sums are all-reduced at the end. Under a strategy
+whose forward is collective (FSDP all-gathers parameters layer by layer),
+every rank must run the same number of forwards: a rank with fewer batches
+runs extra forwards on a batch it already has, counted with weight zero.
+A validation stream's length is unknown, so there the ranks agree batch by
+batch whether any rank still has one (``streams.val_batches``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from nbddp.protocol.data_forms import is_stream
+from nbddp.worker.data import streams
+from nbddp.worker.data.batches import move
+from nbddp.worker.engine.heartbeat import BEAT
+from nbddp.worker.training.fit_state import TrainState
+
+
+def lockstep_batches(loader: Any, n_samples: int, world: int) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` pairs, the same number on every rank.
+
+    Every rank can work the count out alone: rank 0's strided shard is the
+    largest, ``ceil(n / world)`` samples.
+    """
+    batch_size = loader.batch_size
+    most = -(-(-(-n_samples // world)) // batch_size)
+    last = None
+    done = 0
+    for batch in loader:
+        last = batch
+        done += 1
+        yield batch, True
+    if last is None:
+        last = next(iter(_first_sample_loader(loader)))
+    for _ in range(most - done):
+        yield last, False
+
+
+def _first_sample_loader(loader: Any) -> Any:
+    """A loader over sample 0 alone, for a rank whose shard is empty."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(loader.dataset, batch_size=1, sampler=[0], collate_fn=loader.collate_fn)
+
+
+def val_batches(ts: TrainState, loader: Any) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` pairs: this rank's shard, in lockstep with the others where the forward is collective."""
+    if is_stream(loader.dataset):
+        return streams.val_batches(ts, loader)
+    if ts.strategy.lockstep_validation:  # ranks that share a model copy read the same batches
+        return lockstep_batches(loader, len(loader.dataset), ts.strategy.data_shard(ts.rank, ts.world)[1])
+    return ((b, True) for b in loader)
+
+
+def validate(ts: TrainState) -> dict[str, Any]:
+    """One validation pass; every rank calls it at the same step. Records and returns ``val_*``."""
+    rep, module = ts.reporter, ts.strategy.eval_module
+    BEAT.mark("validation")
+    rep.status = "validating"
+    rep.publish(force=True)
+    was_training = module.training
+    module.eval()
+    loss_sum, n_sum = 0.0, 0
+    sums: dict[str, float] = {}
+    loader = ts.vloader
+    batches = val_batches(ts, loader)
+    with torch.no_grad():
+        for batch, counted in batches:
+            BEAT.mark("validation")  # every batch: a long validation is progress, not a stall
+            result = ts.strategy.eval_batch(ts, move(batch, ts.device))
+            if result is None:
+                continue  # this rank holds no loss (a pipeline stage before the last)
+            loss, n, extras, output, target = result
+            # one rank per model copy counts; every rank keeps the same keys: the reduction below is one flat vector
+            if not counted or not ts.strategy.reports_metrics:
+                for k in extras:
+                    sums.setdefault(k, 0.0)
+                continue
+            loss_sum += float(loss) * n
+            n_sum += n
+            for k, v in extras.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n
+            for name, fn in ts.metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(fn(output, target)) * n
+    names = sorted(set(ts.metrics) | set(sums))
+    reduced = rep.reduce_sums([loss_sum, float(n_sum), *[sums.get(k, 0.0) for k in names]])
+    total = reduced[1]
+    if not total:
+        raise ValueError("val_data yielded no sample on any rank: a validation stream that is empty (or can be read "
+                         "only once, and was read already) has nothing to validate on; pass val_data=None to skip")
+    out = {"val_loss": reduced[0] / total if total else float("nan")}
+    out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
+    record = {"epoch": ts.epoch, "step": ts.step, **out}
+    rep.record("val", record)
+    module.train(was_training)
+    ts.strategy.end_evaluation()
+    if ts.best is not None:  # after end_evaluation: a sharded module is back to its shards
+        ts.best.consider(ts, "val", record)
+    rep.status = "training"
+    return out
