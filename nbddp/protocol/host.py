@@ -1,8 +1,14 @@
-"""Process liveness, shared by the kernel's reaper and the workers (no dependencies)."""
+"""This host, as both sides see it: the address towards a peer, a free port, whether a pid lives.
+
+The kernel uses them locally (a Slurm request, a rendezvous on one host) and
+sends ``free_port`` to a rank (a rendezvous across hosts); the workers use
+them in their probe, the reaper ``pid_alive``. No dependencies.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 
 
 def pid_alive(pid: int) -> bool:
@@ -18,3 +24,20 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def address_towards(host: str) -> str:
+    """The local address used to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on ``address`` now (for a multi-host rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

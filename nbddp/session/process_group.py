@@ -136,7 +136,7 @@ class GroupFormer:
         gloo/NCCL traffic on the interface carrying its address (or
         ``start(interface=...)``). The torch store listens on rank 0 only.
         """
-        from nbddp.worker.tasks.probe import free_port
+        from nbddp.protocol.host import free_port
 
         single_host = len({p.host for p in placements}) == 1 and all(p.local for p in placements)
         if single_host:

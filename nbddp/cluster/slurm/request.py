@@ -179,7 +179,7 @@ def controller_address(request: SlurmRequest) -> str:
     Asked of ``sinfo`` (the nodes' ``NodeAddr``, in the partition asked for);
     no packet is sent. ``controller_ip`` overrides it.
     """
-    from nbddp.worker.tasks.probe import address_towards
+    from nbddp.protocol.host import address_towards
 
     if request.controller_ip:
         return request.controller_ip

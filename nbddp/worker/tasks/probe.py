@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from nbddp.protocol.host import pid_alive
+from nbddp.protocol.host import address_towards, pid_alive
 from nbddp.protocol.placement import Probe
 from nbddp.worker.engine.rank_state import STATE
 
@@ -51,23 +51,6 @@ def probe(engine_id: int, controller_host: str, token_path: str, token: str, ker
         torch_version=torch.__version__,
         interfaces=interfaces,
     )
-
-
-def address_towards(host: str) -> str:
-    """The local address used to reach ``host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def free_port(address: str) -> int:
-    """A TCP port free on ``address`` now (for a multi-host rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def _watch_kernel(kernel_pid: int, interval: float = 0.5) -> None:
