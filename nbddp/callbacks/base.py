@@ -19,12 +19,12 @@ the same clean way: the model keeps the weights of that step, and
 
 from __future__ import annotations
 
-import sys
 import threading
 import traceback
 from typing import Any, Callable
 
 from nbddp.protocol.errors import NbddpError
+from nbddp.protocol.notices import report
 
 HOOKS = ("on_fit_start", "on_record", "on_epoch_end", "on_fit_end")
 _current = threading.local()  # the hook being called in this thread: who asked nbddp.stop_fit() to stop
@@ -128,8 +128,7 @@ class CallbackSet:
         text = "".join(traceback.format_exception(exc))
         stops = getattr(cb, "stop_on_error", True)
         then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else "the fit goes on"
-        sys.stderr.write(f"nbddp: callback {label} raised; it gets no more records, and {then}.\n{text}")
-        sys.stderr.flush()
+        report(f"nbddp: callback {label} raised; it gets no more records, and {then}", text)
         self.errors.append({"source": f"callback {label}", "error": f"{type(exc).__name__}: {exc}", "traceback": text})
         self.dropped.add(id(cb))  # in an unknown state now: only on_fit_end still comes, to let it clean up
         if stops:

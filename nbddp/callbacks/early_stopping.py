@@ -1,9 +1,11 @@
 """``EarlyStopping``: stop a fit when the monitored value stops improving.
 
-It is a kernel callback like any other: it reads each check's record as it
-arrives and, after ``patience`` checks without improvement, asks the fit to
-stop (the Stop button's path: every rank stops at the next sync). A check
-is a validation pass for a ``val_*`` value, an epoch's end otherwise. With
+The decision is the workers' (``worker/training/early_stop.py``): every rank
+holds each check's reduced value and stops after exactly the check where
+the patience runs out, whatever the machine's speed, with
+``status="completed"`` and ``History.stop_reason`` saying why. In the kernel
+this callback keeps the same count from the records, for ``History.best``.
+A check is a validation pass for a ``val_*`` value, an epoch's end otherwise. With
 ``restore_best=True`` the workers keep the best check's weights
 (``worker/training/best_weights.py``) and end with them, so the notebook's model gets those.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from nbddp.callbacks.base import Callback, Record, stop_fit
+from nbddp.callbacks.base import Callback, Record
 from nbddp.protocol.fit_options import MODES, BestSpec
 
 
@@ -46,7 +48,7 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping(min_delta=...) must be a number >= 0; got {min_delta!r}")
         if not isinstance(restore_best, bool):
             raise TypeError(f"EarlyStopping(restore_best=...) must be True or False; got {restore_best!r}")
-        self.spec = BestSpec(monitor, mode, float(min_delta))
+        self.spec = BestSpec(monitor, mode, float(min_delta), int(patience))
         self.patience = int(patience)
         self.restore_best = restore_best
         self._reset()
@@ -93,9 +95,7 @@ class EarlyStopping(Callback):
             return
         self.wait += 1
         if self.wait >= self.patience and self.stopped_at is None:
-            self.stopped_at = record["step"]
-            stop_fit(f"EarlyStopping: {self.monitor} did not improve for {self.wait} checks (best {self.best:.6g} at "
-                     f"step {self.best_step})")
+            self.stopped_at = record["step"]  # the workers stopped right after this check
 
     def summary(self) -> dict[str, Any]:
         """What ``History.best`` holds."""

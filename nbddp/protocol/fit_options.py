@@ -21,6 +21,7 @@ from typing import Any
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
 SCHEDULER_INTERVALS = ("step", "epoch")
+ON_NAN = ("raise", "stop", "skip")
 DEFAULT_LR = 1e-3
 
 
@@ -43,7 +44,9 @@ class FitConfig:
     resume: bool | str = False
     log_every: int = 20
     val_every: int | None = None
-    scheduler_interval: str = "step"
+    scheduler_interval: str | None = None  # None: the scheduler's kind decides (worker/training/schedules.py)
+    scheduler_frequency: int = 1  # step the scheduler every k-th interval (a Lightning dict's "frequency")
+    scheduler_monitor: str | None = None  # ReduceLROnPlateau's value (default: val_loss, else loss)
     strategy: Any = "ddp"  # "ddp", an nbddp.FSDP, nbddp.Pipeline or nbddp.TensorParallel settings object
     mesh: dict[str, int] | None = None  # {"dp": 2, "pp": 2}: completed for the world size by preflight (topologies)
     activation_checkpointing: Any = False  # False, True (every unit) or a frozenset of module class names
@@ -51,6 +54,7 @@ class FitConfig:
     num_workers: int | None = None
     pin_memory: bool | None = None
     prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
+    on_nan: str = "raise"  # a NaN/inf loss: "raise", "stop" (last good weights) or "skip" (drop that update)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
 
@@ -84,6 +88,7 @@ class BestSpec:
     monitor: str = "val_loss"
     mode: str = "min"
     min_delta: float = 0.0
+    patience: int = 0  # EarlyStopping's: checks without improvement before the workers stop (0: never)
 
     @property
     def kind(self) -> str:
