@@ -249,6 +249,18 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
         nbddp.dist_fit(**fit, callbacks=[object()])
     with pytest.raises(TypeError, match=r"got the class Recorder; pass an instance: Recorder\(\)"):
         nbddp.dist_fit(**fit, callbacks=[Recorder])
+    # a Lightning callback has on_fit_start(trainer, pl_module): refused at once, not called with a record mid-fit
+    lightning_base = type("Callback", (), {"__module__": "lightning.pytorch.callbacks.callback",
+                                           "on_fit_start": lambda self, trainer, pl_module: None})
+    checkpoint = type("ModelCheckpoint", (lightning_base,), {"__module__": "__main__"})
+    with pytest.raises(TypeError, match=r"got a Lightning callback, ModelCheckpoint \(lightning\.pytorch\.callbacks"
+                                        r"\.callback\.Callback\); .* nbddp calls on_fit_start\(info\), "
+                                        r"on_record\(record\), on_epoch_end\(record\) and on_fit_end\(history\)"):
+        nbddp.dist_fit(**fit, callbacks=[checkpoint()])
+    keras = type("EarlyStopping", (), {"__module__": "keras.src.callbacks.early_stopping", "on_epoch_end": print})
+    with pytest.raises(TypeError, match=r"got a Keras callback, EarlyStopping .* nbddp\.EarlyStopping\(\.\.\.\) "
+                                        r"takes the place of early stopping"):
+        nbddp.dist_fit(**fit, callbacks=[keras()])
     with pytest.raises(ValueError, match=r"monitor='val_acc'\): this fit records \['loss', 'val_loss'\] .* "
                                          r"metrics=\{'acc': fn\}"):
         nbddp.dist_fit(**fit, val_data=_data(8), callbacks=[nbddp.EarlyStopping(monitor="val_acc")])
