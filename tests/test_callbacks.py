@@ -275,7 +275,7 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
 
 
 def test_early_stopping_settings_are_checked_when_made():
-    with pytest.raises(ValueError, match=r"mode=...\) must be 'min' \(lower is better\) or 'max'; got 'median'"):
+    with pytest.raises(ValueError, match=r"mode=...\) must be 'min' \(lower is better\), 'max' or 'auto'; got 'median'"):
         nbddp.EarlyStopping(mode="median")
     with pytest.raises(ValueError, match=r"patience=...\) is a number of checks, an int >= 1; got 0"):
         nbddp.EarlyStopping(patience=0)

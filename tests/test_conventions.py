@@ -319,3 +319,27 @@ def test_early_stopping_stops_right_after_the_check_where_patience_ran_out(worke
         assert h.status == "completed" and h.stop_reason.startswith("EarlyStopping: val_loss did not improve for 1")
         stops.append([e["epoch"] for e in h.epochs])
     assert stops == [[0, 1], [0, 1]]  # 12 steps an epoch; no epoch trained past the decision
+
+
+def test_early_stopping_takes_keras_and_lightning_names():
+    from nbddp.callbacks.base import Record
+
+    assert nbddp.EarlyStopping("val_acc", mode="auto").spec.mode == "max"
+    assert nbddp.EarlyStopping("val_loss", mode="auto").spec.mode == "min"
+    assert nbddp.EarlyStopping(restore_best_weights=True).restore_best is True
+
+    def checks(es, values):
+        es.on_fit_start(None)
+        for step, value in enumerate(values, 1):
+            es.on_record(Record("val", {"step": step, "epoch": 0, "val_loss": value}))
+        return es.stopped_at
+
+    assert checks(nbddp.EarlyStopping(patience=2, baseline=1.0), [2.0, 1.5, 0.5]) == 2  # never beat the baseline
+    assert checks(nbddp.EarlyStopping(patience=2, baseline=1.0), [0.9, 0.95, 0.8]) is None
+    assert checks(nbddp.EarlyStopping(patience=5), [1.0, float("nan"), 0.5]) == 2  # check_finite, Lightning's default
+    assert checks(nbddp.EarlyStopping(patience=5, check_finite=False), [1.0, float("nan"), 0.5]) is None
+    with pytest.raises(TypeError, match=r"EarlyStopping\(baseline=\.\.\.\) is a value of the monitor to beat, a "
+                                        r"number; got 'low'"):
+        nbddp.EarlyStopping(baseline="low")
+    with pytest.raises(TypeError, match=r"EarlyStopping\(check_finite=\.\.\.\) must be True or False; got 'yes'"):
+        nbddp.EarlyStopping(check_finite="yes")

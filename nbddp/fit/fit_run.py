@@ -241,9 +241,13 @@ class FitRun:
     def _rank_rows(self, head: FitResult) -> list[dict[str, Any]]:
         """One dict per rank: where it ran (the kernel knows) and what it measured (rank 0's last reduction)."""
         figures = {r["rank"]: r for r in head.ranks}
-        return [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
+        rows = [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
                                                                         if k != "rank"}}
                 for p in self.live_state.placements]
+        for row in rows:  # what this fit added, whatever earlier work left resident (the order of fits cancels out)
+            if "peak_mem" in row and "base_mem" in row:
+                row["fit_peak_mem"] = row["peak_mem"] - row["base_mem"]
+        return rows
 
     def _timings(self, head: FitResult, t0: float, loaded: float) -> dict[str, float]:
         worker = head.timings

@@ -45,8 +45,9 @@ class History:
             CUDA peak allocated on GPU, the peak resident set on CPU, measured
             from the fit's start, after the previous task's memory was given
             back), ``base_mem`` (bytes resident, or allocated on GPU, when the
-            fit began: the worker itself and what it keeps; ``peak_mem -
-            base_mem`` is what the fit added), ``param_bytes`` (the parameter
+            fit began: the worker itself and what it keeps),
+            ``fit_peak_mem`` (``peak_mem - base_mem``: what the fit itself
+            added, the same whatever ran before), ``param_bytes`` (the parameter
             bytes that rank holds), and on GPU ``cuda_allocated``,
             ``cuda_reserved`` and ``cuda_peak``.
         model: the trained module when ``dist_fit`` was given a factory (the

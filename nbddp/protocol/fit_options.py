@@ -89,6 +89,8 @@ class BestSpec:
     mode: str = "min"
     min_delta: float = 0.0
     patience: int = 0  # EarlyStopping's: checks without improvement before the workers stop (0: never)
+    baseline: float | None = None  # Keras's: the value to beat from the first check on
+    check_finite: bool = False  # Lightning's: a NaN or inf value stops at once
 
     @property
     def kind(self) -> str:
@@ -104,3 +106,31 @@ class BestSpec:
         if self.mode == "min":
             return value < best - self.min_delta
         return value > best + self.min_delta
+
+
+class Patience:
+    """One ``EarlyStopping``'s count of checks without improvement, the same rule in the kernel and on the workers.
+
+    The workers decide the stop with it (``worker/training/early_stop.py``);
+    the kernel's callback keeps the same count from the records it receives
+    (``History.best``), so both name the same best check and the same stop.
+    """
+
+    def __init__(self, spec: BestSpec):
+        self.spec = spec
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0
+
+    def after_check(self, value: float, step: int) -> str | None:
+        """The stop reason when this check ends the patience (or is not finite, with ``check_finite``), else None."""
+        if self.spec.check_finite and not math.isfinite(value):
+            return f"EarlyStopping: {self.spec.monitor} is {value} at step {step} (check_finite=True)"
+        if self.spec.improved(value, self.best if self.best is not None else self.spec.baseline):
+            self.best, self.best_step, self.wait = value, step, 0
+            return None
+        self.wait += 1
+        if self.wait < self.spec.patience:
+            return None
+        best = f"{self.best:.6g} at step {self.best_step}" if self.best is not None else f"baseline {self.spec.baseline}"
+        return f"EarlyStopping: {self.spec.monitor} did not improve for {self.wait} checks (best {best})"

@@ -13,36 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbddp.protocol.fit_options import BestSpec
-
-
-class Patience:
-    """One ``EarlyStopping``'s count of checks without improvement."""
-
-    def __init__(self, spec: BestSpec):
-        self.spec = spec
-        self.best: float | None = None
-        self.best_step: int | None = None
-        self.wait = 0
-
-    def after_check(self, kind: str, record: dict[str, Any]) -> str | None:
-        """The stop reason when this check used up the patience, else None."""
-        value = record.get(self.spec.monitor)
-        if kind != self.spec.kind or not isinstance(value, (int, float)):
-            return None
-        if self.spec.improved(float(value), self.best):
-            self.best, self.best_step, self.wait = float(value), int(record["step"]), 0
-            return None
-        self.wait += 1
-        if self.wait < self.spec.patience:
-            return None
-        best = "none finite" if self.best is None else f"{self.best:.6g} at step {self.best_step}"
-        return f"EarlyStopping: {self.spec.monitor} did not improve for {self.wait} checks (best {best})"
 
 
 def after_check(ts: Any, kind: str, record: dict[str, Any]) -> None:
     """Every rank, after a check's record: ``ts.stop_reason`` is set when some ``EarlyStopping`` ran out."""
     for patience in ts.stoppers:
-        reason = patience.after_check(kind, record)
+        value = record.get(patience.spec.monitor)
+        if kind != patience.spec.kind or not isinstance(value, (int, float)):
+            continue
+        reason = patience.after_check(float(value), int(record["step"]))
         if reason is not None and ts.stop_reason is None:
             ts.stop_reason = reason

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
-from nbddp.protocol.fit_options import FitConfig
+from nbddp.protocol.fit_options import FitConfig, Patience
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
 from nbddp.worker.training import early_stop, nan_policy, setup
@@ -89,7 +89,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
                        model_class=model_class, params=params, notices=tuple(ts.notices))
     ts.best = BestWeights(launch.best) if launch.best is not None else None
-    ts.stoppers = [early_stop.Patience(spec) for spec in launch.stoppers]
+    ts.stoppers = [Patience(spec) for spec in launch.stoppers]
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
                            counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
     if ts.restored is not None:
