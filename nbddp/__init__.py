@@ -22,6 +22,7 @@ __all__ = [
     "restart",
     "run",
     "dist_fit",
+    "last_history",
     "run_cell",
     "push",
     "pull",
@@ -29,6 +30,7 @@ __all__ = [
     "export_checkpoint",
     "find_batch_size",
     "scaling_report",
+    "DDP",
     "FSDP",
     "Pipeline",
     "TensorParallel",
@@ -50,6 +52,7 @@ __all__ = [
     "WorkerDied",
     "WorkerStalled",
     "NothingToDebug",
+    "NbddpWarning",
     "__version__",
     "load_ipython_extension",
     "unload_ipython_extension",
@@ -63,6 +66,7 @@ _LAZY = {
     "restart": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
+    "last_history": "nbddp.api",
     "run_cell": "nbddp.jobs.cells",
     "push": "nbddp.jobs.cells",
     "pull": "nbddp.jobs.cells",
@@ -70,6 +74,7 @@ _LAZY = {
     "export_checkpoint": "nbddp.api",
     "find_batch_size": "nbddp.measure.batch_size",
     "scaling_report": "nbddp.measure.scaling",
+    "DDP": "nbddp.protocol.parallel_settings",
     "FSDP": "nbddp.protocol.parallel_settings",
     "Pipeline": "nbddp.protocol.parallel_settings",
     "TensorParallel": "nbddp.protocol.parallel_settings",
@@ -93,10 +98,11 @@ _LAZY = {
     "WorkerDied": "nbddp.protocol.errors",
     "WorkerStalled": "nbddp.protocol.errors",
     "NothingToDebug": "nbddp.protocol.errors",
+    "NbddpWarning": "nbddp.protocol.notices",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
+    from nbddp.api import dist_fit, export_checkpoint, last_history, restart, run, start, status, stop
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.callbacks.base import stop_fit
@@ -110,9 +116,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.fit.history import History
     from nbddp.measure.scaling import scaling_report
     from nbddp.jobs.scripts import run_script
-    from nbddp.protocol.parallel_settings import FSDP
+    from nbddp.protocol.parallel_settings import DDP, FSDP
     from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
     from nbddp.monitor.stacks import stacks
+    from nbddp.protocol.notices import NbddpWarning
 # modules people reached as nbddp.<name> before the code moved into packages: still reached, with a warning
 _MOVED = {"modules": ("nbddp.shipping", "nbddp.shipping (ship_by_value, ship_by_reference)")}
 

@@ -96,14 +96,14 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
 
 def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | str | None = None,
              loss_fn: Callable | None = None, optimizer: Any = None, lr: float | None = None,
-             scheduler: Callable | None = None, scheduler_interval: str = "step",
+             scheduler: Callable | dict[str, Any] | None = None, scheduler_interval: str | None = None,
              metrics: Mapping[str, Callable] | None = None, step_fn: Callable | None = None, max_steps: int | None = None,
-             shuffle: bool = True, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
+             shuffle: bool | None = None, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
              clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
              val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
-             live: bool | str | None = None, stall_timeout: float | None = None,
+             live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
              loggers: Any = None, callbacks: Any = None, **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
@@ -112,8 +112,11 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             rank 0 are loaded back into this same object) or a zero-argument
             function returning one (built on each worker; the trained module
             is ``history.model``).
-        data: a ``Dataset``, a ``DataLoader`` (its dataset, batch size and
-            collate function are used), a tuple of tensors ``(x, y)``, or a
+        data: a ``Dataset``, a ``DataLoader`` (every setting kept: its batch
+            size, order, collate function, ``num_workers``, ``worker_init_fn``,
+            ``generator``, ``drop_last``, ``pin_memory``; its sampler is swapped
+            for a distributed one, a custom sampler shared out per rank; a
+            ``dist_fit`` argument that disagrees with it is an error), a tuple of tensors ``(x, y)``, or a
             zero-argument function that builds the dataset on each worker
             (best for large data: nothing is shipped).
         epochs: passes over the data. ``max_steps`` stops earlier (mid-epoch).
@@ -125,22 +128,33 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             (``nbddp.find_batch_size`` with this fit's options, run first);
             ``History.batch_size`` says which.
         loss_fn: ``loss_fn(model(x), y)`` for ``(x, y)`` batches. Default:
-            cross-entropy for integer targets, MSE for float targets. Dict
-            batches run ``model(**batch)`` and use the output's loss.
+            cross-entropy for integer targets, MSE for float targets; float
+            targets that hold only 0 and 1 are refused (binary labels want
+            ``loss_fn=F.binary_cross_entropy_with_logits``; say
+            ``loss_fn=F.mse_loss`` if MSE is meant). Dict batches run
+            ``model(**batch)`` and use the output's loss.
         optimizer: an optimizer class (built with ``lr``) or a factory
             ``params -> Optimizer``. Default: AdamW.
         lr: learning rate for the default optimizer or an optimizer class
             (default 1e-3). A factory sets its own: giving ``lr`` with one is
             an error, so it can never be silently ignored.
-        scheduler: a factory ``optimizer -> LR scheduler``; ``History.steps``
-            records ``lr``.
-        scheduler_interval: ``"step"`` (default: after every optimizer step)
-            or ``"epoch"`` (after every epoch, as ``StepLR`` expects).
+        scheduler: a factory ``optimizer -> LR scheduler``, or Lightning's dict
+            ``{"scheduler": factory, "interval": "step", "frequency": k,
+            "monitor": "val_loss"}``; ``History.steps`` records ``lr``.
+        scheduler_interval: ``"step"`` (after every optimizer step) or
+            ``"epoch"``. Default: as the scheduler's own docs count:
+            ``StepLR``, ``MultiStepLR``, ``ExponentialLR``,
+            ``CosineAnnealingLR`` and ``ReduceLROnPlateau`` per epoch,
+            ``OneCycleLR`` and ``LambdaLR`` (HF's warmup schedules) per step,
+            any other kind per epoch with a notice. ``ReduceLROnPlateau`` steps
+            on the epoch's reduced ``val_loss`` (else ``loss``), or the dict's
+            ``monitor``.
         metrics: ``{"acc": fn(output, target)}`` computed on validation data,
             sample-weighted over all ranks, recorded as ``val_acc``.
         step_fn: ``step_fn(model, batch) -> loss or {"loss": ..., ...}``: full
             control of a step; extra dict entries are recorded like metrics.
         shuffle, seed: sampling order; the same seed gives the same History.
+            ``shuffle`` defaults to True, or to a DataLoader's own setting.
         precision: ``"32-true"``, ``"bf16-mixed"`` (bf16 autocast, CPU and
             GPU) or ``"16-mixed"`` (fp16 with a gradient scaler, GPU only);
             ``"32"`` and ``"bf16"`` are accepted as aliases.
@@ -185,6 +199,13 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             before the fit fails with ``WorkerStalled``; the stalled ranks are
             replaced. Default: ``nbddp.start(stall_timeout=...)``, else None
             (a stall is shown live, with the rank's stack, never fatal).
+        on_nan: what a NaN or inf training loss does: ``"raise"`` (the fit
+            fails with a ``WorkerError`` naming the step), ``"stop"`` (training
+            ends before that step's update: the model gets the last good
+            weights, ``status="completed"`` and ``History.stop_reason`` says
+            why) or ``"skip"`` (that step's update is dropped and training goes
+            on; a notice counts the skipped steps). Every rank agrees on the
+            step; ``"stop"`` and ``"skip"`` cost one small all-reduce per step.
         loggers: where the run is written, once, from the kernel: ``"tensorboard"``,
             ``"wandb"``, ``"mlflow"``, ``"csv"``, or ``nbddp.loggers.TensorBoard(log_dir=...)``,
             ``WandB(project=...)``, ``MLflow(tracking_uri=..., experiment=...)``,
@@ -204,9 +225,11 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             ``record_interval_s``, ``publish_interval_s``.
 
     Kernel > Interrupt during a blocking fit stops every rank at the same
-    step and returns a History with ``status == "interrupted"`` (the model
-    holds that step's weights); a second interrupt kills and replaces the
-    workers.
+    step (the model holds that step's weights), then raises
+    ``KeyboardInterrupt`` so that Run All stops; the History, with
+    ``status == "interrupted"``, is on the exception (``e.history``) and in
+    ``nbddp.last_history()``. A second interrupt kills and replaces the
+    workers. The Stop button and ``handle.stop()`` return normally.
 
     Raises:
         TypeError, ValueError: bad arguments, before any worker starts work.
@@ -224,7 +247,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     stall_timeout = check_stall_timeout(stall_timeout, "dist_fit")
     view = choose_view(live)
     hooks = FitHooks.build(loggers, callbacks, val_data=val_data, metrics=metrics, step_fn=step_fn,
-                           optimizer=optimizer, loss_fn=loss_fn, scheduler=scheduler)
+                           optimizer=optimizer, loss_fn=loss_fn,
+                           scheduler=scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler)
     if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
         from nbddp.measure.batch_size import find_batch_size
 
@@ -239,7 +263,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
-                   mesh=mesh, activation_checkpointing=activation_checkpointing, **advanced)
+                   mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
@@ -251,8 +275,29 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         run_.launch()
     if not block:
         return FitHandle(run_)
-    wait_interruptibly(run_)
-    return run_.result()
+    return _wait_for_fit(run_)
+
+
+def _wait_for_fit(run_: Any) -> History:
+    """The History of a blocking fit; after a Kernel > Interrupt's clean stop, ``FitInterrupted`` carrying it."""
+    from nbddp.protocol.errors import FitInterrupted
+
+    interrupted: list[bool] = []
+
+    def first_interrupt() -> None:
+        interrupted.append(True)
+        run_.request_stop()
+
+    wait_interruptibly(run_, on_first_interrupt=first_interrupt)
+    history = run_.result()  # a failure, or a second interrupt's kill, raises here
+    if interrupted:
+        raise FitInterrupted(history)
+    return history
+
+
+def last_history() -> History | None:
+    """The ``History`` of this kernel's last fit that ended (also one interrupted by Kernel > Interrupt)."""
+    return get_session().last_history
 
 
 def export_checkpoint(path: str, out: str) -> str:
@@ -302,4 +347,5 @@ def clear_debug() -> str:
     return clear(get_session())
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "export_checkpoint", "debug", "clear_debug"]
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "export_checkpoint", "debug",
+           "clear_debug"]

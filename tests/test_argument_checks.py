@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from nbddp.fit import preflight
 from nbddp.session.resident_datasets import ResidentSet
@@ -38,6 +39,20 @@ CASES = [
      ValueError, r"dist_fit\(lr=0\.1\) is only used for the default optimizer or an optimizer class; a factory sets its own"),
     ("unknown scheduler interval", dict(scheduler_interval="batch"), ValueError,
      r"scheduler_interval=\.\.\.\) must be 'step' \(after every optimizer step\) or 'epoch'.*got 'batch'"),
+    ("scheduler_interval not step or epoch", dict(scheduler_interval="sometimes"), ValueError,
+     r"scheduler_interval=\.\.\.\) must be 'step' .* or None to let the scheduler's kind decide; got 'sometimes'"),
+    ("scheduler dict without a scheduler", dict(scheduler={"interval": "step"}), ValueError,
+     r"scheduler=\{\.\.\.\}\) takes Lightning's keys .* got the keys \['interval'\]"),
+    ("scheduler dict frequency 0", dict(scheduler={"scheduler": len, "frequency": 0}), ValueError,
+     r"scheduler=\{'frequency': \.\.\.\}\) steps the scheduler every k-th interval: an int >= 1; got 0"),
+    ("scheduler dict monitor not a name", dict(scheduler={"scheduler": len, "monitor": 3}), TypeError,
+     r"scheduler=\{'monitor': \.\.\.\}\) names a recorded value such as 'val_loss'; got int 3"),
+    ("on_nan not a policy", dict(on_nan="ignore"), ValueError,
+     r"on_nan=\.\.\.\) says what a NaN or inf loss does: 'raise' .* 'stop' .* or 'skip' .*; got 'ignore'"),
+    ("a loader's batch size and batch_size=", dict(data=DataLoader(TensorDataset(*DATA), batch_size=16), batch_size=8),
+     ValueError, r"dist_fit\(batch_size=8\) and the DataLoader's batch_size=16 disagree; give one of them"),
+    ("a loader's order and shuffle=", dict(data=DataLoader(TensorDataset(*DATA), batch_size=16), shuffle=True),
+     ValueError, r"dist_fit\(shuffle=True\) and the DataLoader's shuffle=False disagree; leave shuffle out"),
     ("keep not an identifier", dict(keep="my model"), ValueError, r"keep=\.\.\.\) names the variable .* got 'my model'"),
     ("return_weights not a bool", dict(return_weights="yes"), TypeError, r"return_weights=\.\.\.\) must be True or False"),
 ]

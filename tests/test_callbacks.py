@@ -138,15 +138,19 @@ class Quiet(Callback):
         raise RuntimeError("quiet (test)")
 
 
-def test_a_callback_that_raises_is_reported_and_stops_the_fit_cleanly(workers, capsys):
+def test_a_callback_that_raises_is_reported_and_stops_the_fit_cleanly(workers, caplog):
     quiet = Quiet()
-    h = nbddp.dist_fit(Slow(), _data(), epochs=40, batch_size=4, log_every=1, live=False, callbacks=[quiet, Boom()])
+    with pytest.warns(nbddp.NbddpWarning) as warned:
+        h = nbddp.dist_fit(Slow(), _data(), epochs=40, batch_size=4, log_every=1, live=False,
+                           callbacks=[quiet, Boom()])
     assert h.status == "interrupted" and h.stop_reason == "Boom.on_record raised ValueError: boom (test)"
     assert h.steps[-1]["step"] < 40 * 8 and quiet.calls == 1  # dropped after its first error; the fit went on
-    err = capsys.readouterr().err
-    assert "nbddp: callback Boom.on_record raised; it gets no more records, and the fit stops at the next sync" in err
-    assert "nbddp: callback Quiet.on_record raised; it gets no more records, and the fit goes on" in err
-    assert err.count("Traceback (most recent call last)") == 2
+    said = [str(w.message) for w in warned]
+    assert "nbddp: callback Boom.on_record raised; it gets no more records, and the fit stops at the next sync " \
+           "(the model keeps that step's weights)" in said
+    assert "nbddp: callback Quiet.on_record raised; it gets no more records, and the fit goes on" in said
+    logged = [r.getMessage() for r in caplog.records if r.name == "nbddp"]  # the tracebacks, on the nbddp logger
+    assert sum("Traceback (most recent call last)" in m for m in logged) == 2
     assert [e["source"] for e in h.errors] == ["callback Quiet.on_record", "callback Boom.on_record"]
     assert "raise ValueError" in h.errors[1]["traceback"]
 
@@ -158,8 +162,11 @@ def test_early_stopping_restore_best_leaves_the_best_checks_weights_in_the_model
     es = nbddp.EarlyStopping(monitor="val_loss", patience=3, restore_best=True)
     h = nbddp.dist_fit(model, _data(), epochs=40, batch_size=4, val_data=(xv, yv), val_every=1, log_every=1,
                        optimizer=torch.optim.SGD, lr=0.05, live=False, strategy=strategy, callbacks=[es])
-    assert h.status == "interrupted" and h.stop_reason.startswith("EarlyStopping: val_loss did not improve for 3")
+    # an early stop is a normal end (as in Keras, Lightning and HF), decided on the workers right at the check
+    assert h.status == "completed" and h.stop_reason.startswith("EarlyStopping: val_loss did not improve for 3")
     best = min(h.validations, key=lambda r: r["val_loss"])
+    after = [r for r in h.validations if r["step"] > best["step"]]
+    assert len(after) == 3 and h.steps[-1]["step"] == h.validations[-1]["step"] == es.stopped_at
     assert h.best == {"monitor": "val_loss", "mode": "min", "value": best["val_loss"], "step": best["step"],
                       "epoch": best["epoch"], "checks": len(h.validations), "stopped_at": es.stopped_at,
                       "restored": True}
@@ -182,16 +189,28 @@ def _history(scale: float) -> History:
 
 
 def test_history_to_pandas_and_the_figures():
+    from IPython.core.formatters import DisplayFormatter
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     h = _history(1.0)
-    steps, epochs, validations = h.to_pandas()
+    df = h.to_pandas()  # one DataFrame, as people expect from a to_pandas
+    assert list(df.columns[:4]) == ["kind", "step", "epoch", "loss"]
+    assert df.kind.tolist() == ["step"] * 6 + ["epoch"] * 2 + ["val"] * len(h.validations)
+    assert df[df.kind == "step"].loss.tolist() == [r["loss"] for r in h.steps]
+    steps, epochs, validations = h.to_frames()  # the three-frame form, under its own name
     assert list(steps.columns[:3]) == ["step", "epoch", "loss"] and len(steps) == 6
     assert steps.loss.tolist() == [r["loss"] for r in h.steps] and epochs.epoch.tolist() == [0, 1]
-    assert h.to_pandas().validations.val_loss.tolist() == validations.val_loss.tolist()
-    empty = History().to_pandas()
+    assert h.to_frames().validations.val_loss.tolist() == validations.val_loss.tolist()
+    empty = History().to_frames()
     assert list(empty.steps.columns) == ["step", "epoch", "loss"] and empty.steps.empty
-    assert len(h.plot().axes[0].lines) == 2
+    assert list(History().to_pandas().columns) == ["kind", "step", "epoch", "loss"]
+    fig = h.plot()
+    assert len(fig.axes[0].lines) == 2
+    shown, _ = DisplayFormatter().format(fig)  # what a plain Jupyter kernel displays, pyplot never imported
+    assert shown["image/png"][:4] == b"\x89PNG"
+    own = Figure().add_subplot(1, 1, 1)
+    assert h.plot(ax=own) is own and len(own.lines) == 2
     fig = nbddp.plot_histories([h, _history(2.0)], labels=["lr 0.1", "lr 0.2"])
     assert isinstance(fig.canvas, FigureCanvasAgg)
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
@@ -213,6 +232,8 @@ def test_history_data_bad_input(monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(ModuleNotFoundError, match=r"History.to_pandas\(\) needs pandas: pip install pandas"):
         h.to_pandas()
+    with pytest.raises(ModuleNotFoundError, match=r"History.to_frames\(\) needs pandas: pip install pandas"):
+        h.to_frames()
 
 
 # ---- bad input: before any worker starts ------------------------------------------------
@@ -228,6 +249,18 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
         nbddp.dist_fit(**fit, callbacks=[object()])
     with pytest.raises(TypeError, match=r"got the class Recorder; pass an instance: Recorder\(\)"):
         nbddp.dist_fit(**fit, callbacks=[Recorder])
+    # a Lightning callback has on_fit_start(trainer, pl_module): refused at once, not called with a record mid-fit
+    lightning_base = type("Callback", (), {"__module__": "lightning.pytorch.callbacks.callback",
+                                           "on_fit_start": lambda self, trainer, pl_module: None})
+    checkpoint = type("ModelCheckpoint", (lightning_base,), {"__module__": "__main__"})
+    with pytest.raises(TypeError, match=r"got a Lightning callback, ModelCheckpoint \(lightning\.pytorch\.callbacks"
+                                        r"\.callback\.Callback\); .* nbddp calls on_fit_start\(info\), "
+                                        r"on_record\(record\), on_epoch_end\(record\) and on_fit_end\(history\)"):
+        nbddp.dist_fit(**fit, callbacks=[checkpoint()])
+    keras = type("EarlyStopping", (), {"__module__": "keras.src.callbacks.early_stopping", "on_epoch_end": print})
+    with pytest.raises(TypeError, match=r"got a Keras callback, EarlyStopping .* nbddp\.EarlyStopping\(\.\.\.\) "
+                                        r"takes the place of early stopping"):
+        nbddp.dist_fit(**fit, callbacks=[keras()])
     with pytest.raises(ValueError, match=r"monitor='val_acc'\): this fit records \['loss', 'val_loss'\] .* "
                                          r"metrics=\{'acc': fn\}"):
         nbddp.dist_fit(**fit, val_data=_data(8), callbacks=[nbddp.EarlyStopping(monitor="val_acc")])
@@ -242,7 +275,7 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
 
 
 def test_early_stopping_settings_are_checked_when_made():
-    with pytest.raises(ValueError, match=r"mode=...\) must be 'min' \(lower is better\) or 'max'; got 'median'"):
+    with pytest.raises(ValueError, match=r"mode=...\) must be 'min' \(lower is better\), 'max' or 'auto'; got 'median'"):
         nbddp.EarlyStopping(mode="median")
     with pytest.raises(ValueError, match=r"patience=...\) is a number of checks, an int >= 1; got 0"):
         nbddp.EarlyStopping(patience=0)

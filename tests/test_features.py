@@ -101,7 +101,7 @@ def test_scheduler_lr_sequence_is_in_history_steps(workers):
     x, y = _regression(64)
     history = nbddp.dist_fit(_mlp(), (x, y), epochs=2, batch_size=8, optimizer=torch.optim.SGD, lr=0.1, log_every=1,
                              scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-                             live=False)
+                             scheduler_interval="step", live=False)
     assert [r["step"] for r in history.steps] == list(range(1, 9))
     assert [r["lr"] for r in history.steps] == pytest.approx([0.1] * 3 + [0.05] * 3 + [0.025] * 2)
 

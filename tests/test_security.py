@@ -109,3 +109,52 @@ def _socket_ifname():
     import os
 
     return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def _shm_modes(prefix: str) -> dict[str, int]:
+    modes = {}
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
+        try:
+            modes[os.path.basename(path)] = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:  # a pooled file released between the listing and the stat
+            pass
+    return modes
+
+
+def test_every_shared_memory_file_of_a_fit_is_owner_only(workers):
+    """Listed while a fit runs: the process-group store and the stack dumps name the person's files and functions."""
+    prefix = workers.file_prefix
+    seen: dict[str, int] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            seen.update(_shm_modes(prefix))
+            done.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        h = nbddp.dist_fit(Net(delay=0.02), regression_data(), batch_size=16, epochs=1, live=False)
+    finally:
+        done.set()
+        sampler.join()
+    assert h.status == "completed"
+    kinds = {name[len(prefix):].split("-")[1] for name in seen}
+    assert {"pg", "w0", "w1"} <= kinds, sorted(seen)  # the store and every rank's stack file were among them
+    shared = {name: oct(mode) for name, mode in seen.items() if mode != 0o600}
+    assert not shared, f"files other users could read: {shared}"
+    assert not [n for n in _shm_modes(prefix) if n.endswith("-probe")], "the probe's token file outlived the probe"
+
+
+def test_the_reaper_removes_the_probe_token_on_a_clean_stop_too(tmp_path):
+    import secrets
+
+    from nbddp.cluster import reaper
+
+    prefix = f"nbddp-test{secrets.token_hex(4)}"
+    token = os.path.join("/dev/shm", f"{prefix}-probe")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("x" * 32)
+    assert reaper.main(os.getpid(), str(tmp_path / "gone"), prefix, interval=0.01) == 0  # no pid file: a clean stop
+    assert not os.path.exists(token)

@@ -19,12 +19,12 @@ the same clean way: the model keeps the weights of that step, and
 
 from __future__ import annotations
 
-import sys
 import threading
 import traceback
 from typing import Any, Callable
 
 from nbddp.protocol.errors import NbddpError
+from nbddp.protocol.notices import report
 
 HOOKS = ("on_fit_start", "on_record", "on_epoch_end", "on_fit_end")
 _current = threading.local()  # the hook being called in this thread: who asked nbddp.stop_fit() to stop
@@ -57,6 +57,25 @@ class Record(dict):
         self.kind = kind
 
 
+#: the top-level packages whose callbacks take a trainer and a module, not nbddp's records
+FOREIGN = {"lightning": "Lightning", "pytorch_lightning": "Lightning", "keras": "Keras", "tf_keras": "Keras",
+           "tensorflow": "Keras", "transformers": "Hugging Face"}
+
+
+def _refuse_foreign(cb: Any) -> None:
+    """A Lightning, Keras or HF callback has hooks of the same names but other arguments: refused at once."""
+    for cls in type(cb).__mro__:
+        framework = FOREIGN.get(cls.__module__.split(".")[0])
+        if framework is not None:
+            raise TypeError(
+                f"dist_fit(callbacks=[...]) got a {framework} callback, {type(cb).__name__} ({cls.__module__}."
+                f"{cls.__qualname__}); nbddp does not run {framework}'s trainer, so it would call it with the wrong "
+                "arguments. nbddp calls on_fit_start(info), on_record(record), on_epoch_end(record) and "
+                "on_fit_end(history) in the kernel, with records of reduced values: write a class with those "
+                "hooks (subclass nbddp.callbacks.Callback) that does what it did; nbddp.EarlyStopping(...) takes "
+                "the place of early stopping")
+
+
 def check_callbacks(callbacks: Any) -> list[Any]:
     """``dist_fit(callbacks=...)`` as a list; an object without any hook raises here, before training."""
     if callbacks is None:
@@ -65,6 +84,7 @@ def check_callbacks(callbacks: Any) -> list[Any]:
     for cb in items:
         if isinstance(cb, type):
             raise TypeError(f"dist_fit(callbacks=[...]) got the class {cb.__name__}; pass an instance: {cb.__name__}()")
+        _refuse_foreign(cb)
         if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
             raise TypeError(f"dist_fit(callbacks=[...]): {type(cb).__name__} {cb!r} has none of the hook methods "
                             f"{', '.join(HOOKS)}; a callback defines at least one of them (or subclasses "
@@ -128,8 +148,7 @@ class CallbackSet:
         text = "".join(traceback.format_exception(exc))
         stops = getattr(cb, "stop_on_error", True)
         then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else "the fit goes on"
-        sys.stderr.write(f"nbddp: callback {label} raised; it gets no more records, and {then}.\n{text}")
-        sys.stderr.flush()
+        report(f"nbddp: callback {label} raised; it gets no more records, and {then}", text)
         self.errors.append({"source": f"callback {label}", "error": f"{type(exc).__name__}: {exc}", "traceback": text})
         self.dropped.add(id(cb))  # in an unknown state now: only on_fit_end still comes, to let it clean up
         if stops:

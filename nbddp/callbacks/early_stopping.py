@@ -1,9 +1,11 @@
 """``EarlyStopping``: stop a fit when the monitored value stops improving.
 
-It is a kernel callback like any other: it reads each check's record as it
-arrives and, after ``patience`` checks without improvement, asks the fit to
-stop (the Stop button's path: every rank stops at the next sync). A check
-is a validation pass for a ``val_*`` value, an epoch's end otherwise. With
+The decision is the workers' (``worker/training/early_stop.py``): every rank
+holds each check's reduced value and stops after exactly the check where
+the patience runs out, whatever the machine's speed, with
+``status="completed"`` and ``History.stop_reason`` saying why. In the kernel
+this callback keeps the same count from the records, for ``History.best``.
+A check is a validation pass for a ``val_*`` value, an epoch's end otherwise. With
 ``restore_best=True`` the workers keep the best check's weights
 (``worker/training/best_weights.py``) and end with them, so the notebook's model gets those.
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from nbddp.callbacks.base import Callback, Record, stop_fit
-from nbddp.protocol.fit_options import MODES, BestSpec
+from nbddp.callbacks.base import Callback, Record
+from nbddp.protocol.fit_options import MODES, BestSpec, Patience
+
+MAX_WORDS = ("acc", "auc", "f1", "precision", "recall", "iou")  # mode="auto": higher is better for these
 
 
 class EarlyStopping(Callback):
@@ -24,29 +28,44 @@ class EarlyStopping(Callback):
         monitor: the record value to watch: ``"val_loss"``, ``"val_<metric>"``
             (checked at every validation pass, including ``val_every``'s), or
             ``"loss"`` (the epoch's training loss, checked at each epoch's end).
-        mode: ``"min"`` (lower is better) or ``"max"``.
+        mode: ``"min"`` (lower is better), ``"max"``, or ``"auto"`` (Keras's:
+            ``"max"`` for a monitor naming accuracy, AUC, F1, precision,
+            recall or IoU, else ``"min"``).
         patience: checks without improvement before the fit stops.
         min_delta: how much a value must beat the best by to count as better.
         restore_best: end with the best check's weights (every rank, so also
             ``keep=``'s module), instead of those of the step the fit stopped at.
+            ``restore_best_weights`` (Keras's name) is the same setting.
+        baseline: Keras's: a value to beat; checks that do not beat it count
+            against the patience from the first one on.
+        check_finite: Lightning's: stop at once when the value is NaN or inf.
 
     After the fit, ``History.best`` holds ``monitor``, ``value``, ``step`` and
     ``epoch`` of the best check, and whether its weights were restored.
     """
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
-                 restore_best: bool = False):
+                 restore_best: bool = False, *, restore_best_weights: bool | None = None,
+                 baseline: float | None = None, check_finite: bool = True):
         if not isinstance(monitor, str) or not monitor:
             raise TypeError(f"EarlyStopping(monitor=...) names a recorded value such as 'val_loss'; got {monitor!r}")
+        if mode == "auto":
+            mode = "max" if any(k in monitor for k in MAX_WORDS) else "min"
         if mode not in MODES:
-            raise ValueError(f"EarlyStopping(mode=...) must be 'min' (lower is better) or 'max'; got {mode!r}")
+            raise ValueError(f"EarlyStopping(mode=...) must be 'min' (lower is better), 'max' or 'auto'; got {mode!r}")
+        restore_best = restore_best or bool(restore_best_weights)
+        if baseline is not None and (isinstance(baseline, bool) or not isinstance(baseline, numbers.Real)):
+            raise TypeError(f"EarlyStopping(baseline=...) is a value of the monitor to beat, a number; got {baseline!r}")
         if isinstance(patience, bool) or not isinstance(patience, numbers.Integral) or patience < 1:
             raise ValueError(f"EarlyStopping(patience=...) is a number of checks, an int >= 1; got {patience!r}")
         if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not min_delta >= 0:
             raise ValueError(f"EarlyStopping(min_delta=...) must be a number >= 0; got {min_delta!r}")
         if not isinstance(restore_best, bool):
             raise TypeError(f"EarlyStopping(restore_best=...) must be True or False; got {restore_best!r}")
-        self.spec = BestSpec(monitor, mode, float(min_delta))
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"EarlyStopping(check_finite=...) must be True or False; got {check_finite!r}")
+        self.spec = BestSpec(monitor, mode, float(min_delta), int(patience),
+                             None if baseline is None else float(baseline), check_finite)
         self.patience = int(patience)
         self.restore_best = restore_best
         self._reset()
@@ -56,12 +75,14 @@ class EarlyStopping(Callback):
         return self.spec.monitor
 
     def _reset(self) -> None:
-        self.best: float | None = None
-        self.best_step: int | None = None
+        self.count = Patience(self.spec)  # the workers' rule, kept here from the records (History.best)
         self.best_epoch: int | None = None
         self.checks = 0
-        self.wait = 0  # checks since the best one
         self.stopped_at: int | None = None
+
+    best = property(lambda self: self.count.best)
+    best_step = property(lambda self: self.count.best_step)
+    wait = property(lambda self: self.count.wait)  # checks since the best one
 
     def check_fit(self, known: set[str] | None, has_val: bool) -> None:
         """Raise before training when this fit will never record ``monitor``.
@@ -88,14 +109,12 @@ class EarlyStopping(Callback):
             held = sorted(k for k in record if k not in ("step", "epoch"))
             raise KeyError(f"EarlyStopping(monitor={self.monitor!r}): the {record.kind} records hold {held}")
         self.checks += 1
-        if self.spec.improved(float(value), self.best):
-            self.best, self.best_step, self.best_epoch, self.wait = float(value), record["step"], record.get("epoch"), 0
-            return
-        self.wait += 1
-        if self.wait >= self.patience and self.stopped_at is None:
-            self.stopped_at = record["step"]
-            stop_fit(f"EarlyStopping: {self.monitor} did not improve for {self.wait} checks (best {self.best:.6g} at "
-                     f"step {self.best_step})")
+        before = self.count.best_step
+        ended = self.count.after_check(float(value), record["step"])
+        if self.count.best_step != before:
+            self.best_epoch = record.get("epoch")
+        if ended is not None and self.stopped_at is None:
+            self.stopped_at = record["step"]  # the workers stopped right after this check
 
     def summary(self) -> dict[str, Any]:
         """What ``History.best`` holds."""

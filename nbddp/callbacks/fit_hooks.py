@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import sys
 import threading
 import traceback
 from typing import Any
@@ -37,6 +36,7 @@ from nbddp.loggers.fit_info import FitInfo, callable_name, fit_info
 from nbddp.protocol.fit_options import BestSpec
 from nbddp.loggers import resolve
 from nbddp.loggers.guard import LoggerSet, read_runs, runs_file, write_runs
+from nbddp.protocol.notices import notify, report
 
 
 def _known_values(val_data: Any, metrics: Any, step_fn: Any) -> set[str] | None:
@@ -93,9 +93,11 @@ class FitHooks:
         return bool(self.loggers) or bool(self.callbacks)
 
     def attach(self, plan: Any) -> None:
-        """Tell the workers what to monitor when they must end with the best check's weights (plain settings)."""
+        """Tell the workers what each EarlyStopping monitors, and which check's weights to end with (plain settings)."""
         if self.best is not None:
             plan.launch = dataclasses.replace(plan.launch, best=self.best)
+        if self.stoppers:
+            plan.launch = dataclasses.replace(plan.launch, stoppers=tuple(es.spec for es in self.stoppers))
 
     def bind(self, run: Any) -> None:
         self.run = run
@@ -146,8 +148,8 @@ class FitHooks:
         self.queue.put(("close", (history, restored)))
         self.thread.join(JOIN_S)
         if self.thread.is_alive():
-            sys.stderr.write(f"nbddp: the loggers were still closing their runs after {JOIN_S:.0f} s; the fit "
-                             "returns without waiting for them.\n")
+            notify(f"nbddp: the loggers were still closing their runs after {JOIN_S:.0f} s; the fit returns "
+                   "without waiting for them")
 
     # ---- the hooks thread: loggers and callbacks ---------------------------------
     def _serve(self) -> None:
@@ -157,8 +159,7 @@ class FitHooks:
                 {"start": self._started, "record": self._deliver, "flush": self.loggers.flush,
                  "close": self._closed}[what](arg)
             except Exception:  # noqa: BLE001 - the guards catch the loggers' and callbacks' own errors
-                sys.stderr.write(f"nbddp: internal error in the fit's loggers/callbacks ({what}):\n"
-                                 f"{traceback.format_exc()}")
+                report(f"nbddp: internal error in the fit's loggers/callbacks ({what})", traceback.format_exc())
             if what == "close":
                 return
 

@@ -13,6 +13,7 @@ reaches), and removes the session's shared-memory files
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from nbddp.protocol.host import pid_alive
+from nbddp.shipping.shm_files import shm_dir
 
 SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 
@@ -95,7 +97,10 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
     jobs: list[str] = []
     while True:
         listed = _pids(pidfile)
-        if listed is None:
+        if listed is None:  # a clean stop; the probe's token file goes too, should a kill have interrupted a probe
+            if file_prefix:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm_dir(), f"{file_prefix}-probe"))
             return 0
         last, jobs = (listed if listed[0] or listed[1] else (last, jobs))
         if not pid_alive(kernel_pid):

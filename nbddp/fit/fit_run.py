@@ -19,6 +19,7 @@ from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.protocol.messages import FitResult, RankInfo, published
+from nbddp.protocol.notices import notify
 from nbddp.fit.preflight import FitPlan
 from nbddp.monitor.stalls import StuckStop
 from nbddp.jobs.rank_tasks import RankTasks
@@ -56,6 +57,8 @@ class FitRun:
         self.thread: threading.Thread | None = None
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
         self.watch_cpu_s: float | None = None
+        self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
+        self.end_notices: list[str] = []  # rank 0's notices at the end (FitResult.notices)
 
     # ---- the work protocol (Session.running) -----------------------------------
     @property
@@ -216,8 +219,10 @@ class FitRun:
         # the loggers' last records and closed runs, on_fit_end: before the cell gets the History
         # the plan rank 0 published may land after its result (a short fit on a busy machine): it is in the result too
         self.live_state.plan = self.live_state.plan or head.plan
+        self.stop_reason = self.stop_reason or head.stop_reason
+        self.end_notices = list(head.notices)
         self.hooks.finish(history, head.records, self.live_state.plan, head.restored)
-        self.history = history
+        self.history = self.session.last_history = history
         self.live_state.status = history.status
         self.session.resident.mark(self.plan.data_keys)
 
@@ -236,9 +241,13 @@ class FitRun:
     def _rank_rows(self, head: FitResult) -> list[dict[str, Any]]:
         """One dict per rank: where it ran (the kernel knows) and what it measured (rank 0's last reduction)."""
         figures = {r["rank"]: r for r in head.ranks}
-        return [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
+        rows = [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
                                                                         if k != "rank"}}
                 for p in self.live_state.placements]
+        for row in rows:  # what this fit added, whatever earlier work left resident (the order of fits cancels out)
+            if "peak_mem" in row and "base_mem" in row:
+                row["fit_peak_mem"] = row["peak_mem"] - row["base_mem"]
+        return rows
 
     def _timings(self, head: FitResult, t0: float, loaded: float) -> dict[str, float]:
         worker = head.timings
@@ -258,6 +267,11 @@ class FitRun:
         return timings
 
     def result(self) -> History:
+        """The History (or the fit's error), after the workers' notices, raised here in the calling cell."""
+        if not self.noticed:  # once, however often the handle is waited on
+            self.noticed = True
+            for text in [*getattr(self.live_state.plan, "notices", ()), *self.end_notices]:
+                notify(text, stacklevel=4)  # notify, result, dist_fit, the cell
         if self.error is not None:
             raise self.error
         return self.history

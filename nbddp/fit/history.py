@@ -45,8 +45,9 @@ class History:
             CUDA peak allocated on GPU, the peak resident set on CPU, measured
             from the fit's start, after the previous task's memory was given
             back), ``base_mem`` (bytes resident, or allocated on GPU, when the
-            fit began: the worker itself and what it keeps; ``peak_mem -
-            base_mem`` is what the fit added), ``param_bytes`` (the parameter
+            fit began: the worker itself and what it keeps),
+            ``fit_peak_mem`` (``peak_mem - base_mem``: what the fit itself
+            added, the same whatever ran before), ``param_bytes`` (the parameter
             bytes that rank holds), and on GPU ``cuda_allocated``,
             ``cuda_reserved`` and ``cuda_peak``.
         model: the trained module when ``dist_fit`` was given a factory (the
@@ -87,18 +88,30 @@ class History:
     def last_step(self) -> int:
         return self.steps[-1]["step"] if self.steps else 0
 
-    def plot(self, figsize: tuple[float, float] = (6.0, 3.6)):
-        """A matplotlib ``Figure`` of the training and validation loss.
+    def plot(self, figsize: tuple[float, float] = (6.0, 3.6), ax: Any = None) -> Any:
+        """The training and validation loss: a matplotlib ``Figure``, or drawn on ``ax`` (which is returned).
 
-        Built with ``Figure`` + Agg, never pyplot, so it is safe from any
-        thread and never pops up a window.
+        The figure shows as an image as a cell's last value in any Jupyter
+        kernel (it has a ``_repr_png_``); it is built with ``Figure`` + Agg,
+        never pyplot, so it is safe from any thread and never pops up a
+        window. ``ax=`` draws into a person's own axes, as pandas' ``plot`` does.
         """
         from nbddp.live.plot import loss_figure
 
-        return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})", figsize=figsize)
+        return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})", figsize=figsize, ax=ax)
 
     def to_pandas(self) -> Any:
-        """The records as pandas DataFrames: ``.steps``, ``.epochs`` and ``.validations`` (pandas imported here)."""
+        """Every record in one DataFrame, with a ``kind`` column: ``"step"``, ``"epoch"`` or ``"val"``.
+
+        ``df[df.kind == "epoch"]`` is the epochs; ``to_frames()`` gives the
+        three kinds as separate DataFrames. pandas is imported here.
+        """
+        from nbddp.fit.history import one_frame
+
+        return one_frame(self)
+
+    def to_frames(self) -> Any:
+        """The records as three pandas DataFrames: ``.steps``, ``.epochs`` and ``.validations``."""
         from nbddp.fit.history import frames
 
         return frames(self)
@@ -118,18 +131,31 @@ def _fmt(value: Any) -> str:
 
 
 class HistoryFrames(NamedTuple):
-    """``History.to_pandas()``: one DataFrame per kind of record (unpack it, or use the names)."""
+    """``History.to_frames()``: one DataFrame per kind of record (unpack it, or use the names)."""
 
     steps: Any
     epochs: Any
     validations: Any
 
 
-def frames(history: Any) -> HistoryFrames:
+def _pandas(what: str) -> Any:
     try:
         import pandas as pd
     except ImportError:
-        raise ModuleNotFoundError("History.to_pandas() needs pandas: pip install pandas", name="pandas") from None
+        raise ModuleNotFoundError(f"History.{what}() needs pandas: pip install pandas", name="pandas") from None
+    return pd
+
+
+def one_frame(history: Any) -> Any:
+    """``History.to_pandas()``: steps, epochs and validations in one DataFrame, told apart by ``kind``."""
+    pd = _pandas("to_pandas")
+    rows = [{"kind": kind, **r} for kind, records in (("step", history.steps), ("epoch", history.epochs),
+                                                      ("val", history.validations)) for r in records]
+    return pd.DataFrame(rows, columns=_columns(rows, ("kind", "step", "epoch", "loss")))
+
+
+def frames(history: Any) -> HistoryFrames:
+    pd = _pandas("to_frames")
     return HistoryFrames(pd.DataFrame(history.steps, columns=_columns(history.steps, ("step", "epoch", "loss"))),
                          pd.DataFrame(history.epochs, columns=_columns(history.epochs, ("epoch", "step", "loss"))),
                          pd.DataFrame(history.validations, columns=_columns(history.validations,

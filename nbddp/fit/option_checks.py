@@ -12,8 +12,8 @@ import os
 from dataclasses import fields
 from typing import Any
 
-from nbddp.protocol.fit_options import (PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig)
-from nbddp.protocol.parallel_settings import check_mesh_shape, module_classes, resolve_strategy
+from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
+from nbddp.protocol.parallel_settings import check_mesh_shape, is_replicated, module_classes, resolve_strategy
 
 
 def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
@@ -73,13 +73,18 @@ def make_config(**options: Any) -> FitConfig:
     cfg.strategy = resolve_strategy(cfg.strategy)
     cfg.mesh = check_mesh_shape(cfg.mesh)
     cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
-    if cfg.strategy != "ddp" and cfg.sync_batchnorm:
+    if not is_replicated(cfg.strategy) and cfg.sync_batchnorm:
         raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "
                          "buffers, so BatchNorm statistics would differ across ranks. Use strategy='ddp' for SyncBatchNorm.")
-    if cfg.scheduler_interval not in SCHEDULER_INTERVALS:
+    if cfg.scheduler_interval is not None and cfg.scheduler_interval not in SCHEDULER_INTERVALS:
         raise ValueError(f"dist_fit(scheduler_interval=...) must be 'step' (after every optimizer step) or 'epoch' "
-                         f"(after every epoch), got {cfg.scheduler_interval!r}")
+                         f"(after every epoch), or None to let the scheduler's kind decide; got "
+                         f"{cfg.scheduler_interval!r}")
     _check_loading(cfg)
+    if cfg.on_nan not in ON_NAN:
+        raise ValueError(f"dist_fit(on_nan=...) says what a NaN or inf loss does: 'raise' (the default: the fit fails), "
+                         f"'stop' (end cleanly with the last good weights) or 'skip' (drop that step's update); got "
+                         f"{cfg.on_nan!r}")
     cfg.record_interval_s = _float("record_interval_s", cfg.record_interval_s, 0.0, strict=True)
     cfg.publish_interval_s = _float("publish_interval_s", cfg.publish_interval_s, 0.0)
     return cfg
@@ -134,3 +139,33 @@ def canonical_precision(value: Any) -> str:
     hint = f" (did you mean {guesses[value]!r}?)" if isinstance(value, (str, int)) and value in guesses else ""
     raise ValueError(f"dist_fit(precision=...) must be one of {PRECISIONS} (or the aliases '32', 'bf16'), "
                      f"got {value!r}{hint}")
+
+
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor")
+
+
+def scheduler_settings(scheduler: Any) -> tuple[Any, dict[str, Any]]:
+    """``(factory, options)``: a Lightning-style dict ``{"scheduler": f, "interval": ..., "frequency": k, "monitor": ...}``.
+
+    The dict's settings become ``scheduler_interval``, ``scheduler_frequency``
+    and ``scheduler_monitor`` (they decide over ``dist_fit``'s own
+    ``scheduler_interval``, as the dict is the more specific of the two). A
+    plain factory gives no options.
+    """
+    if not isinstance(scheduler, dict):
+        return scheduler, {}
+    unknown = sorted(set(scheduler) - set(SCHEDULER_KEYS))
+    if unknown or "scheduler" not in scheduler:
+        raise ValueError(f"dist_fit(scheduler={{...}}) takes Lightning's keys {SCHEDULER_KEYS}, with 'scheduler' a "
+                         f"factory optimizer -> LR scheduler; got the keys {sorted(scheduler)}")
+    frequency, monitor = scheduler.get("frequency", 1), scheduler.get("monitor")
+    if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+        raise ValueError(f"dist_fit(scheduler={{'frequency': ...}}) steps the scheduler every k-th interval: an int "
+                         f">= 1; got {frequency!r}")
+    if monitor is not None and not isinstance(monitor, str):
+        raise TypeError(f"dist_fit(scheduler={{'monitor': ...}}) names a recorded value such as 'val_loss'; got "
+                        f"{type(monitor).__name__} {monitor!r}")
+    options = {"scheduler_frequency": frequency, "scheduler_monitor": monitor}
+    if "interval" in scheduler:
+        options["scheduler_interval"] = scheduler["interval"]
+    return scheduler["scheduler"], options

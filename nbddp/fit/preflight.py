@@ -17,9 +17,9 @@ from typing import Any, Callable
 from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.messages import FitLaunch
-from nbddp.fit.option_checks import make_config
+from nbddp.fit.option_checks import make_config, scheduler_settings
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
-from nbddp.protocol.parallel_settings import data_parallel_size
+from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated
 
 
 @dataclass
@@ -58,7 +58,9 @@ def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
         if dataforms.is_stream(data.dataset):
             spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None)
             return spec, None, data.batch_size
-        return DataSpec(dataset=data.dataset, collate_fn=collate), len(data.dataset), data.batch_size
+        settings, sampler = dataforms.loader_settings(data)
+        spec = DataSpec(dataset=data.dataset, collate_fn=collate, loader=settings, sampler=sampler)
+        return spec, len(data.dataset), data.batch_size
     if isinstance(data, (tuple, list)) and _tensor_tuple(data):
         return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
     if dataforms.is_stream(data):
@@ -95,6 +97,28 @@ def _tensor_dataset(data: Any, name: str) -> Any:
             f"got lengths {lengths}"
         )
     return TensorDataset(*data)
+
+
+def keep_loader_settings(settings: dict[str, Any] | None, batch_size: Any, options: dict[str, Any]) -> None:
+    """A DataLoader's own settings become the fit's; where ``dist_fit``'s arguments say otherwise, it is an error.
+
+    Silently preferring either would surprise someone: the loader's author
+    or the caller of ``dist_fit``. ``shuffle`` defaults to True without a loader.
+    """
+    if settings is None:
+        options["shuffle"] = True if options.get("shuffle") is None else options["shuffle"]
+        return
+    if batch_size is not None and settings["batch_size"] is not None and batch_size != settings["batch_size"]:
+        raise ValueError(f"dist_fit(batch_size={batch_size!r}) and the DataLoader's batch_size={settings['batch_size']} "
+                         "disagree; give one of them: leave batch_size out of dist_fit to use the loader's, or build "
+                         "the loader with the batch size you want (it is per rank)")
+    for name in ("shuffle", "num_workers", "pin_memory"):
+        given, own = options.get(name), settings[name]
+        if given is None:
+            options[name] = own
+        elif given != own:
+            raise ValueError(f"dist_fit({name}={given!r}) and the DataLoader's {name}={own!r} disagree; leave "
+                             f"{name} out of dist_fit to keep the loader's, or build the loader with {name}={given!r}")
 
 
 def check_model(model: Any) -> Any:
@@ -217,7 +241,10 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
         val_spec, n_val, _ = data_spec(val_data, "dist_fit(val_data=...)")
         if n_val == 0:
             raise ValueError("dist_fit(val_data=...) is empty (len 0); pass None to skip validation")
+    scheduler, scheduler_options = scheduler_settings(scheduler)
+    options.update(scheduler_options)
     check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
+    keep_loader_settings(spec.loader, batch_size, options)
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32), **options)
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
@@ -232,7 +259,7 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
              "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
     plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
                    factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys)
-    if cfg.strategy != "ddp" and returned is not None:
+    if not is_replicated(cfg.strategy) and returned is not None:
         parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
         ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)
     ship(session, plan, parts, plan.parcels)
@@ -243,7 +270,7 @@ def _returns(model: Any, cfg: FitConfig, return_weights: bool) -> str:
     """What rank 0 sends back: the weights (into the notebook's model), the trained module, or nothing."""
     if not return_weights:
         return "none"
-    if model is not None or cfg.strategy != "ddp":  # a sharded module cannot travel whole: the kernel builds one
+    if model is not None or not is_replicated(cfg.strategy):  # a sharded module cannot travel whole: the kernel builds one
         return "state_dict"
     return "module"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from nbddp.debugging.prompt import attend
 
@@ -41,11 +41,13 @@ def is_interrupt(exc: BaseException) -> bool:
     return signal_exc is not None and isinstance(exc, signal_exc) and getattr(exc, "sigval", None) == signal.SIGINT
 
 
-def wait_interruptibly(work: Stoppable, timeout: float | None = None, tick_s: float = 0.1) -> bool:
+def wait_interruptibly(work: Stoppable, timeout: float | None = None, tick_s: float = 0.1,
+                       on_first_interrupt: Callable[[], None] | None = None) -> bool:
     """Wait for ``work``; True when it ended, False when ``timeout`` passed first.
 
-    The first interrupt calls ``work.request_stop()`` and goes on waiting;
-    the second calls ``work.hard_stop()``.
+    The first interrupt calls ``on_first_interrupt()`` (default:
+    ``work.request_stop()``) and goes on waiting; the second calls
+    ``work.hard_stop()``.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     interrupts = 0
@@ -61,6 +63,6 @@ def wait_interruptibly(work: Stoppable, timeout: float | None = None, tick_s: fl
                 raise
             interrupts += 1
             if interrupts == 1:
-                work.request_stop()
+                (on_first_interrupt or work.request_stop)()
             else:
                 work.hard_stop("a second interrupt")

@@ -17,11 +17,9 @@ def _points(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 def compare_figure(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], metric: str = "loss",
                    title: str = "", figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
     """One line per run (label, steps, validations): the training ``metric`` solid, ``val_<metric>`` dashed."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from nbddp.live.plot import shown_figure
 
-    fig = Figure(figsize=figsize, dpi=100)
-    FigureCanvasAgg(fig)
+    fig = shown_figure(figsize)  # shows as an image in a plain Jupyter kernel
     ax = fig.add_subplot(1, 1, 1)
     for i, (label, steps, validations) in enumerate(runs):
         color = f"C{i % 10}"

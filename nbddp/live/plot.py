@@ -9,6 +9,7 @@ and the first figure of a process ~0.5 s with the matplotlib import).
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 from typing import Any
@@ -30,14 +31,40 @@ def _style(ax: Any) -> None:
     ax.grid(alpha=0.3)
 
 
-def loss_figure(steps: list[dict[str, Any]], validations: list[dict[str, Any]], title: str = "",
-                figsize: tuple[float, float] = (6.0, 3.6)) -> Any:
+def shown_figure(figsize: tuple[float, float], dpi: int = 100) -> Any:
+    """A ``Figure`` (Agg canvas, no pyplot) that a plain Jupyter kernel displays as an image.
+
+    IPython shows a figure as a PNG only when matplotlib's inline backend
+    registered a formatter for it, which happens once pyplot is imported; a
+    figure made without pyplot showed as ``<Figure size 600x360 with 1 Axes>``.
+    A ``_repr_png_`` needs no backend (and where the formatter exists, it wins:
+    one image either way).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = _shown_figure_class()(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+@functools.lru_cache(maxsize=1)
+def _shown_figure_class() -> type:
+    """Made on first use: importing matplotlib costs ~0.5 s, and importing nbddp must stay instant."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=figsize, dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    class ShownFigure(Figure):
+        def _repr_png_(self) -> bytes:
+            return figure_png(self)
+
+    return ShownFigure
+
+
+def loss_figure(steps: list[dict[str, Any]], validations: list[dict[str, Any]], title: str = "",
+                figsize: tuple[float, float] = (6.0, 3.6), ax: Any = None) -> Any:
+    """The loss curves on a new figure (returned), or on ``ax`` (returned, as pandas' ``plot(ax=...)`` does)."""
+    given = ax is not None
+    fig = ax.figure if given else shown_figure(figsize)
+    ax = ax if given else fig.add_subplot(1, 1, 1)
     if steps:
         ax.plot(*_thin(steps, "loss"), label="train loss", color="#1f77b4", lw=1.4)
     if validations:
@@ -48,6 +75,8 @@ def loss_figure(steps: list[dict[str, Any]], validations: list[dict[str, Any]], 
         ax.set_title(title, fontsize=10)
     if steps or validations:
         ax.legend(loc="upper right", fontsize=8)
+    if given:
+        return ax
     fig.tight_layout()
     return fig
 

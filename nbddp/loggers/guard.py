@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 from typing import Any, Callable
 
 from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger
+from nbddp.protocol.notices import notify, report
 
 RUNS_FILE = "nbddp-runs.json"  # in checkpoint_dir: the run each logger wrote, for a resumed fit to continue
 
@@ -51,9 +51,8 @@ class Guarded:
         self.failed_at = step
         self.traceback = "".join(traceback.format_exception(exc))
         at = f" at step {step}" if step is not None else ""
-        sys.stderr.write(f"nbddp: logger {self.key} failed in {what}{at}; it gets no more records this fit, and "
-                         f"training goes on.\n{self.traceback}")
-        sys.stderr.flush()
+        report(f"nbddp: logger {self.key} failed in {what}{at}; it gets no more records this fit, and training goes on",
+               self.traceback)
 
     def row(self) -> dict[str, Any]:
         return {"logger": self.key, "where": self.call("where", self.logger.where) if self.error is None else "",
@@ -110,8 +109,8 @@ class LoggerSet:
             if self.started:
                 g.call("finish", g.logger.finish, status, step=step)
             if g.missed:
-                sys.stderr.write(f"nbddp: logger {g.key} missed {g.missed} of {g.logged + g.missed} records "
-                                 f"(it failed at step {g.failed_at}: {g.error}); the fit itself went on.\n")
+                notify(f"nbddp: logger {g.key} missed {g.missed} of {g.logged + g.missed} records "
+                       f"(it failed at step {g.failed_at}: {g.error}); the fit itself went on")
         return [g.row() for g in self.guards]
 
 
@@ -131,7 +130,7 @@ def read_runs(path: str | None) -> dict[str, Any]:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
-        sys.stderr.write(f"nbddp: cannot read {path} ({exc}); the loggers start new runs.\n")
+        notify(f"nbddp: cannot read {path} ({exc}); the loggers start new runs")
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -148,5 +147,4 @@ def write_runs(path: str | None, run_name: str, states: dict[str, Any]) -> None:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError) as exc:
-        sys.stderr.write(f"nbddp: cannot note the loggers' runs in {path} ({exc}); a resumed fit will start new "
-                         "runs.\n")
+        notify(f"nbddp: cannot note the loggers' runs in {path} ({exc}); a resumed fit will start new runs")

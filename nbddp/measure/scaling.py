@@ -57,11 +57,9 @@ class ScalingReport:
 
     def plot(self, figsize: tuple[float, float] = (5.0, 3.4)) -> Any:
         """A matplotlib ``Figure``: samples/s against workers, with the ideal (linear) line."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from nbddp.live.plot import shown_figure
 
-        fig = Figure(figsize=figsize, dpi=100)
-        FigureCanvasAgg(fig)
+        fig = shown_figure(figsize)  # shows as an image in a plain Jupyter kernel
         ax = fig.add_subplot(1, 1, 1)
         ks = [r["world_size"] for r in self.rows]
         sps = [r["samples_per_s"] for r in self.rows]

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from nbddp.protocol.errors import RankFailure, WorkerStalled
 from nbddp.protocol.messages import Beat, innermost_frames, published
+from nbddp.protocol.notices import notify
 
 MIN_STALL_S = 10.0
 STEP_FACTOR = 10.0
@@ -158,7 +159,7 @@ class StallGuard:
                  notify: Callable[[str], None] | None = None):
         self.session, self.tasks, self.fit = session, tasks, fit
         self.stall_timeout = stall_timeout
-        self.notify = notify or _print
+        self.notify = notify or notify_person
         self.watch = StallWatch(list(tasks.ars))
         self.stalled: list[dict[str, Any]] = []
         self.stop_at: float | None = None  # when a stop was requested (kernel clock)
@@ -252,5 +253,6 @@ class StallGuard:
         return stacks
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)
+def notify_person(text: str) -> None:
+    """A stall's hint, or how a stop ended, as an ``NbddpWarning`` (filterable; shown once per text)."""
+    notify(text)

@@ -81,10 +81,31 @@ class DataSpec:
 
     def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
                  collate_fn: Callable | None = None, key: str | None = None, stream: bool = False,
-                 prebatched: bool = False):
+                 prebatched: bool = False, loader: dict[str, Any] | None = None, sampler: Any = None):
         self.dataset = dataset
         self.factory = factory
         self.collate_fn = collate_fn
         self.key = key  # cache key: the same key means the same data
         self.stream = stream  # an IterableDataset (a factory's data is told apart on the worker)
         self.prebatched = prebatched  # a DataLoader(batch_size=None) over a stream that yields whole batches
+        self.loader = loader  # a person's DataLoader's settings (loader_settings), kept on the workers
+        self.sampler = sampler  # that DataLoader's own sampler (not Random/Sequential): shared out per rank
+
+
+def loader_settings(loader: Any) -> tuple[dict[str, Any], Any]:
+    """``(settings, sampler)`` of a person's map-style ``DataLoader``: what the workers' loaders keep.
+
+    Lightning and accelerate keep every setting of a loader and swap only its
+    sampler for a distributed one, so nbddp does too: ``shuffle`` is read
+    from the sampler (a ``RandomSampler`` shuffles, a ``SequentialSampler``
+    keeps the order), and any other sampler is returned to be shared out per
+    rank (``worker/data/datasets.py``, ``RankShareSampler``).
+    """
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    sampler = loader.sampler
+    settings = {"batch_size": loader.batch_size, "shuffle": isinstance(sampler, RandomSampler),
+                "num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "drop_last": loader.drop_last,
+                "worker_init_fn": loader.worker_init_fn, "generator": loader.generator, "timeout": loader.timeout,
+                "prefetch_factor": loader.prefetch_factor}
+    return settings, None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler

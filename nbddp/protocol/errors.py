@@ -9,6 +9,7 @@ uninteresting kernel-side traceback).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nbddp.protocol.messages import innermost_frames
 
@@ -46,6 +47,22 @@ class SlurmError(ClusterError):
         super().__init__(message)
         self.job_id = job_id
         self.state = state
+
+
+class FitInterrupted(KeyboardInterrupt):
+    """Kernel > Interrupt stopped a blocking ``dist_fit``; raised after the clean stop, so that Run All stops.
+
+    Every rank stopped at the same step and the model holds that step's
+    weights, as before; the cell does not go on as if the fit had finished
+    (Keras and HF re-raise too). ``history`` is the fit's ``History``, also
+    ``nbddp.last_history()``.
+    """
+
+    def __init__(self, history: Any):
+        step = history.steps[-1]["step"] if history.steps else 0
+        super().__init__(f"dist_fit was interrupted (Kernel > Interrupt): every rank stopped at step {step} and the "
+                         "model holds that step's weights; the History is e.history (and nbddp.last_history())")
+        self.history = history
 
 
 class ShippingError(NbddpError, TypeError):

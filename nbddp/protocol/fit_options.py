@@ -21,6 +21,7 @@ from typing import Any
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
 SCHEDULER_INTERVALS = ("step", "epoch")
+ON_NAN = ("raise", "stop", "skip")
 DEFAULT_LR = 1e-3
 
 
@@ -43,7 +44,9 @@ class FitConfig:
     resume: bool | str = False
     log_every: int = 20
     val_every: int | None = None
-    scheduler_interval: str = "step"
+    scheduler_interval: str | None = None  # None: the scheduler's kind decides (worker/training/schedules.py)
+    scheduler_frequency: int = 1  # step the scheduler every k-th interval (a Lightning dict's "frequency")
+    scheduler_monitor: str | None = None  # ReduceLROnPlateau's value (default: val_loss, else loss)
     strategy: Any = "ddp"  # "ddp", an nbddp.FSDP, nbddp.Pipeline or nbddp.TensorParallel settings object
     mesh: dict[str, int] | None = None  # {"dp": 2, "pp": 2}: completed for the world size by preflight (topologies)
     activation_checkpointing: Any = False  # False, True (every unit) or a frozenset of module class names
@@ -51,6 +54,7 @@ class FitConfig:
     num_workers: int | None = None
     pin_memory: bool | None = None
     prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
+    on_nan: str = "raise"  # a NaN/inf loss: "raise", "stop" (last good weights) or "skip" (drop that update)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
 
@@ -84,6 +88,9 @@ class BestSpec:
     monitor: str = "val_loss"
     mode: str = "min"
     min_delta: float = 0.0
+    patience: int = 0  # EarlyStopping's: checks without improvement before the workers stop (0: never)
+    baseline: float | None = None  # Keras's: the value to beat from the first check on
+    check_finite: bool = False  # Lightning's: a NaN or inf value stops at once
 
     @property
     def kind(self) -> str:
@@ -99,3 +106,31 @@ class BestSpec:
         if self.mode == "min":
             return value < best - self.min_delta
         return value > best + self.min_delta
+
+
+class Patience:
+    """One ``EarlyStopping``'s count of checks without improvement, the same rule in the kernel and on the workers.
+
+    The workers decide the stop with it (``worker/training/early_stop.py``);
+    the kernel's callback keeps the same count from the records it receives
+    (``History.best``), so both name the same best check and the same stop.
+    """
+
+    def __init__(self, spec: BestSpec):
+        self.spec = spec
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0
+
+    def after_check(self, value: float, step: int) -> str | None:
+        """The stop reason when this check ends the patience (or is not finite, with ``check_finite``), else None."""
+        if self.spec.check_finite and not math.isfinite(value):
+            return f"EarlyStopping: {self.spec.monitor} is {value} at step {step} (check_finite=True)"
+        if self.spec.improved(value, self.best if self.best is not None else self.spec.baseline):
+            self.best, self.best_step, self.wait = value, step, 0
+            return None
+        self.wait += 1
+        if self.wait < self.spec.patience:
+            return None
+        best = f"{self.best:.6g} at step {self.best_step}" if self.best is not None else f"baseline {self.spec.baseline}"
+        return f"EarlyStopping: {self.spec.monitor} did not improve for {self.wait} checks (best {best})"

@@ -63,6 +63,7 @@ class FitLaunch:
     resident: tuple[str, ...] = ()  # dataset keys the kernel believes the workers hold
     keep: str | None = None  # bind the trained module to this name in every rank's %%ddp namespace
     best: Any = None  # improvement.BestSpec: keep the best check's weights and end with them (restore_best)
+    stoppers: tuple[Any, ...] = ()  # every EarlyStopping's BestSpec (with patience): the workers decide the stop
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class FitPlanInfo:
     batch_size: int
     model_class: str = ""  # the person's module, as ``module.QualName``
     params: int = 0  # its parameter count (whole model, also when sharded)
+    notices: tuple[str, ...] = ()  # one-line notices for the person, raised as NbddpWarning in the kernel
 
 
 @dataclass
@@ -121,6 +123,8 @@ class FitResult:
     weights: Any = None  # shipping.Parcel, or None
     restored: dict[str, Any] | None = None  # restore_best: the step and value whose weights these are
     plan: FitPlanInfo | None = None  # rank 0: the plan it published (which may arrive after the result does)
+    stop_reason: str | None = None  # the workers stopped training early, and why (on_nan="stop")
+    notices: list[str] = field(default_factory=list)  # one-line notices for the person, raised in the kernel
 
 
 @dataclass(frozen=True)

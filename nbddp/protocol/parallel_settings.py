@@ -27,6 +27,12 @@ def _dp(value: Any, where: str) -> Any:
     """What runs over the ``dp`` dimension: ``"ddp"`` or an ``FSDP`` (``"fsdp"`` is ``FSDP()``)."""
     if value == "ddp" or isinstance(value, FSDP):
         return value
+    if isinstance(value, DDP):
+        if value == DDP():
+            return "ddp"
+        raise ValueError(f"{where}(dp={value!r}): a model-parallel group averages its replicas' gradients itself, "
+                         "without torch's DistributedDataParallel, so DDP's settings would be ignored there; use "
+                         "dp='ddp'")
     if value == "fsdp":
         return FSDP()
     raise ValueError(f"{where}(dp=...) says what runs over the data-parallel dimension: 'ddp', 'fsdp' or an "
@@ -228,6 +234,62 @@ def describe(strategy: Any, mesh: dict[str, int] | None, world: int) -> str:
 STRATEGIES = ("ddp", "fsdp")
 
 
+@dataclass(frozen=True)
+class DDP:
+    """Replicated training with torch's ``DistributedDataParallel``, and its own settings.
+
+    ``strategy="ddp"`` is ``nbddp.DDP()``. The settings are torch's, passed on
+    unchanged (see ``torch.nn.parallel.DistributedDataParallel``), because
+    models need them: many Hugging Face models leave some parameters unused
+    in a step and need ``find_unused_parameters=True``.
+
+    Args:
+        find_unused_parameters: find, after each forward, the parameters that
+            got no gradient (costs a graph walk per step).
+        static_graph: the set of used parameters never changes between steps
+            (lets DDP skip that walk, and allows reentrant activation checkpointing).
+        gradient_as_bucket_view: gradients are views into DDP's buckets (one
+            copy of the gradients less).
+        broadcast_buffers: send rank 0's buffers (BatchNorm statistics) to
+            every rank before each forward; ``False`` lets each rank keep its own.
+        bucket_cap_mb: size of a gradient bucket in MiB (``None``: torch's 25).
+    """
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    broadcast_buffers: bool = True
+    bucket_cap_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        for setting in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"):
+            value = getattr(self, setting)
+            if not isinstance(value, bool):
+                raise TypeError(f"nbddp.DDP({setting}=...) must be True or False, got {type(value).__name__} {value!r}")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"nbddp.DDP(bucket_cap_mb=...) is the size of a gradient bucket in MiB: a number > 0, or "
+                             f"None for torch's default (25); got {cap!r}")
+
+    name = property(lambda self: "ddp")
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``DistributedDataParallel`` (only those that differ from torch's defaults)."""
+        kwargs: dict[str, Any] = {"find_unused_parameters": self.find_unused_parameters,
+                                  "static_graph": self.static_graph,
+                                  "gradient_as_bucket_view": self.gradient_as_bucket_view}
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        if not self.broadcast_buffers:  # torch 2.13 names it forward_sync_buffers (broadcast_buffers is deprecated)
+            kwargs["forward_sync_buffers"] = False
+        return kwargs
+
+
+def is_replicated(strategy: Any) -> bool:
+    """Whether ``strategy`` is plain data parallelism with DDP: ``"ddp"`` or an ``nbddp.DDP(...)``."""
+    return strategy == "ddp" or isinstance(strategy, DDP)
+
+
 def class_name(cls: Any) -> str:
     """How a module class is named across the kernel and the workers (notebook classes travel by value)."""
     if isinstance(cls, str):
@@ -301,15 +363,15 @@ def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[s
 
 
 def resolve_strategy(value: Any) -> Any:
-    """``"ddp"``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting (``nbddp.protocol.parallel_settings``)."""
-    if isinstance(value, FSDP) or getattr(value, "mp_dim", None) in ("pp", "tp"):
+    """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting."""
+    if isinstance(value, (FSDP, DDP)) or getattr(value, "mp_dim", None) in ("pp", "tp"):
         return value
     if value == "fsdp":
         return FSDP()
     if value == "ddp":
         return "ddp"
-    raise ValueError(f"dist_fit(strategy=...) must be one of {STRATEGIES} or an nbddp.FSDP(...), nbddp.Pipeline(...) "
-                     f"or nbddp.TensorParallel(...), got {value!r}")
+    raise ValueError(f"dist_fit(strategy=...) must be one of {STRATEGIES} or an nbddp.FSDP(...), nbddp.DDP(...), "
+                     f"nbddp.Pipeline(...) or nbddp.TensorParallel(...), got {value!r}")
 
 
 def within(cfg: Any, k: int) -> Any:

@@ -12,6 +12,7 @@ with the number of another.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import time
@@ -95,9 +96,13 @@ class GroupFormer:
         # engines of an attached cluster must outlive this kernel: only our own engines watch it
         kernel_pid = os.getpid() if self.workers.owned else 0
         client = self.workers.client
-        ars = {eid: client[eid].apply_async(probe, eid, host, self.token_path, self.token, kernel_pid, self.file_prefix)
-               for eid in self.workers.ids}
-        probes = [ar.get(timeout=PROBE_TIMEOUT_S) for ar in ars.values()]
+        try:
+            ars = {eid: client[eid].apply_async(probe, eid, host, self.token_path, self.token, kernel_pid,
+                                                self.file_prefix) for eid in self.workers.ids}
+            probes = [ar.get(timeout=PROBE_TIMEOUT_S) for ar in ars.values()]
+        finally:  # read only while probing: a kernel killed later leaves no token file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.token_path)
         self.workers.pids.update({p.engine_id: p.pid for p in probes})
         return probes
 
@@ -141,6 +146,8 @@ class GroupFormer:
         single_host = len({p.host for p in placements}) == 1 and all(p.local for p in placements)
         if single_host:
             path = os.path.join(shm_dir(), f"{self.file_prefix}-pg-{generation}")
+            # torch's FileStore creates its file with the umask's mode (0644): made first, owner-only, it keeps 0600
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
             ifname = options.interface or "lo"
             return f"file://{path}", "127.0.0.1", free_port("127.0.0.1"), {p.rank: ifname for p in placements}
         master = topology.master_address(placements)

@@ -42,6 +42,7 @@ class Session:
         self.options: StartOptions | None = None
         self.stopped_explicitly = False
         self.running: Any = None  # the FitRun, cell or call that holds the workers now
+        self.last_history: Any = None  # the last fit's History (nbddp.last_history()), interrupted ones too
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.supervisor = Supervisor(self)

@@ -32,7 +32,9 @@ class BufferPool:
     Copying into a fresh ``/dev/shm`` file faults in every page (about
     2 GB/s here); rewriting pages that are already resident runs at memory
     speed. So the files of large transfers (the model and data of each fit,
-    the weights coming back) are kept and rewritten. Files are named with
+    in the kernel) are kept and rewritten. The weights coming back are not
+    pooled: a pooled file kept the model's size resident on rank 0 between
+    fits. Files are named with
     ``prefix`` so whoever owns the session can remove every one of them,
     even those of a worker that was killed.
     """

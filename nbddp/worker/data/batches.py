@@ -59,6 +59,27 @@ def default_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target.to(output.dtype).reshape(output.shape))
 
 
+def refuse_binary_float_targets(batch: Any) -> None:
+    """Float targets that hold only 0 and 1 are labels: MSE on them trains, but not what was meant.
+
+    Checked on a fit's first batch when no ``loss_fn`` or ``step_fn`` was
+    given (one look, not a host sync per step). Keras and Lightning make the
+    person name the loss; here the default would have been MSE, silently.
+    """
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        return
+    target = batch[-1]
+    if not isinstance(target, torch.Tensor) or not target.dtype.is_floating_point or target.numel() == 0:
+        return
+    if bool(((target == 0) | (target == 1)).all()):
+        raise BatchError(
+            f"the targets are float {tuple(target.shape)} and hold only 0 and 1: labels, not values to regress, so "
+            "nbddp will not guess MSE for them. Name the loss: loss_fn=torch.nn.functional."
+            "binary_cross_entropy_with_logits for binary labels (the model returns logits), or "
+            "loss_fn=torch.nn.functional.mse_loss if MSE is what you mean"
+        )
+
+
 def loss_from_output(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output

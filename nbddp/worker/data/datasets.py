@@ -102,6 +102,42 @@ class StridedSampler(Sampler):
         return len(self.indices)
 
 
+class RankShareSampler(Sampler):
+    """A person's own sampler, shared out per rank as ``DistributedSampler`` shares out a dataset.
+
+    Each epoch every rank draws the sampler's whole sequence of indices from
+    the same seed (``seed + epoch``, so a ``WeightedRandomSampler`` draws
+    alike everywhere), pads it to a multiple of ``world`` with its first
+    indices (or drops the tail with ``drop_last``), and keeps every
+    ``world``-th from ``rank``: the ranks read disjoint parts of one draw.
+    """
+
+    def __init__(self, inner: Sampler, rank: int, world: int, seed: int = 0, drop_last: bool = False):
+        self.inner, self.rank, self.world, self.seed, self.drop_last = inner, rank, world, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.inner, "set_epoch"):
+            self.inner.set_epoch(epoch)
+
+    def _total(self) -> int:
+        n = len(self.inner)
+        return n - n % self.world if self.drop_last else -(-n // self.world) * self.world
+
+    def __iter__(self) -> Iterator[int]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + self.epoch)
+            indices = list(self.inner)
+        total = self._total()
+        while 0 < len(indices) < total:
+            indices += indices[: total - len(indices)]
+        return iter(indices[:total][self.rank::self.world])
+
+    def __len__(self) -> int:
+        return self._total() // self.world
+
+
 def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: bool | None) -> dict[str, Any]:
     """DataLoader settings that suit the device, unless the person chose: worker processes on GPU, pinned memory."""
     on_gpu = device.type == "cuda"
@@ -111,8 +147,21 @@ def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: boo
 
 
 def _loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
-    ds, collate_fn = loaders.by_value(ds, collate_fn, kwargs.get("multiprocessing_context"))
-    return loaders.loader(ds, collate_fn=collate_fn, **kwargs, **more)
+    options = {**kwargs, **more}
+    method = options.get("multiprocessing_context")
+    ds, collate_fn = loaders.by_value(ds, collate_fn, method)
+    if options.get("worker_init_fn") is not None and method not in (None, "fork"):
+        options["worker_init_fn"] = loaders.CallByValue(options["worker_init_fn"])  # a notebook function, by value
+    return loaders.loader(ds, collate_fn=collate_fn, **options)
+
+
+def kept_settings(spec: DataSpec, num_workers: int) -> dict[str, Any]:
+    """What a person's DataLoader set that nbddp's loader keeps as it was (beyond batch size, order, workers)."""
+    own = spec.loader or {}
+    kept = {k: own[k] for k in ("worker_init_fn", "generator", "timeout") if own.get(k) is not None}
+    if num_workers > 0 and own.get("prefetch_factor") is not None:
+        kept["prefetch_factor"] = own["prefetch_factor"]
+    return kept
 
 
 def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device,
@@ -122,15 +171,25 @@ def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, d
     ``rank``/``world``: this rank's shard of the data (ranks that hold one model
     between them share one). ``whole_batches``: drop a partial last batch.
     """
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=cfg.shuffle, seed=cfg.seed, drop_last=cfg.drop_last)
+    if spec.sampler is not None:
+        sampler: Any = RankShareSampler(spec.sampler, rank, world, cfg.seed, cfg.drop_last)
+    else:
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=cfg.shuffle, seed=cfg.seed,
+                                     drop_last=cfg.drop_last)
     kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
+    kwargs.update(kept_settings(spec, kwargs["num_workers"]))
+    drop_last = whole_batches or bool((spec.loader or {}).get("drop_last"))
 
     def make(s: Sampler) -> DataLoader:
-        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=whole_batches)
+        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=drop_last)
 
     return make(sampler), sampler, make
 
 
 def val_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device) -> DataLoader:
-    return _loader(ds, loader_kwargs(device, cfg.num_workers, cfg.pin_memory), spec.collate_fn,
-                   batch_size=cfg.batch_size, sampler=StridedSampler(len(ds), rank, world))
+    """Every sample once, no padding; a validation DataLoader's own batch size and settings kept."""
+    own = spec.loader or {}
+    kwargs = loader_kwargs(device, own.get("num_workers", cfg.num_workers), own.get("pin_memory", cfg.pin_memory))
+    kwargs.update(kept_settings(spec, kwargs["num_workers"]))
+    return _loader(ds, kwargs, spec.collate_fn, batch_size=own.get("batch_size") or cfg.batch_size,
+                   sampler=StridedSampler(len(ds), rank, world))

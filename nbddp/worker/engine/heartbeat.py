@@ -139,7 +139,10 @@ def enable_stack_dumps(path: str) -> None:
     old = STATE.stack_file
     if old is not None and not old.closed and old.name == path and os.path.exists(path):
         return
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - faulthandler keeps the descriptor: the file must stay open
+    # owner-only: the stacks name the person's files and functions. fchmod too, for a file an older run made 0644
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    f = os.fdopen(fd, "a", buffering=1)  # faulthandler keeps the descriptor: the file must stay open
     f.write(f"{MAIN_THREAD_HEADER} {threading.main_thread().ident:#x} {os.getpid()}\n")
     faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
     STATE.stack_file = f

@@ -27,7 +27,6 @@ class WorkerState:
     dataset_cache: dict[str, Any] = field(default_factory=dict)
     watchdog: threading.Thread | None = None
     file_prefix: str = ""  # names of this worker's shared-memory files (set by the kernel's session)
-    return_pool: Any = None  # shipping.BufferPool for the trained weights sent back each fit
     master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
     stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (worker.monitor)
     debug_address: tuple[str, int, str] | None = None  # the kernel's debugger: host, port, token (worker.debugger)

@@ -11,13 +11,13 @@ from nbddp.worker.strategies.ddp import DDPStrategy
 
 
 def make_strategy(spec: Any, device: torch.device, precision: str = "32-true", mesh: dict[str, int] | None = None) -> Strategy:
-    """``"ddp"``, an ``nbddp.FSDP``, or a model-parallel setting with its mesh (checked in the kernel already)."""
-    if spec == "ddp":
-        return DDPStrategy(device)
+    """``"ddp"`` or an ``nbddp.DDP``, an ``nbddp.FSDP``, or a model-parallel setting with its mesh (checked in the kernel already)."""
+    from nbddp.protocol.parallel_settings import DDP, FSDP, Pipeline, TensorParallel
+
+    if spec == "ddp" or isinstance(spec, DDP):
+        return DDPStrategy(device, spec if isinstance(spec, DDP) else DDP())
     if isinstance(spec, str) or spec is None:
         raise ValueError(f"unknown strategy {spec!r}")
-    from nbddp.protocol.parallel_settings import FSDP
-    from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
 
     if isinstance(spec, FSDP):
         from nbddp.worker.strategies.fsdp import FSDPStrategy

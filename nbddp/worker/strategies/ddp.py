@@ -16,12 +16,17 @@ from nbddp.worker.strategies.base import Strategy
 class DDPStrategy(Strategy):
     name = "ddp"
 
+    def __init__(self, device: torch.device, settings: Any) -> None:
+        super().__init__(device)
+        self.settings = settings  # an nbddp.DDP: torch's own DDP settings, as the person gave them
+
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
         # Every rank loaded the same shipped weights (or the same checkpoint): DDP's initial broadcast of
         # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since
         # its construction may draw on randomness nbddp does not control.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical, process_group=self.group)
+        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical, process_group=self.group,
+                           **self.settings.torch_kwargs())
         self.module = self.wrapped.module
         return self.wrapped
 

@@ -94,12 +94,7 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     STATE.master = master
     STATE.dataset_cache.clear()  # the kernel starts each generation with nothing resident
     if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
-        from nbddp.shipping.shm_files import BufferPool
-
-        if STATE.return_pool is not None:
-            STATE.return_pool.close()
         STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
-        STATE.return_pool = BufferPool(prefix=f"{STATE.file_prefix}-r", keep=1)
     if STATE.file_prefix:  # SIGUSR1 -> every thread's stack, for nbddp.stacks(); removed with the session's files
         from nbddp.shipping.shm_files import shm_dir
         from nbddp.worker.engine.heartbeat import enable_stack_dumps

@@ -35,7 +35,9 @@ class TrainState:
     step_fn: Callable | None = None
     metrics: dict[str, Callable] = field(default_factory=dict)
     optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any = None
+    scheduler: Any = None  # the person's LR scheduler (its state goes into checkpoints)
+    schedule: Any = None  # schedules.Schedule: when that scheduler steps
+    notices: list[str] = field(default_factory=list)  # one-line notices for the person (rank 0's reach the kernel)
     scaler: Any = None
     autocast: Callable[[], Any] = contextlib.nullcontext
     # where training stands
@@ -51,6 +53,12 @@ class TrainState:
     best: Any = None  # worker.best.BestWeights when the kernel asked to end with the best check's weights
     lr: float = 0.0  # the learning rate of the last optimizer step
     stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
+    targets_checked: bool = False  # the first batch's targets were looked at (batches.refuse_binary_float_targets)
+    nan_seen: bool = False  # this rank saw a NaN/inf loss in the current optimizer step (on_nan="stop"/"skip")
+    nan_skipped: int = 0  # optimizer steps dropped for a NaN loss (on_nan="skip")
+    nan_first: int = 0  # the first of them
+    stoppers: list[Any] = field(default_factory=list)  # early_stop.Patience, one per EarlyStopping
+    stop_reason: str | None = None  # why training stopped early, when the workers decided it (History.stop_reason)
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
 
     @property

@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
-from nbddp.protocol.fit_options import FitConfig
+from nbddp.protocol.fit_options import FitConfig, Patience
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
-from nbddp.worker.training import setup
+from nbddp.worker.training import early_stop, nan_policy, setup
 from nbddp.worker.data import streams
 from nbddp.worker.data.batch_agreement import PeerFailed
-from nbddp.worker.data.batches import move
+from nbddp.worker.data.batches import move, refuse_binary_float_targets
 from nbddp.worker.training.best_weights import BestWeights
 from nbddp.worker.data.datasets import SkipSampler
 from nbddp.worker.data.prefetch import prefetch
@@ -87,8 +87,9 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
-                       model_class=model_class, params=params)
+                       model_class=model_class, params=params, notices=tuple(ts.notices))
     ts.best = BestWeights(launch.best) if launch.best is not None else None
+    ts.stoppers = [Patience(spec) for spec in launch.stoppers]
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
                            counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
     if ts.restored is not None:
@@ -109,7 +110,7 @@ def train(ts: TrainState) -> None:
     # while any task runs (worker/memory/release.py): collections during training walk what the fit allocated
     stopped = ts.step >= ts.total_steps
     while ts.epoch < ts.cfg.epochs and not stopped:
-        stopped = run_epoch(ts)
+        stopped = run_epoch(ts) or ts.stop_reason is not None  # an EarlyStopping ran out at the epoch's checks
 
 
 def epoch_batches(ts: TrainState) -> tuple[int, Iterator[Any]]:
@@ -148,7 +149,11 @@ def run_epoch(ts: TrainState) -> bool:
         bi += 1
         if not train_micro_batch(ts, bi, batch):
             continue  # inside an accumulation window
-        optimizer_step(ts)
+        if optimizer_step(ts):  # a NaN loss under on_nan="stop": the good steps since the last record, recorded
+            if rep.steps_since:
+                rep.sync(ts.step, ts.epoch, ts.lr, False, peak_memory(ts.device))
+            stopped = True
+            break
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
         # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
@@ -158,7 +163,7 @@ def run_epoch(ts: TrainState) -> bool:
                 stopped, ts.status = True, "interrupted"
         if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
             validate(ts)
-        if stopped or ts.step >= ts.total_steps:
+        if stopped or ts.step >= ts.total_steps or ts.stop_reason is not None:  # (a val_every check's EarlyStopping)
             stopped = True
             break
         if ckpt_due and not end_of_epoch:
@@ -177,17 +182,34 @@ def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:
     window = min(accum, ts.batches_per_epoch - window_start)
     last_micro = bi - window_start == window - 1
     BEAT.mark("forward")
+    if not ts.targets_checked:  # once per fit: the default loss must not be MSE on binary labels
+        ts.targets_checked = True
+        if ts.loss_fn is None and ts.step_fn is None:
+            refuse_binary_float_targets(batch)
     batch = move(batch, ts.device, ts.non_blocking)
     with ts.strategy.gradient_sync(last_micro):
         loss, n, extras = ts.strategy.train_micro_batch(ts, batch, window)
-    ts.reporter.add(loss, n, extras)
+    if not nan_policy.loss_is_bad(ts, loss):  # under on_nan="stop"/"skip" a NaN loss stays out of the records
+        ts.reporter.add(loss, n, extras)
     return last_micro
 
 
-def optimizer_step(ts: TrainState) -> None:
-    """Clip, step (through the scaler under 16-mixed), zero the gradients, step a per-step scheduler."""
+def optimizer_step(ts: TrainState) -> bool:
+    """Clip, step (through the scaler under 16-mixed), zero the gradients, step a per-step scheduler.
+
+    Returns whether training stops here (a NaN loss under ``on_nan="stop"``: the update is not applied).
+    """
     BEAT.mark("optimizer")
     opt, scaler = ts.optimizer, ts.scaler
+    verdict = nan_policy.agree_on_step(ts)
+    if verdict != "ok":  # every rank drops the same NaN update
+        opt.zero_grad(set_to_none=True)
+        if verdict == "stop":
+            return True
+        ts.step += 1
+        ts.reporter.steps_since += 1
+        BEAT.step_done(ts.step)
+        return False
     if ts.cfg.clip_grad_norm is not None:
         if scaler is not None:
             scaler.unscale_(opt)
@@ -199,11 +221,12 @@ def optimizer_step(ts: TrainState) -> None:
         opt.step()
     opt.zero_grad(set_to_none=True)
     ts.lr = opt.param_groups[0]["lr"]
-    if ts.scheduler is not None and ts.cfg.scheduler_interval == "step":
-        ts.scheduler.step()
     ts.step += 1
+    if ts.schedule is not None:
+        ts.schedule.after_optimizer_step(ts.step)
     ts.reporter.steps_since += 1
     BEAT.step_done(ts.step)
+    return False
 
 
 def end_epoch(ts: TrainState) -> None:
@@ -216,9 +239,10 @@ def end_epoch(ts: TrainState) -> None:
     rep.record("epoch", record)
     if ts.best is not None:
         ts.best.consider(ts, "epoch", record)
+    early_stop.after_check(ts, "epoch", record)
     ts.epoch += 1
-    if ts.scheduler is not None and ts.cfg.scheduler_interval == "epoch":
-        ts.scheduler.step()
+    if ts.schedule is not None:
+        ts.schedule.after_epoch(ts.epoch, record)
     if ts.cfg.checkpoint_dir:  # with checkpoint_dir alone, a checkpoint is written at every epoch end
         save_checkpoint(ts, 0)
 
@@ -252,7 +276,8 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     rep.status = ts.status
     rep.publish(force=True)
     timings["publish_s"] = rep.publish_s
-    result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings)
+    result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings, stop_reason=ts.stop_reason,
+                       notices=nan_policy.notices(ts))
     if ts.best is not None:  # every rank: putting the best weights back may be collective
         result.restored = ts.best.restore(ts)
     if launch.returns != "none":

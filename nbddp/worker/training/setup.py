@@ -32,6 +32,7 @@ from nbddp.worker.strategies.precision import precision_tools
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.strategies import make_strategy
 from nbddp.worker.training.fit_state import TrainState
+from nbddp.worker.training.schedules import Schedule, choose_interval
 
 
 def seed_everything(seed: int) -> None:
@@ -156,6 +157,10 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
     if ts.strategy.heap_steady_state:
         memory.steady_after_first_step(ts.optimizer)
     ts.scheduler = parts["scheduler"](ts.optimizer) if parts.get("scheduler") else None
+    if ts.scheduler is not None:
+        interval, notice = choose_interval(ts.scheduler, ts.cfg.scheduler_interval)
+        ts.schedule = Schedule(ts.scheduler, interval, ts.cfg.scheduler_frequency, ts.cfg.scheduler_monitor)
+        ts.notices += [notice] if notice else []
     if resume_path:
         restore(ts, resume_path)
 

@@ -19,6 +19,7 @@ from nbddp.protocol.data_forms import is_stream
 from nbddp.worker.data import streams
 from nbddp.worker.data.batches import move
 from nbddp.worker.engine.heartbeat import BEAT
+from nbddp.worker.training import early_stop
 from nbddp.worker.training.fit_state import TrainState
 
 
@@ -102,5 +103,6 @@ def validate(ts: TrainState) -> dict[str, Any]:
     ts.strategy.end_evaluation()
     if ts.best is not None:  # after end_evaluation: a sharded module is back to its shards
         ts.best.consider(ts, "val", record)
+    early_stop.after_check(ts, "val", record)
     rep.status = "training"
     return out

@@ -1,0 +1,38 @@
+"""Notices for the person: through ``warnings`` (``NbddpWarning``), and the ``logging`` logger ``"nbddp"``.
+
+A notice is something a person may want to see once and then silence: a
+guess nbddp made (a scheduler's interval), a stalled rank, a logger that
+failed. ``print`` to stderr could not be filtered; a warning category can
+(``warnings.filterwarnings("ignore", category=nbddp.NbddpWarning)``), and
+the logger carries the rest (``logging.getLogger("nbddp")``), as Lightning
+and HF do. Shared by both sides: a worker's notice travels to the kernel as
+text and is raised there.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+LOGGER_NAME = "nbddp"
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class NbddpWarning(UserWarning):
+    """Category of every notice nbddp gives through ``warnings``: filter it to silence them."""
+
+
+def notify(text: str, stacklevel: int = 3) -> None:
+    """Warn with ``text`` (an ``NbddpWarning``); ``stacklevel`` points at the person's call where it can."""
+    warnings.warn(text, NbddpWarning, stacklevel=stacklevel)
+
+
+def report(text: str, details: str) -> None:
+    """A one-line notice (a warning), and its details (a traceback) on the ``nbddp`` logger at WARNING.
+
+    The line can be silenced with a warnings filter; the details with
+    ``logging.getLogger("nbddp").setLevel(logging.ERROR)`` (Python prints a
+    logger's warnings to stderr when nothing was configured).
+    """
+    notify(text)
+    logger.warning("%s\n%s", text, details.rstrip())
