@@ -22,6 +22,8 @@ __all__ = [
     "restart",
     "run",
     "dist_fit",
+    "sweep",
+    "SweepResult",
     "run_cell",
     "push",
     "pull",
@@ -63,6 +65,8 @@ _LAZY = {
     "restart": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
+    "sweep": "nbddp.api",
+    "SweepResult": "nbddp.sweeps.result",
     "run_cell": "nbddp.jobs.cells",
     "push": "nbddp.jobs.cells",
     "pull": "nbddp.jobs.cells",
@@ -96,7 +100,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
+    from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop, sweep
+    from nbddp.sweeps.result import SweepResult
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.callbacks.base import stop_fit
