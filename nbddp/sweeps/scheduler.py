@@ -118,7 +118,15 @@ class SweepRun:
             self._done.set()
 
     def _more(self) -> bool:
-        return not self.stopping and not self.sampler_done and not self.dead and self.handed < self.n_trials
+        if self.stopping or self.dead or self.handed >= self.n_trials:
+            return False
+        return not self.sampler_done or self._retries_waiting()
+
+    def _retries_waiting(self) -> bool:
+        """A trial queued to run again (a dead worker's) still runs when the sampler has nothing more to try."""
+        from optuna.trial import TrialState
+
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
     def _hand_out(self, g: int) -> None:
         from dataclasses import replace
