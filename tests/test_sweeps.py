@@ -330,9 +330,15 @@ finally:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.fresh_workers
 def test_a_study_in_sqlite_resumes_in_a_new_process_and_skips_the_trials_done(workers, tmp_path):
-    """A second Python process (its own 2 workers: what a restarted kernel has) picks up the study where it stood."""
+    """A second Python process (its own 2 workers: what a restarted kernel has) picks up the study where it stood.
+
+    It cannot be faster: the new process imports torch and starts two engines of its own (7 s on a quiet
+    machine, over a minute on a loaded one), which is what resuming after a kernel restart means; the
+    sweeps themselves are three one-epoch trials on 64 samples.
+    """
     import subprocess
     import sys
 
