@@ -279,6 +279,40 @@ def test_a_killed_workers_trial_is_retried_and_the_sweep_goes_on(workers, tmp_pa
     assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
 
 
+class FailsOnRank1(nn.Module):
+    """``fail=True``: rank 1 raises in its first forward, while rank 0 goes on into DDP's gradient reduction."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.fail = fail
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if self.fail and dist.get_rank() == 1:
+            raise ValueError("rank 1 fails in forward")
+        return self.lin(x)
+
+
+@pytest.mark.faults
+def test_in_a_group_of_two_a_failing_rank_fails_its_trial_and_the_stuck_peer_is_replaced(workers):
+    """Rank 0 waits in the group's collective for a peer that raised: it is killed after a grace, not retried."""
+    generation = workers.generation
+    result = nbddp.sweep(lambda fail=False: FailsOnRank1(fail), tensors(), space={"fail": [True, False]},
+                         metric="loss", n_trials=2, sampler=grid(fail=[True, False]), workers_per_trial=2, epochs=1,
+                         batch_size=8, live=False)
+    rows = result.trials
+    assert len(rows) == 2, rows
+    failed = rows[rows["params_fail"]].iloc[0]
+    assert failed["state"] == "failed" and failed["rank"] == 1
+    assert failed["error"].startswith("ValueError: rank 1 fails in forward")
+    assert rows[~rows["params_fail"]].iloc[0]["state"] == "complete"
+    workers.wait_healed()
+    assert workers.generation > generation
+    assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
+
+
 class Hangs(nn.Module):
     """``hang=True``: the first forward never returns (a rank stuck in the person's code)."""
 
@@ -355,3 +389,47 @@ def test_a_study_in_sqlite_resumes_in_a_new_process_and_skips_the_trials_done(wo
     assert "ROWS [2]" in out.stdout  # one trial left of three: the two done were skipped
     again = optuna.load_study(study_name="resumed", storage=storage)
     assert sorted(t.params["width"] for t in again.trials if t.state.name == "COMPLETE") == [4, 8, 16]
+
+
+def test_without_optuna_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from nbddp.sweeps.call import optuna_module
+
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    with pytest.raises(ImportError, match=r'pip install "nbddp\[sweep\]"'):
+        optuna_module()
+
+
+class BrokenPruner(optuna.pruners.BasePruner):
+    def prune(self, study, trial):
+        raise ValueError("a pruner bug")
+
+
+class BrokenSampler(optuna.samplers.RandomSampler):
+    def after_trial(self, study, trial, state, values):
+        raise RuntimeError("a sampler bug")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [({"pruner": BrokenPruner()}, ValueError, "a pruner bug"),
+                                                  ({"sampler": BrokenSampler()}, RuntimeError, "a sampler bug")])
+def test_an_error_in_the_kernels_optuna_code_ends_the_sweep_and_frees_the_workers(workers, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        nbddp.sweep(make_net, tensors(), val_data=tensors(32, 1), space={"lr": [0.01]}, n_trials=2, epochs=1,
+                    batch_size=16, live=False, **kwargs)
+    assert not workers.busy and nbddp.run(held_groups) == [[], []]  # the trial groups were closed on every rank
+
+
+def held_groups() -> list[str]:
+    """On a worker: the sweeps whose trial groups it holds."""
+    from nbddp.worker.tasks import sweep
+
+    return list(sweep.GROUPS)
+
+
+def test_a_trial_sent_for_groups_the_worker_does_not_hold_is_refused(workers):
+    from nbddp.worker.tasks.sweep import trial_task
+
+    engine = workers.placements[0].engine_id
+    with pytest.raises(Exception, match=r"holds no process group 0 of sweep sweep-gone: the workers were replaced"):
+        workers.client[engine].apply_async(trial_task, "sweep-gone", 0, None, None, None, None, {}).get(60)

@@ -60,6 +60,19 @@ def trials_left(study: Any, n_trials: int) -> int:
 def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
               sampler: Any, pruner: Any, study: Any, live: bool | None, fit_kwargs: dict[str, Any]) -> SweepResult:
     """See ``nbddp.sweep``."""
+    optuna = optuna_module()
+    verbosity = optuna.logging.get_verbosity()
+    if verbosity == optuna.logging.INFO:  # Optuna's default: a line per trial, which the leaderboard says better
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return _sweep(model, data, space, n_trials, metric, mode, workers_per_trial, sampler, pruner, study, live,
+                      fit_kwargs)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
+           sampler: Any, pruner: Any, study: Any, live: Any, fit_kwargs: dict[str, Any]) -> SweepResult:
     from nbddp.session.start_options import check_stall_timeout
 
     s = get_session()
@@ -79,17 +92,12 @@ def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, 
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
     run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
     run.stall_timeout = stall_timeout
-    optuna = optuna_module()
-    verbosity = optuna.logging.get_verbosity()
-    if verbosity == optuna.logging.INFO:  # Optuna's default: a line per trial, which the leaderboard says better
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         with s.lock:
             s.running = run
             run.thread.start()
         _wait(run, SweepView(live))
     finally:
-        optuna.logging.set_verbosity(verbosity)
         _close(s, run)
     if run.error is not None:
         raise run.error
