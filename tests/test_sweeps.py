@@ -433,3 +433,14 @@ def test_a_trial_sent_for_groups_the_worker_does_not_hold_is_refused(workers):
     engine = workers.placements[0].engine_id
     with pytest.raises(Exception, match=r"holds no process group 0 of sweep sweep-gone: the workers were replaced"):
         workers.client[engine].apply_async(trial_task, "sweep-gone", 0, None, None, None, None, {}).get(60)
+
+
+def test_a_study_that_has_its_trials_already_runs_none(workers):
+    d = optuna.distributions.CategoricalDistribution([4, 8])
+    study = optuna.create_study()
+    for width, value in ((4, 0.5), (8, 0.25)):
+        study.add_trial(optuna.trial.create_trial(params={"width": width}, distributions={"width": d}, value=value))
+    result = nbddp.sweep(make_net, tensors(), space={"width": [4, 8]}, metric="loss", n_trials=2, study=study,
+                         live=False)
+    assert result.trials.empty and result.best_params == {"width": 8} and result.best_value == 0.25
+    assert result.best_model is None and not workers.busy
