@@ -23,6 +23,8 @@ __all__ = [
     "run",
     "dist_fit",
     "last_history",
+    "sweep",
+    "SweepResult",
     "run_cell",
     "push",
     "pull",
@@ -67,6 +69,8 @@ _LAZY = {
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
     "last_history": "nbddp.api",
+    "sweep": "nbddp.api",
+    "SweepResult": "nbddp.sweeps.result",
     "run_cell": "nbddp.jobs.cells",
     "push": "nbddp.jobs.cells",
     "pull": "nbddp.jobs.cells",
@@ -102,7 +106,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, export_checkpoint, last_history, restart, run, start, status, stop
+    from nbddp.api import dist_fit, export_checkpoint, last_history, restart, run, start, status, stop, sweep
+    from nbddp.sweeps.result import SweepResult
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.callbacks.base import stop_fit

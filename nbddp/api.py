@@ -300,6 +300,63 @@ def last_history() -> History | None:
     return get_session().last_history
 
 
+def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: Any = None, pruner: Any = None, study: Any = None,
+          live: bool | str | None = None, **fit_kwargs: Any) -> Any:
+    """Run ``n_trials`` independent fits on groups of the warm workers, sampled and pruned by Optuna.
+
+    For a small model, DDP over every worker buys little; independent trials
+    on each worker (or group of ``workers_per_trial``) run side by side with no
+    gradient sync. The model code and data are shipped once per sweep.
+
+    Args:
+        model, data, **fit_kwargs: as for ``dist_fit`` (``val_data``,
+            ``metrics``, ``epochs``, ``batch_size``, ...). A trial trains with
+            DDP over its group; ``strategy``/``mesh`` are not supported.
+        space: name -> an Optuna distribution, ``(low, high)``, ``(low, high,
+            "log")`` or a list of choices. A name is a ``dist_fit`` option
+            (``nbddp.sweeps.space.SWEEPABLE``: ``lr``, ``batch_size``, ``epochs``,
+            ...), an argument of the model factory, or of ``step_fn`` after
+            ``(model, batch)``.
+        n_trials: how many trials the study should have completed or pruned
+            (with a resumed ``study``, those done before count).
+        metric, mode: the value each trial reports at every epoch and
+            validation (``"val_loss"``, ``"val_<metric>"``, ``"loss"``), and
+            whether lower (``"min"``) or higher (``"max"``) is better.
+        workers_per_trial: ranks per trial; must divide the running workers.
+            Each group gets its own process group; the session's group stays.
+        sampler, pruner: Optuna's (default TPE and the median pruner). A pruned
+            trial stops on its workers at its next synchronisation.
+        study: an ``optuna.Study`` (with a SQLite storage a sweep resumes after
+            a kernel restart, skipping the trials that are done).
+        live: ``None`` (automatic): in Jupyter one output updated in place,
+            the leaderboard (best first) and every trial's curve (the best
+            red, the pruned grey); elsewhere a line per finished trial.
+            ``"html"``, ``"text"`` force one; ``False`` shows nothing.
+        stall_timeout: (a keyword of ``**fit_kwargs``) a trial whose rank makes
+            no progress for this many seconds is killed and recorded as failed;
+            its workers are replaced and the sweep goes on.
+
+    Kernel > Interrupt stops every running trial and returns what finished
+    (``SweepResult.status == "interrupted"``); a second one kills the ranks.
+    A trial that raises is recorded as failed, with its rank and traceback.
+
+    Returns:
+        ``SweepResult``: ``trials`` (a DataFrame), ``best_params``,
+        ``best_value``, ``histories``, ``best_model`` (the notebook's
+        ``model`` with the best weights, or the factory's module), ``plot()``.
+
+    Raises:
+        ValueError, TypeError: bad arguments, before any trial starts.
+        ImportError: Optuna is not installed (``pip install "nbddp[sweep]"``).
+    """
+    from nbddp.sweeps.call import run_sweep
+
+    return run_sweep(model, data, space=space, n_trials=n_trials, metric=metric, mode=mode,
+                     workers_per_trial=workers_per_trial, sampler=sampler, pruner=pruner, study=study, live=live,
+                     fit_kwargs=fit_kwargs)
+
+
 def export_checkpoint(path: str, out: str) -> str:
     """Turn a sharded checkpoint (a ``step-*`` directory of an FSDP fit) into one file that ``torch.load`` reads.
 
@@ -347,5 +404,5 @@ def clear_debug() -> str:
     return clear(get_session())
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "export_checkpoint", "debug",
-           "clear_debug"]
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "sweep", "export_checkpoint",
+           "debug", "clear_debug"]

@@ -72,6 +72,12 @@ EXPECTED = {
         "tensor parallel vs one process: largest weight difference",
         "workers stopped",
     ],
+    "sweep": [
+        "nbddp sweep: 8 trials, val_loss (min), completed",
+        "best: {'lr': ",
+        "validation accuracy of the best model in the notebook:",
+        "workers stopped",
+    ],
     "checkpoint_resume": [
         "nbddp fit interrupted",
         "interrupted at step",

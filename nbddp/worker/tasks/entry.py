@@ -35,6 +35,11 @@ def _fit(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shi
     if launch.keep:
         STATE.namespace[launch.keep] = ts.strategy.module
     del ts
+    return fit_task_result(result, launch)
+
+
+def fit_task_result(result: FitResult, launch: FitLaunch) -> FitResult:
+    """A fit's result as it travels back: the trained weights (rank 0's) packed into a ``Parcel``."""
     result.timings["end_wall"] = time.time()
     weights, result.weights = result.weights, None
     if weights is not None:

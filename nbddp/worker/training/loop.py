@@ -46,11 +46,11 @@ from nbddp.worker.training.validate import validate
 _END = object()  # the end of an epoch's batches
 
 
-def agree(error: BaseException | None, device: torch.device, what: str) -> None:
-    """All ranks learn whether any rank failed ``what``; all raise together."""
+def agree(error: BaseException | None, device: torch.device, what: str, group: Any = None) -> None:
+    """All ranks (of ``group``) learn whether any rank failed ``what``; all raise together."""
     BEAT.mark("collective")
     flag = torch.tensor([0.0 if error is None else 1.0], device=device)
-    dist.all_reduce(flag)
+    dist.all_reduce(flag, group=group)
     if error is not None:
         raise error
     if flag.item() > 0:
@@ -62,28 +62,35 @@ def described(model: torch.nn.Module) -> tuple[str, int]:
     return f"{type(model).__module__}.{type(model).__qualname__}", sum(p.numel() for p in model.parameters())
 
 
-def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
-        model_parcel: Parcel | None = None) -> tuple[FitResult, TrainState]:
-    """Train on this rank; rank 0's result carries the records and the full weights."""
+def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None = None,
+        within: tuple[int, int, Any] | None = None,
+        bind: dict[str, dict[str, Any]] | None = None) -> tuple[FitResult, TrainState]:
+    """Train on this rank; rank 0's result carries the records and the full weights.
+
+    ``within``: ``(rank, world, group)`` to train in a subgroup of the workers
+    (a sweep's trial); ``bind``: arguments bound to the shipped ``model``
+    factory or ``step_fn`` (a trial's parameters; see ``setup.build``).
+    """
     device = torch.device(STATE.placement.device)
+    group = within[2] if within else None
     t_setup = time.perf_counter()
     base_mem = reset_peak_memory(device)
     ts = parts = path = None
     error: BaseException | None = None
     try:
         BEAT.mark("setup")
-        ts, parts = setup.build(parcel, cfg, launch, model_parcel)
+        ts, parts = setup.build(parcel, cfg, launch, model_parcel, within, bind)
         path = setup.resume_path(cfg)
     except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
         error = exc
-    agree(error, device, "setup")
+    agree(error, device, "setup", group)
     model_class, params = described(ts.model)  # the whole model, before a strategy keeps its part of it
     try:
         BEAT.mark("setup")
         setup.wrap_and_restore(ts, parts, path)
     except BaseException as exc:  # noqa: BLE001
         error = exc
-    agree(error, device, "wrapping the model and loading the checkpoint")
+    agree(error, device, "wrapping the model and loading the checkpoint", group)
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
@@ -91,17 +98,19 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.stoppers = [Patience(spec) for spec in launch.stoppers]
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
-                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
+                           counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem,
+                           group=group)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     setup_s = time.perf_counter() - t_setup
-    t_train = time.perf_counter()
+    t_train, train_start_wall = time.perf_counter(), time.time()
     try:
         train(ts)
     finally:
         streams.release(ts)  # loader worker processes end with the fit
     train_s = time.perf_counter() - t_train
-    return finish(ts, launch, {"setup_s": setup_s, "train_s": train_s}), ts
+    timings = {"setup_s": setup_s, "train_s": train_s, "train_start_wall": train_start_wall}
+    return finish(ts, launch, timings), ts
 
 
 def train(ts: TrainState) -> None:
@@ -251,7 +260,7 @@ def save_checkpoint(ts: TrainState, batches_done: int) -> None:
     """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state."""
     BEAT.mark("checkpoint")
     states: list[Any] = [None] * ts.world
-    dist.all_gather_object(states, ckpt.rng_state())
+    dist.all_gather_object(states, ckpt.rng_state(), group=ts.strategy.group)
     rep = ts.reporter
     extra = {
         "scheduler": ts.scheduler.state_dict() if ts.scheduler is not None else None,

@@ -35,8 +35,10 @@ RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "base_mem", "param_bytes",
 
 class Reporter:
     def __init__(self, rank: int, world: int, device: torch.device, cfg: Any, plan: FitPlanInfo, param_bytes: int = 0,
-                 counted: bool = True, roles: list[dict[str, Any]] | None = None, base_mem: int = 0):
+                 counted: bool = True, roles: list[dict[str, Any]] | None = None, base_mem: int = 0,
+                 group: Any = None):
         self.rank, self.world, self.device, self.cfg = rank, world, device, cfg
+        self.group = group  # the ranks this fit trains on (a sweep's trial: a subgroup); None: every rank
         self.plan = plan
         self.total_steps = plan.total_steps if plan.total_steps is not None else math.inf  # None: a stream's
         self.param_bytes = param_bytes
@@ -111,7 +113,7 @@ class Reporter:
         for i, key in enumerate(RANK_SLOTS):
             slots[i * w + self.rank] = float(mine.get(key, 0.0))
         vec = torch.cat([head, slots])
-        dist.all_reduce(vec)
+        dist.all_reduce(vec, group=self.group)
         v = vec.cpu().tolist()
         loss_sum, n, stop, elapsed0 = v[0], v[1], v[2], v[3]
         extras = dict(zip(keys, v[4 : 4 + len(keys)]))
@@ -151,7 +153,7 @@ class Reporter:
 
     def reduce_sums(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.cpu().tolist()
 
     # -- publishing (rank 0) --------------------------------------------

@@ -12,6 +12,7 @@ rank raises on all instead of leaving peers waiting in a collective:
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -78,13 +79,17 @@ def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: 
 
 
 def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None = None,
-          within: tuple[int, int, Any] | None = None) -> tuple[TrainState, dict[str, Any]]:
+          within: tuple[int, int, Any] | None = None,
+          bind: dict[str, dict[str, Any]] | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Phase 1 (local): the train state without the optimizer; also the unpacked arguments.
 
     ``model_parcel``: the model shipped on its own (sharded training), read as
     views of the shipped file so that no rank makes a private copy of it.
     ``within``: ``(rank, world, group)`` to train in a subgroup of the workers
-    (the scaling report) instead of all of them.
+    (the scaling report, a sweep's trial) instead of all of them.
+    ``bind``: ``{"model": {...}, "step_fn": {...}}``, keyword arguments bound
+    to the shipped factory or step function (a sweep's trial parameters), so
+    that the code is shipped once per sweep and each trial sends only values.
     """
     p = STATE.placement
     rank, world = (within[0], within[1]) if within else (p.rank, p.world_size)
@@ -92,6 +97,9 @@ def build(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parce
     parts = unpack(parcel)
     if model_parcel is not None:
         parts["model"] = unpack(model_parcel, copy=False)["model"]
+    for name, kwargs in (bind or {}).items():
+        if kwargs:
+            parts[name] = functools.partial(parts[name], **kwargs)
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {device.type}, cfg.strategy)
     strategy = make_strategy(cfg.strategy, device, cfg.precision, cfg.mesh)
     strategy.group = within[2] if within else None

@@ -1,0 +1,173 @@
+"""``nbddp.sweep``: every check first, the groups opened, the schedule waited for, the result built.
+
+Order of a call: the sweep's own arguments and ``space`` are checked against
+the running workers, then ``fit.preflight.prepare`` checks and ships the
+``dist_fit`` arguments once (the same parcel serves every trial); one task
+on every rank opens the trial groups (``worker/tasks/sweep.open_groups``);
+the schedule runs in its thread (``scheduler.SweepRun``) while this cell
+waits, printing a leaderboard line per finished trial; the groups are
+closed on every rank whatever happened, and the best weights come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from nbddp.jobs.waiting import is_interrupt
+from nbddp.session.session import get_session
+from nbddp.sweeps import space as spaces
+from nbddp.sweeps.groups import close_trial_groups, open_trial_groups
+from nbddp.sweeps.result import SweepResult
+from nbddp.sweeps.scheduler import SweepRun
+from nbddp.sweeps.view import SweepView, check_live
+
+
+def optuna_module() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise ImportError('nbddp.sweep samples and prunes trials with Optuna, which is not installed here: '
+                          'pip install "nbddp[sweep]" (or pip install optuna)') from None
+    return optuna
+
+
+def make_study(study: Any, mode: str, sampler: Any, pruner: Any) -> Any:
+    """The person's study (with ``sampler``/``pruner`` put on it when given), or a new one in memory."""
+    optuna = optuna_module()
+    if study is None:
+        return optuna.create_study(direction=spaces.MODES[mode], sampler=sampler, pruner=pruner)
+    if not isinstance(study, optuna.Study):
+        raise TypeError(f"nbddp.sweep(study=...) must be an optuna.Study, got {type(study).__name__}")
+    if study.direction.name.lower() != spaces.MODES[mode]:
+        raise ValueError(f"nbddp.sweep(mode={mode!r}) disagrees with the study, which is created to "
+                         f"{study.direction.name.lower()}; pass mode={'min' if mode == 'max' else 'max'!r}")
+    if sampler is not None:
+        study.sampler = sampler
+    if pruner is not None:
+        study.pruner = pruner
+    return study
+
+
+def trials_left(study: Any, n_trials: int) -> int:
+    """``n_trials`` is the study's total: the trials it completed or pruned before (a resumed sweep) count."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    return max(0, n_trials - len(done))
+
+
+def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
+              sampler: Any, pruner: Any, study: Any, live: bool | None, fit_kwargs: dict[str, Any]) -> SweepResult:
+    """See ``nbddp.sweep``."""
+    optuna = optuna_module()
+    verbosity = optuna.logging.get_verbosity()
+    if verbosity == optuna.logging.INFO:  # Optuna's default: a line per trial, which the leaderboard says better
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return _sweep(model, data, space, n_trials, metric, mode, workers_per_trial, sampler, pruner, study, live,
+                      fit_kwargs)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
+           sampler: Any, pruner: Any, study: Any, live: Any, fit_kwargs: dict[str, Any]) -> SweepResult:
+    from nbddp.session.start_options import check_stall_timeout
+
+    s = get_session()
+    s.ensure_started()
+    stall_timeout = check_stall_timeout(fit_kwargs.pop("stall_timeout", None), "sweep")
+    if stall_timeout is None and s.options is not None:
+        stall_timeout = s.options.stall_timeout
+    spaces.check_run(n_trials, mode, workers_per_trial, s.world_size)
+    check_live(live)
+    spaces.check_strategy(fit_kwargs)
+    sweep_space = spaces.build_space(space, model, fit_kwargs.get("step_fn"), fit_kwargs)
+    spaces.check_metric(metric, fit_kwargs.get("val_data"), fit_kwargs.get("metrics"), fit_kwargs.get("step_fn"))
+    study = make_study(study, mode, sampler, pruner)
+    left = trials_left(study, n_trials)
+    if left == 0:
+        return SweepResult(rows=[], metric=metric, mode=mode, study=study)
+    groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
+    run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
+    run.stall_timeout = stall_timeout
+    try:
+        with s.lock:
+            s.running = run
+            run.thread.start()
+        _wait(run, SweepView(live))
+    finally:
+        _close(s, run)
+    if run.error is not None:
+        raise run.error
+    return _result(run, model)
+
+
+def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int, groups: list[list[int]],
+          metric: str, mode: str, fit_kwargs: dict[str, Any]) -> SweepRun:
+    """Check and ship the fit's arguments once, open the groups on every rank: the schedule, ready to start."""
+    from nbddp.fit.preflight import prepare
+
+    def ship() -> Any:  # again after a worker was replaced: the new one holds no resident data
+        plan = prepare(s, model, data, return_weights=True, **fit_kwargs)
+        plan.launch = replace(plan.launch, returns="state_dict")
+        return plan
+
+    with s.lock:
+        s.ensure_ready()
+        plan = ship()
+    try:
+        token = open_trial_groups(s, groups)
+    except BaseException:
+        plan.discard()
+        raise
+    run = SweepRun(s, plan, sweep_space, study, left, groups, metric, token, mode)
+    run.reship = ship
+    return run
+
+
+def _wait(run: SweepRun, view: SweepView) -> None:
+    """Wait in the cell, drawing the live view; the first interrupt stops, the second kills."""
+    interrupts = 0
+    while True:
+        try:
+            while not run.wait_done(0.1):
+                view.tick(run)
+            view.tick(run, final=True)
+            return
+        except BaseException as exc:
+            if not is_interrupt(exc):
+                raise
+            interrupts += 1
+            if interrupts == 1:
+                run.request_stop()
+            else:
+                run.hard_stop()
+
+
+def _close(s: Any, run: SweepRun) -> None:
+    """Every rank destroys the sweep's groups; the files shipped go; the workers are free again."""
+    try:
+        close_trial_groups(s, run.token)
+    finally:
+        run.plan.discard()
+        if s.running is run:
+            s.running = None
+    if any(r.state == "complete" for r in run.rows):
+        s.resident.mark(run.plan.data_keys)
+
+
+def _result(run: SweepRun, model: Any) -> SweepResult:
+    """The rows, histories and study; the best weights into ``model``, or a module the factory builds."""
+    import torch
+
+    best_model = None
+    if run.best is not None:
+        _, state, params = run.best
+        _, bind = run.space.split(params)
+        best_model = model if isinstance(model, torch.nn.Module) else model(**bind["model"])
+        best_model.load_state_dict(state)
+    status = "interrupted" if run.stopping or any(r.state == "stopped" for r in run.rows) else "completed"
+    return SweepResult(rows=run.rows, metric=run.metric, mode=run.mode, study=run.study, histories=run.histories,
+                       best_model=best_model, status=status)

@@ -1,0 +1,41 @@
+"""The trial groups of a sweep, opened on every rank and closed again, in the kernel's terms.
+
+``open_trial_groups`` is one task on every rank (the same fault contract as a
+``%%ddp`` cell: a rank that fails is raised here, before any trial starts);
+it returns the token the trials name their group by. After a worker was
+replaced the sweep opens them again under a new token: the old groups went
+with the old process-group generation.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from nbddp.jobs.job import Job
+
+CLOSE_TIMEOUT_S = 10.0
+
+
+def open_trial_groups(s: Any, groups: list[list[int]]) -> str:
+    """One process group per entry of ``groups`` on every rank; return their token. Takes the session's lock."""
+    from nbddp.worker.tasks.sweep import open_groups
+
+    token = f"sweep-{uuid.uuid4().hex[:12]}"
+    job = Job(s, "nbddp.sweep (opening the trial groups)")
+    with s.lock:
+        s.ensure_ready()
+        job.launch(lambda p: s.client[p.engine_id].apply_async(open_groups, token, s.generation, groups))
+    job.wait()
+    return token
+
+
+def close_trial_groups(s: Any, token: str) -> None:
+    """Every rank destroys the groups of ``token`` (nothing to wait for on a rank that was replaced)."""
+    from nbddp.worker.tasks.sweep import close_groups
+
+    try:
+        for ar in [s.client[p.engine_id].apply_async(close_groups, token) for p in s.placements]:
+            ar.get(CLOSE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a killed or replaced engine holds no group to close
+        pass

@@ -1,0 +1,143 @@
+"""What a sweep varies, and every check that can be made before a trial starts.
+
+``space`` maps a name to Optuna distributions, or to a simple form:
+``(low, high)`` or ``(low, high, "log")`` for a range (ints give an integer
+range), a list for a choice. A name is one of the ``dist_fit`` options a
+trial may change (``SWEEPABLE``), or an argument of the model factory or of
+``step_fn`` (bound on the workers, so the code travels once per sweep).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# the dist_fit options that change one trial's FitConfig and nothing else (no topology, no files)
+SWEEPABLE = ("lr", "batch_size", "epochs", "max_steps", "seed", "grad_accum", "clip_grad_norm", "precision",
+             "shuffle", "log_every", "val_every", "drop_last")
+MODES = {"min": "minimize", "max": "maximize"}
+
+
+@dataclass
+class Space:
+    """The distributions, and where each name goes: ``"fit"``, ``"model"`` or ``"step_fn"``."""
+
+    distributions: dict[str, Any]
+    where: dict[str, str] = field(default_factory=dict)
+
+    def split(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """A trial's values as (``FitConfig`` fields, ``{"model": {...}, "step_fn": {...}}`` to bind on the workers)."""
+        fit = {k: v for k, v in params.items() if self.where[k] == "fit"}
+        bind = {part: {k: v for k, v in params.items() if self.where[k] == part} for part in ("model", "step_fn")}
+        return fit, bind
+
+
+def distribution(name: str, value: Any) -> Any:
+    """``value`` as an Optuna distribution (its own checks name the bad bound)."""
+    from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+
+    if isinstance(value, BaseDistribution):
+        return value
+    try:
+        if isinstance(value, list) and value:
+            return CategoricalDistribution(value)
+        if isinstance(value, tuple) and len(value) in (2, 3) and all(_number(v) for v in value[:2]):
+            scale = value[2] if len(value) == 3 else "linear"
+            if scale not in ("log", "linear"):
+                raise ValueError(f"the third entry is the scale, 'log' or 'linear', not {scale!r}")
+            if all(isinstance(v, int) for v in value[:2]):
+                return IntDistribution(value[0], value[1], log=scale == "log")
+            return FloatDistribution(float(value[0]), float(value[1]), log=scale == "log")
+    except ValueError as exc:
+        raise ValueError(f"nbddp.sweep(space={{{name!r}: {value!r}}}): {exc}") from None
+    raise TypeError(f"nbddp.sweep(space={{{name!r}: {value!r}}}) must be an Optuna distribution, (low, high), "
+                    "(low, high, 'log') or a non-empty list of choices, e.g. {'lr': (1e-4, 1e-1, 'log'), "
+                    "'width': [64, 128]}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def arguments(fn: Any, skip: int = 0) -> tuple[set[str], bool]:
+    """The keyword-bindable argument names of ``fn`` (its first ``skip`` left out), and whether it takes ``**kwargs``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return set(), False
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in kinds}, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def build_space(space: Any, model: Any, step_fn: Callable | None, given: dict[str, Any]) -> Space:
+    """Check ``space`` against what a trial can vary; ``given``: the fit options passed to the sweep."""
+    import torch
+
+    if not isinstance(space, dict) or not space:
+        raise ValueError(f"nbddp.sweep(space=...) must be a non-empty dict of name -> range, got {space!r}; "
+                         "e.g. space={'lr': (1e-4, 1e-1, 'log'), 'width': [64, 128]}")
+    factory = None if isinstance(model, torch.nn.Module) else model
+    model_args, model_any = arguments(factory) if factory is not None else (set(), False)
+    step_args, step_any = arguments(step_fn, skip=2) if step_fn is not None else (set(), False)
+    out = Space({})
+    for name, value in space.items():
+        if name in given:
+            raise ValueError(f"nbddp.sweep: {name!r} is both in space and given as {name}={given[name]!r}; "
+                             "keep one of them")
+        if name in SWEEPABLE:
+            out.where[name] = "fit"
+        elif name in model_args or (model_any and factory is not None):
+            out.where[name] = "model"
+        elif name in step_args or step_any:
+            out.where[name] = "step_fn"
+        else:
+            raise ValueError(_unknown(name, factory, model_args, step_fn, step_args))
+        out.distributions[name] = distribution(name, value)
+    return out
+
+
+def _unknown(name: str, factory: Any, model_args: set[str], step_fn: Any, step_args: set[str]) -> str:
+    where = [f"the dist_fit options a trial may change ({', '.join(SWEEPABLE)})"]
+    if factory is not None:
+        where.append(f"the model factory's arguments ({', '.join(sorted(model_args)) or 'none'})")
+    else:
+        where.append("no model argument (model is an nn.Module object: pass a factory, e.g. "
+                     "model=lambda width=64: Net(width), to sweep its arguments)")
+    if step_fn is not None:
+        where.append(f"step_fn's arguments after (model, batch) ({', '.join(sorted(step_args)) or 'none'})")
+    return f"nbddp.sweep(space=...) names {name!r}, which is none of: {'; '.join(where)}. Fix the name or drop it"
+
+
+def check_run(n_trials: Any, mode: Any, workers_per_trial: Any, world: int) -> None:
+    """The sweep's own arguments, against the running workers."""
+    for arg, value in (("n_trials", n_trials), ("workers_per_trial", workers_per_trial)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"nbddp.sweep({arg}={value!r}) must be an int >= 1")
+    if mode not in MODES:
+        raise ValueError(f"nbddp.sweep(mode={mode!r}) must be 'min' or 'max' (is a lower or a higher metric better?)")
+    if world % workers_per_trial:
+        raise ValueError(f"nbddp.sweep(workers_per_trial={workers_per_trial}) must divide the {world} running "
+                         f"workers into whole groups; use one of {[k for k in range(1, world + 1) if world % k == 0]}")
+
+
+def check_metric(metric: Any, val_data: Any, metrics: Any, step_fn: Any) -> None:
+    """``metric`` must be a value every trial's records carry (epoch and validation records)."""
+    reported = {"loss"}
+    if val_data is not None:
+        reported |= {"val_loss", *(f"val_{m}" for m in (metrics or {}))}
+        if step_fn is not None and isinstance(metric, str) and metric.startswith("val_"):
+            return  # a step_fn's own values are validated as val_<name>: only the fit knows them
+    if metric not in reported:
+        hint = " (validation values need val_data=...)" if val_data is None and str(metric).startswith("val_") else ""
+        raise ValueError(f"nbddp.sweep(metric={metric!r}) is not reported by these fits{hint}: they report "
+                         f"{sorted(reported)}; pick one of them")
+
+
+def check_strategy(options: dict[str, Any]) -> None:
+    """A trial trains with DDP in its own group; model-parallel and sharded strategies span the whole world."""
+    strategy, mesh = options.get("strategy", "ddp"), options.get("mesh")
+    if strategy != "ddp" or mesh is not None:
+        raise ValueError(f"nbddp.sweep trains each trial with DDP over its group of workers; strategy={strategy!r}, "
+                         f"mesh={mesh!r} are not supported in a sweep. Leave strategy and mesh out (small models are "
+                         "what sweeps are for), or run that fit alone with dist_fit")

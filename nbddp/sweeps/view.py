@@ -1,0 +1,85 @@
+"""The sweep's live view under the cell: a leaderboard and every trial's curve, or text lines.
+
+Drawn from the waiting cell's own thread (``call._wait`` ticks it), so no
+display call comes from a background thread:
+
+* in a Jupyter kernel: one output, updated in place (``display(...,
+  display_id=True)`` then ``.update()``) at most ``REDRAW_S`` apart: the
+  leaderboard as an HTML table (trial, parameters, metric, epoch, state,
+  time; best first) and the curves overlaid as a PNG, the best in red, the
+  pruned grey;
+* elsewhere (a terminal, a script), or ``live="text"``: one line per
+  finished trial, then nothing more (``repr(result)`` is the whole table);
+* ``live=False``: nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+from typing import Any
+
+from nbddp.sweeps.result import fmt, ranked
+
+REDRAW_S = 0.5
+LIVE = (None, True, False, "text", "html")
+
+
+def check_live(live: Any) -> None:
+    if live not in LIVE:
+        raise ValueError(f"nbddp.sweep(live={live!r}) must be None (automatic), True, False, 'text' or 'html'")
+
+
+def leaderboard_html(rows: list[Any], metric: str, mode: str) -> str:
+    """The leaderboard as an HTML table, best first (the rows of ``SweepResult.trials``)."""
+    head = "".join(f"<th>{h}</th>" for h in ("trial", "parameters", html.escape(metric), "epoch", "state", "time"))
+    body = []
+    for r in ranked(rows, mode):
+        params = ", ".join(f"{k}={fmt(v)}" for k, v in r.params.items())
+        cells = [str(r.trial), params, fmt(r.value), fmt(r.epoch), r.state, f"{r.seconds:.1f} s"]
+        grey = " style='color:#999'" if r.state in ("pruned", "failed", "stopped") else ""
+        body.append(f"<tr{grey}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    return f"<table class='nbddp-sweep'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+class SweepView:
+    """Shows one ``SweepRun`` as the module docstring says; ``tick`` and ``finish`` from the waiting cell."""
+
+    def __init__(self, live: Any):
+        from nbddp.live import in_notebook_kernel
+
+        self.mode = "off" if live is False else ("html" if live == "html" or (live != "text" and in_notebook_kernel())
+                                                 else "text")
+        self.handle: Any = None
+        self.drawn = -1
+        self.last = 0.0
+
+    def tick(self, run: Any, final: bool = False) -> None:
+        if self.mode == "text":
+            while run.lines:
+                print(run.lines.pop(0), flush=True)
+            return
+        run.lines.clear()
+        if self.mode == "off" or run.changed == self.drawn:
+            return
+        if not final and time.monotonic() - self.last < REDRAW_S:
+            return
+        self.drawn, self.last = run.changed, time.monotonic()
+        self._draw(run)
+
+    def _draw(self, run: Any) -> None:
+        from IPython.display import HTML, display
+
+        from nbddp.live.plot import figure_png
+        from nbddp.sweeps.result import curves_figure
+
+        done = [r for r in run.rows if r.state == "complete" and r.value is not None]
+        best = ranked(done, run.mode)[0].trial if done else None
+        png = figure_png(curves_figure(dict(run.curves), {r.trial: r.state for r in run.rows}, best, run.metric))
+        page = HTML(f"<div>{leaderboard_html(list(run.rows), run.metric, run.mode)}"
+                    f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/></div>")
+        if self.handle is None:
+            self.handle = display(page, display_id=True)
+        else:
+            self.handle.update(page)
