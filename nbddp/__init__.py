@@ -22,6 +22,9 @@ __all__ = [
     "restart",
     "run",
     "dist_fit",
+    "predict",
+    "evaluate",
+    "PredictHandle",
     "run_cell",
     "push",
     "pull",
@@ -63,6 +66,9 @@ _LAZY = {
     "restart": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
+    "predict": "nbddp.api",
+    "evaluate": "nbddp.api",
+    "PredictHandle": "nbddp.inference.predict_run",
     "run_cell": "nbddp.jobs.cells",
     "push": "nbddp.jobs.cells",
     "pull": "nbddp.jobs.cells",
@@ -96,7 +102,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, export_checkpoint, restart, run, start, status, stop
+    from nbddp.api import dist_fit, evaluate, export_checkpoint, predict, restart, run, start, status, stop
+    from nbddp.inference.predict_run import PredictHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.callbacks.base import stop_fit
