@@ -110,6 +110,9 @@ def test_eval_mode_inference_mode_and_lists_for_what_does_not_concatenate(worker
     batches = nbddp.predict(net(), (x, y), batch_size=2, live=False, output="list")
     assert [len(b) for b in batches] == [2, 2, 2, 2, 1]
     assert torch.allclose(torch.cat(batches), net().eval()(x).detach(), atol=1e-6)
+    kept = [b.clone() for b in batches]
+    nbddp.predict(net(), (x * 2, y), batch_size=2, live=False, output="list")  # the workers reuse their output files
+    assert all(torch.equal(a, b) for a, b in zip(batches, kept))  # what the first call returned is its own
     half = nbddp.predict(net(), (x, y), batch_size=2, live=False, precision="bf16")  # bf16 autocast on the CPU
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), net().eval()(x).detach(), atol=5e-2)
 

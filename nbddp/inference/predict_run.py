@@ -127,6 +127,7 @@ class PredictRun:
                                         self.plan.launch.output)
             else:
                 value = assemble(parts, self.plan.launch.output)
+            value = owned(value)
         self.timings.update(predict_s=max(r.timings.get("predict_s", 0.0) for r in results.values()),
                             pack_s=max(r.timings.get("pack_s", 0.0) for r in results.values()),
                             load_s=time.perf_counter() - t0, total_s=time.perf_counter() - self.started_at)
@@ -146,6 +147,29 @@ class PredictRun:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def owned(value: Any) -> Any:
+    """``value`` with no tensor left viewing a worker's file: batches are cloned (joined tensors are copies already).
+
+    The workers rewrite their output files at the next call (pooled), so a
+    view into one would change under the person's feet.
+    """
+    if isinstance(value, tuple) and value and isinstance(value[0], list):  # a stream's (batches, ids)
+        return cloned(value[0]), value[1]
+    return cloned(value) if isinstance(value, list) else value
+
+
+def cloned(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cloned(v) for v in value)
+    return value
 
 
 def write_index(to: str, results: list[PredictResult]) -> list[str]:
