@@ -146,6 +146,7 @@ def both_started(folder) -> callable:
     return lambda: len(glob.glob(os.path.join(str(folder), "rank*"))) == 2
 
 
+@pytest.mark.faults  # a rank fails: the group is formed again (seconds), out of the quick tier
 def test_a_rank_that_raises_is_named_with_its_samples_and_the_next_call_works(workers):
     x = torch.zeros(97, 6)
     x[80, 0] = 1000.0  # rank 1's block is 48..96; batches of 10 from 48: the one holding 80 is 78..87
@@ -216,6 +217,7 @@ def test_evaluate_f1_and_auroc_equal_torchmetrics_in_one_process(workers):
     assert isinstance(torchmetrics.Metric, type)
 
 
+@pytest.mark.faults  # a rank fails: the group is formed again (seconds), out of the quick tier
 def test_evaluate_errors_on_the_workers_name_the_fix(workers):
     x, y = data(10)
     with pytest.raises(WorkerError, match=r"metrics\['two'\] returned 2 values for a batch of 5 samples"):
@@ -268,6 +270,7 @@ def test_metrics_that_are_neither_metric_objects_nor_functions_are_refused(worke
         nbddp.evaluate(net(), (x, y), metrics=[accuracy])
 
 
+@pytest.mark.faults  # a rank fails: the group is formed again (seconds), out of the quick tier
 def test_what_only_a_worker_can_see_fails_naming_the_fix(workers):
     x, y = data(10)
     with pytest.raises(WorkerError, match=r"the model factory returned int, not a torch.nn.Module"):
