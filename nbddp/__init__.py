@@ -25,6 +25,9 @@ __all__ = [
     "last_history",
     "sweep",
     "SweepResult",
+    "predict",
+    "evaluate",
+    "PredictHandle",
     "run_cell",
     "push",
     "pull",
@@ -71,6 +74,9 @@ _LAZY = {
     "last_history": "nbddp.api",
     "sweep": "nbddp.api",
     "SweepResult": "nbddp.sweeps.result",
+    "predict": "nbddp.api",
+    "evaluate": "nbddp.api",
+    "PredictHandle": "nbddp.inference.predict_run",
     "run_cell": "nbddp.jobs.cells",
     "push": "nbddp.jobs.cells",
     "pull": "nbddp.jobs.cells",
@@ -106,8 +112,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import dist_fit, export_checkpoint, last_history, restart, run, start, status, stop, sweep
+    from nbddp.api import (dist_fit, evaluate, export_checkpoint, last_history, predict, restart, run, start, status,
+                           stop, sweep)
     from nbddp.sweeps.result import SweepResult
+    from nbddp.inference.predict_run import PredictHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.callbacks.base import stop_fit

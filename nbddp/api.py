@@ -150,7 +150,10 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             on the epoch's reduced ``val_loss`` (else ``loss``), or the dict's
             ``monitor``.
         metrics: ``{"acc": fn(output, target)}`` computed on validation data,
-            sample-weighted over all ranks, recorded as ``val_acc``.
+            sample-weighted over all ranks, recorded as ``val_acc``; or
+            torchmetrics ``Metric`` objects (``{"f1": MulticlassF1Score(10)}``),
+            updated with every rank's batches and synced over the ranks:
+            exact over the whole validation set (F1, AUROC, precision).
         step_fn: ``step_fn(model, batch) -> loss or {"loss": ..., ...}``: full
             control of a step; extra dict entries are recorded like metrics.
         shuffle, seed: sampling order; the same seed gives the same History.
@@ -357,6 +360,113 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
                      fit_kwargs=fit_kwargs)
 
 
+def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Callable | None = None,
+            output: str = "tensor", to: Any = None, precision: str = "32-true", live: bool = True,
+            block: bool = True) -> Any:
+    """Run ``model`` over ``data`` on every worker; the outputs come back here, in the dataset's order.
+
+    Each rank predicts one contiguous block of the data, so every sample is
+    predicted exactly once, whatever the length (no padding duplicates), and
+    the blocks put one after the other are in the dataset's order. Runs in
+    eval mode under ``torch.inference_mode()``, on the workers' devices.
+
+    Args:
+        model: an ``nn.Module`` (shipped to every rank), a zero-argument
+            function returning one (built on each rank with the same seed), or
+            the name an earlier ``dist_fit(..., keep="name")`` bound the
+            trained module to on every worker (DDP, or FSDP: its shards stay
+            where they are, and every rank runs as many forwards).
+        data: a map-style ``Dataset``, a tuple of tensors, a ``DataLoader``
+            over a dataset (its collate function and batch size are used), or
+            a zero-argument function building one of these on each worker.
+            A stream (``IterableDataset``): rank ``r`` of ``N`` predicts its
+            samples ``r, r + N, ...``, and the call returns ``(outputs, ids)``,
+            in the order the samples came, ``ids`` their places in the stream.
+        batch_size: samples per forward on each rank (default: the
+            DataLoader's, else 32).
+        step_fn: ``step_fn(model, batch) -> what to keep`` (logits, an argmax,
+            a dict of tensors). Default: ``model(x)`` for ``(x,)``/``(x, y)``
+            batches, ``model(**batch)`` for dicts.
+        output: ``"tensor"``: tensors are concatenated into one, dicts of
+            tensors into a dict of concatenated tensors, anything else is a
+            list of the batches' outputs; ``"list"``: always that list.
+        to: a directory, or a file name ending in ``.pt``: each rank writes
+            its part there (``part-00000.pt``, ... or ``x.part-00000.pt``, ...;
+            ``torch.load`` reads each: ``{"kind", "value", "rows", "first",
+            "samples", "stride", "stream"}``) instead of sending it, for
+            outputs larger than the kernel's memory; an index
+            (``index.pt``, or ``x.pt`` itself) lists them in order. Returns
+            the parts' paths, in the dataset's order.
+        precision: ``"32-true"``, ``"bf16-mixed"`` (autocast), ``"16-mixed"`` (CUDA).
+        live: a progress line while it runs.
+        block: ``False`` returns a ``PredictHandle`` at once (``.wait()``, ``.done()``, ``.stop()``).
+
+    Outputs travel back through ``/dev/shm`` on the kernel's host, as
+    ``dist_fit``'s weights do. Kernel > Interrupt stops every rank and raises
+    ``KeyboardInterrupt``: nothing half-done is returned.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any worker starts work.
+        WorkerError: a rank failed; its message names the rank and the samples of the failing batch.
+    """
+    from nbddp.inference.checks import check_output, check_to
+
+    return _inference("nbddp.predict", model, data, batch_size, precision, live, block, output=check_output(output),
+                      to=check_to(to), step_fn=step_fn)
+
+
+def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Callable | None = None,
+             batch_size: int | None = None, precision: str = "32-true", live: bool = True,
+             block: bool = True) -> Any:
+    """Exact metric values over the whole of ``data``, computed on every worker; a dict ``name -> value``.
+
+    Args:
+        model, data, batch_size, precision, live, block: as for ``predict``;
+            batches are ``(x, y)`` or ``(x1, ..., y)``, run as ``model(x1, ...)``.
+        metrics: ``name -> metric``: a torchmetrics ``Metric`` (or any object
+            with ``update(outputs, targets)`` and ``compute()``), which syncs
+            its state over the ranks itself, so F1, AUROC or precision equal
+            the one-process values; or a function ``(outputs, targets) -> one
+            value per sample`` (or the batch's mean), averaged over every sample.
+        loss_fn: ``loss_fn(outputs, targets)``, a batch mean, averaged over
+            every sample as ``"loss"``.
+
+    Every sample counts once (each rank evaluates its own block, no padding).
+    Needs ``pip install "nbddp[metrics]"`` for torchmetrics.
+    """
+    from nbddp.inference.checks import check_metrics
+
+    return _inference("nbddp.evaluate", model, data, batch_size, precision, live, block,
+                      metrics=check_metrics(metrics), loss_fn=loss_fn)
+
+
+def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any, live: Any, block: Any,
+               output: str = "tensor", to: str | None = None, **callables: Any) -> Any:
+    """The one path of ``predict`` and ``evaluate``: check, ship, run on every rank, wait or hand back."""
+    from nbddp.inference.checks import prepare
+    from nbddp.inference.predict_run import PredictHandle, PredictRun
+
+    for name, flag in (("block", block), ("live", live)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{what}({name}=...) must be True or False, got {flag!r}")
+    s = get_session()
+    s.ensure_started()
+    if isinstance(model, str):
+        from nbddp.inference.checks import check_model, kept_model
+
+        check_model(model, what)
+        kept_model(s, model, what)
+    with s.lock:
+        s.ensure_ready()
+        plan = prepare(s, what, model, data, batch_size, precision, output, to, **callables)
+        run_ = PredictRun(s, plan, live)
+        run_.launch()
+    if not block:
+        return PredictHandle(run_)
+    wait_interruptibly(run_)
+    return run_.result()
+
+
 def export_checkpoint(path: str, out: str) -> str:
     """Turn a sharded checkpoint (a ``step-*`` directory of an FSDP fit) into one file that ``torch.load`` reads.
 
@@ -404,5 +514,5 @@ def clear_debug() -> str:
     return clear(get_session())
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "sweep", "export_checkpoint",
-           "debug", "clear_debug"]
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "sweep", "predict", "evaluate",
+           "export_checkpoint", "debug", "clear_debug"]

@@ -84,3 +84,14 @@ def test_gloo_on_one_gpu_puts_both_workers_on_it(_suite_session):
         assert h.status == "completed"
     finally:
         nbddp.stop()
+
+
+def test_predict_in_bf16_on_gpus_brings_the_outputs_back_in_order(gpu_workers):
+    """Issue 32 on the GPU: nbddp.predict under bf16 autocast on every GPU, outputs back in the dataset's order."""
+    x, y = _data(1001)
+    model = _bn_net()
+    out = nbddp.predict(model, (x, y), batch_size=64, precision="bf16", live=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = model.eval().cuda()(x.cuda()).float().cpu()
+    assert out.device.type == "cpu" and out.shape == (1001, 2) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=5e-2)

@@ -33,6 +33,8 @@ EXECUTED_ELSEWHERE = {
 # what each notebook must print (text outputs, in order of appearance)
 EXPECTED = {
     "quickstart": ["nbddp: 2 worker(s), backend gloo", "validation accuracy in the notebook", "workers stopped"],
+    "predictions": ["nbddp: 2 worker(s), backend gloo", "validation samples", "mistakes, e.g. samples",
+                    "macro F1 on the workers' kept model", "FSDP model:", "workers stopped"],
     "nonblocking_stop": [
         "still running: True, status 'training'",
         "step records so far",

@@ -70,3 +70,32 @@ def test_a_transformer_block_under_tp_x_fsdp_is_that_of_one_process(four):
 def _block():
     torch.manual_seed(0)
     return copy.deepcopy(T.Block()).double()
+
+
+def test_predict_and_evaluate_on_4_ranks_equal_one_process_and_a_kept_pipeline_is_refused(four):
+    """Issue 32 on 4 ranks: 97 samples in blocks of 24, 24, 24, 25, in order; a kept FSDP model over 4 shards; exact F1.
+
+    A pipeline's kept stages look like any module on each rank: the name is refused, naming what predict runs.
+    """
+    from torchmetrics.classification import MulticlassF1Score
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(97, 6, generator=g), torch.randint(0, 3, (97,), generator=g)
+    expected = model.eval()(x).detach()
+    assert torch.allclose(nbddp.predict(model, (x, y), batch_size=10, live=False), expected, atol=1e-6)
+    nbddp.dist_fit(model, (x, y), batch_size=8, epochs=1, strategy="fsdp", keep="sharded", live=False)
+    expected = model.eval()(x).detach()
+    assert torch.allclose(nbddp.predict("sharded", (x, y), batch_size=10, live=False), expected, atol=1e-5)
+    f1 = MulticlassF1Score(3, average="macro")
+    f1.update(expected, y)
+    got = nbddp.evaluate("sharded", (x, y), batch_size=10, live=False, metrics={"f1": MulticlassF1Score(3, average="macro")})
+    assert abs(got["f1"] - float(f1.compute())) < 1e-6
+    nbddp.dist_fit(copy.deepcopy(model), (x, y), batch_size=8, epochs=1,
+                   strategy=nbddp.Pipeline(stages=2, microbatches=2), mesh={"dp": 2, "pp": 2}, keep="staged",
+                   live=False)
+    with pytest.raises(ValueError, match=r"holds a pipeline model's part on each rank on the workers: predict runs a "
+                                         r"kept DDP or FSDP model"):
+        nbddp.predict("staged", (x, y), batch_size=8, live=False)
+    nbddp.run_cell("del sharded, staged")

@@ -18,6 +18,8 @@ message         direction            when
 ``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
 ``TrialResult``  each rank -> kernel ``find_batch_size``: one trial step's outcome
 ``ScalingRow``   rank 0 -> kernel     ``scaling_report``: one world size, timed
+``PredictLaunch`` kernel -> each rank ``predict``/``evaluate``: what to run, with the shipped arguments
+``PredictResult`` each rank -> kernel ``predict``: its outputs (a Parcel); ``evaluate``: rank 0's values
 ==============  ===================  =============================================
 
 Streamed messages go through ``ipyparallel.datapub.publish_data``, which
@@ -215,3 +217,43 @@ class ScalingRow:
     local_step_s: float  # the same step without reducing gradients (no_sync)
     peak_mem: int  # the largest peak of the ranks taking part
     topology: str = ""  # how the ranks trained: "ddp", "pp=2", "dp=2 x tp=2 (ddp over dp)" (topologies.describe)
+
+
+@dataclass(frozen=True)
+class PredictLaunch:
+    """What every rank is told for ``nbddp.predict`` / ``nbddp.evaluate``, besides the shipped arguments."""
+
+    generation: int
+    task: str  # "predict" or "evaluate"
+    batch_size: int
+    precision: str = "32-true"
+    output: str = "tensor"  # "tensor": concatenated where the batches allow; "list": one entry per batch
+    to: str | None = None  # each rank writes its part to this file (predict(to=...)) instead of sending it
+
+
+@dataclass
+class PredictResult:
+    """One rank's end of ``predict``/``evaluate``.
+
+    ``outputs``: a ``shipping.Parcel`` of ``{"kind", "value", "rows"}`` (``worker/inference/outputs.py``);
+    ``values``: ``evaluate``'s exact values (a Parcel, rank 0 only); ``first``: the dataset index of this
+    rank's first sample (its block is ``first .. first + samples - 1``; of a stream, every ``stride``-th sample).
+    """
+
+    rank: int
+    status: str  # "completed" or "interrupted"
+    first: int = 0
+    samples: int = 0
+    stride: int = 1  # a stream's samples of this rank are first, first + stride, ... (map-style: a block)
+    stream: bool = False  # the data was a stream: the outputs come back with their ids
+    path: str = ""  # predict(to=...): the file this rank wrote its part to
+    outputs: Any = None
+    values: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeptModel:
+    """``predict(model="name")``: the module an earlier fit bound to ``name`` on every rank (``keep=``)."""
+
+    name: str

@@ -34,6 +34,7 @@ def _fit(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shi
         result, ts = loop.fit(parcel, cfg, launch, model_parcel)
     if launch.keep:
         STATE.namespace[launch.keep] = ts.strategy.module
+        STATE.kept_by[launch.keep] = (id(ts.strategy.module), ts.strategy.name)  # predict(model=name) asks
     del ts
     return fit_task_result(result, launch)
 

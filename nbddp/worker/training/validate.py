@@ -1,5 +1,9 @@
 """One validation pass on every rank, reduced once: exact means over the whole set.
 
+Metric objects (torchmetrics ``Metric``s in ``metrics=``) are updated with
+the counted batches and computed at the end, syncing their own state over
+the ranks: exact for F1, AUROC and the like, which no mean of batch values is.
+
 Each rank evaluates every ``world``-th sample (no padding, so no sample is
 counted twice) and the sums are all-reduced at the end. Under a strategy
 whose forward is collective (FSDP all-gathers parameters layer by layer),
@@ -20,6 +24,7 @@ from nbddp.worker.data import streams
 from nbddp.worker.data.batches import move
 from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.training import early_stop
+from nbddp.worker.inference.evaluation import batch_sum, is_metric_object, plain
 from nbddp.worker.training.fit_state import TrainState
 
 
@@ -59,6 +64,33 @@ def val_batches(ts: TrainState, loader: Any) -> Iterator[tuple[Any, bool]]:
     return ((b, True) for b in loader)
 
 
+def metric_objects(ts: TrainState) -> dict[str, Any]:
+    """The metrics that keep their own state (torchmetrics ``Metric``s), on this rank's device."""
+    return {k: m.to(ts.device) if hasattr(m, "to") else m for k, m in ts.metrics.items() if is_metric_object(m)}
+
+
+def accumulate(metrics: dict[str, Any], objects: dict[str, Any], sums: dict[str, float], output: Any, target: Any,
+               n: int) -> None:
+    """One counted batch: metric objects update their state; a function's values are summed (``batch_sum``)."""
+    for name, fn in metrics.items():
+        if name in objects:
+            objects[name].update(output, target)
+        else:
+            sums[name] = sums.get(name, 0.0) + batch_sum(name, fn(output, target), n)
+
+
+def computed(objects: dict[str, Any]) -> dict[str, Any]:
+    """``val_<name>`` of each metric object over every rank (its ``compute()`` syncs: a collective), then reset.
+
+    Exact over the whole set where a mean of batch values is not (F1, AUROC, precision).
+    """
+    out = {}
+    for name, metric in objects.items():  # the same order on every rank
+        out[f"val_{name}"] = plain(metric.compute())
+        metric.reset()
+    return out
+
+
 def validate(ts: TrainState) -> dict[str, Any]:
     """One validation pass; every rank calls it at the same step. Records and returns ``val_*``."""
     rep, module = ts.reporter, ts.strategy.eval_module
@@ -69,6 +101,7 @@ def validate(ts: TrainState) -> dict[str, Any]:
     module.eval()
     loss_sum, n_sum = 0.0, 0
     sums: dict[str, float] = {}
+    objects = metric_objects(ts)
     loader = ts.vloader
     batches = val_batches(ts, loader)
     with torch.no_grad():
@@ -87,9 +120,8 @@ def validate(ts: TrainState) -> dict[str, Any]:
             n_sum += n
             for k, v in extras.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * n
-            for name, fn in ts.metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(fn(output, target)) * n
-    names = sorted(set(ts.metrics) | set(sums))
+            accumulate(ts.metrics, objects, sums, output, target, n)
+    names = sorted((set(ts.metrics) - set(objects)) | set(sums))
     reduced = rep.reduce_sums([loss_sum, float(n_sum), *[sums.get(k, 0.0) for k in names]])
     total = reduced[1]
     if not total:
@@ -97,6 +129,7 @@ def validate(ts: TrainState) -> dict[str, Any]:
                          "only once, and was read already) has nothing to validate on; pass val_data=None to skip")
     out = {"val_loss": reduced[0] / total if total else float("nan")}
     out.update({f"val_{k}": s / total if total else float("nan") for k, s in zip(names, reduced[2:])})
+    out.update(computed(objects))
     record = {"epoch": ts.epoch, "step": ts.step, **out}
     rep.record("val", record)
     module.train(was_training)

@@ -1,0 +1,224 @@
+"""A ``predict``/``evaluate`` call in flight: one task per rank, watched in a thread, the outputs put together.
+
+Like ``fit/fit_run.py``'s ``FitRun``, in small: the ranks' tasks are watched
+by ``jobs.rank_tasks.RankTasks`` (a rank that raises is a ``WorkerError``
+naming it at once; stalls are seen; a dead controller is named), and the
+calling cell waits with ``jobs.waiting.wait_interruptibly`` or gets a
+``PredictHandle`` (``block=False``).
+
+Kernel > Interrupt: the first asks every rank to stop (SIGINT, a flag on the
+rank, looked at before each batch), the second kills the ranks (they are
+replaced). Either way the call raises ``KeyboardInterrupt`` and returns
+nothing: outputs some ranks already sent are removed unread. So are they when
+a rank fails.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+from nbddp.jobs.rank_tasks import RankTasks
+from nbddp.jobs.waiting import wait_interruptibly
+from nbddp.inference.checks import PredictPlan
+from nbddp.inference.progress import ProgressLine, total_batches
+from nbddp.protocol.messages import PredictResult
+from nbddp.shipping import pickling as shipping
+from nbddp.shipping.batched_outputs import assemble, in_stream_order
+
+HARD_STOP_WAIT_S = 30.0
+
+
+class PredictRun:
+    def __init__(self, session: Any, plan: PredictPlan, live: bool):
+        self.session, self.plan = session, plan
+        self.progress = ProgressLine(plan.what, total_batches(plan.n, session.world_size, plan.launch.batch_size), live)
+        self.tasks: RankTasks | None = None
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.stop_requested = False
+        self.hard_stopped = False
+        self.timings: dict[str, float] = {"ship_s": plan.ship_s}
+        self.started_at = time.perf_counter() - plan.ship_s
+        self.done_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    # ---- the work protocol (Session.running, jobs.waiting) -------------------------
+    @property
+    def finished(self) -> bool:
+        return self.done_event.is_set()
+
+    def wait_done(self, timeout: float) -> bool:
+        return self.done_event.wait(timeout)
+
+    def describe(self) -> str:
+        return f"a {self.plan.what}"
+
+    def launch(self) -> None:
+        """Start every rank's task and the watcher (call holding the session's lock, after ``ensure_ready``)."""
+        from nbddp.worker.tasks.predict import evaluate_task, predict_task
+
+        s = self.session
+        task = predict_task if self.plan.launch.task == "predict" else evaluate_task
+        try:
+            s.follow_kernel_paths()
+            ars = {p.rank: s.client[p.engine_id].apply_async(task, s.sources.attach(self.plan.parcels[p.local], p),
+                                                             self.plan.launch) for p in s.placements}
+        except BaseException:
+            self.plan.discard()
+            raise
+        self.tasks = RankTasks(s, ars, self.plan.what)
+        s.running = self
+        self.thread = threading.Thread(target=self._watch, name="nbddp-predict-watch", daemon=True)
+        self.thread.start()
+
+    def request_stop(self) -> None:
+        """Every rank stops before its next batch; the call then raises ``KeyboardInterrupt``."""
+        if self.finished or self.stop_requested:
+            return
+        self.stop_requested = True
+        self.tasks.stalls.stop_at = time.monotonic()  # a rank that cannot take the stop is killed after a grace
+        self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
+
+    def hard_stop(self, reason: str = "a second interrupt") -> None:
+        """Kill every rank now (the supervisor replaces them)."""
+        if self.finished:
+            return
+        self.hard_stopped = True
+        self.session.supervisor.kill_ranks([p.rank for p in self.session.placements])
+        self.done_event.wait(HARD_STOP_WAIT_S)
+
+    # ---- watcher thread --------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            results = self.tasks.wait(on_tick=lambda: self.progress.tick(self.tasks.ars))
+            self.value = self._finish(results)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
+            self.error = exc
+        finally:
+            self._discard_outputs()
+            if self.session.running is self:
+                self.session.running = None
+            self.plan.discard()
+            self.progress.finish(self.status)
+            self.done_event.set()
+
+    @property
+    def status(self) -> str:
+        if self.stop_requested or self.hard_stopped:
+            return "interrupted, nothing returned"
+        return "failed" if self.error is not None else "done"
+
+    def _finish(self, results: dict[int, PredictResult]) -> Any:
+        if any(r.status != "completed" for r in results.values()):
+            self.stop_requested = True
+            return None
+        t0 = time.perf_counter()
+        if self.plan.launch.task == "evaluate":
+            value = shipping.unpack(results[0].values)
+        elif self.plan.launch.to:
+            value = write_index(self.plan.launch.to, [results[r] for r in sorted(results)])
+        else:
+            parts = [shipping.unpack(results[r].outputs, copy=False) for r in sorted(results)]
+            if any(r.stream for r in results.values()):  # a stream: (outputs, ids) in the order samples came
+                value = in_stream_order(parts, [stream_ids(results[r]) for r in sorted(results)],
+                                        self.plan.launch.output)
+            else:
+                value = assemble(parts, self.plan.launch.output)
+            value = owned(value)
+        self.timings.update(predict_s=max(r.timings.get("predict_s", 0.0) for r in results.values()),
+                            pack_s=max(r.timings.get("pack_s", 0.0) for r in results.values()),
+                            load_s=time.perf_counter() - t0, total_s=time.perf_counter() - self.started_at)
+        return value
+
+    def _discard_outputs(self) -> None:
+        """Remove every rank's output file, read or not (a failed or stopped call returns none of them)."""
+        for result in (self.tasks.results.values() if self.tasks is not None else ()):
+            for parcel in (getattr(result, "outputs", None), getattr(result, "values", None)):
+                if parcel is not None:
+                    parcel.discard()
+
+    def result(self) -> Any:
+        if self.stop_requested or self.hard_stopped:
+            raise KeyboardInterrupt(f"{self.plan.what} was interrupted: it returns nothing (no rank's outputs are "
+                                    "kept); call it again to run it whole")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def owned(value: Any) -> Any:
+    """``value`` with no tensor left viewing a worker's file: batches are cloned (joined tensors are copies already).
+
+    The workers rewrite their output files at the next call (pooled), so a
+    view into one would change under the person's feet.
+    """
+    if isinstance(value, tuple) and value and isinstance(value[0], list):  # a stream's (batches, ids)
+        return cloned(value[0]), value[1]
+    return cloned(value) if isinstance(value, list) else value
+
+
+def cloned(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cloned(v) for v in value)
+    return value
+
+
+def write_index(to: str, results: list[PredictResult]) -> list[str]:
+    """The parts' paths, in rank order (the dataset's, for map-style data), also saved as the index file (0600)."""
+    import os
+
+    import torch
+
+    paths = [r.path for r in results]
+    index = to if to.endswith(".pt") else os.path.join(to, "index.pt")
+    fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        torch.save({"parts": paths, "first": [r.first for r in results], "samples": [r.samples for r in results],
+                    "stride": [r.stride for r in results], "stream": any(r.stream for r in results)}, f)
+    return paths
+
+
+def stream_ids(result: PredictResult) -> Any:
+    """The stream positions of one rank's samples: ``first``, ``first + stride``, ... (``streams.RankShard``)."""
+    import torch
+
+    return result.first + result.stride * torch.arange(result.samples, dtype=torch.int64)
+
+
+class PredictHandle:
+    """Returned by ``predict``/``evaluate`` with ``block=False``: the call goes on while the notebook stays usable."""
+
+    def __init__(self, run: PredictRun):
+        self._run = run
+
+    def done(self) -> bool:
+        """Whether the call has ended (done, stopped or failed)."""
+        return self._run.finished
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the call ends; return its value, or raise the workers' error (or ``KeyboardInterrupt``)."""
+        if not wait_interruptibly(self._run, timeout):
+            raise TimeoutError(f"{self._run.plan.what} still running after {timeout} s; call .wait() again or .stop()")
+        return self._run.result()
+
+    def stop(self) -> None:
+        """Stop every rank before its next batch; the call returns nothing (``wait()`` raises ``KeyboardInterrupt``)."""
+        self._run.request_stop()
+        wait_interruptibly(self._run)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds: shipping, the slowest rank's loop and packing, loading here, the whole call."""
+        return dict(self._run.timings)
+
+    def __repr__(self) -> str:
+        return f"<PredictHandle {self._run.plan.what}: {'running' if not self.done() else self._run.status}>"
