@@ -121,6 +121,7 @@ class FitResult:
     weights: Any = None  # shipping.Parcel, or None
     restored: dict[str, Any] | None = None  # restore_best: the step and value whose weights these are
     plan: FitPlanInfo | None = None  # rank 0: the plan it published (which may arrive after the result does)
+    compile: dict[str, Any] | None = None  # dist_fit(compile=...): this rank's compiles, recompiles and their reasons
 
 
 @dataclass(frozen=True)
