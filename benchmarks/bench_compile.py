@@ -1,9 +1,10 @@
 """``dist_fit(compile=True)`` against eager on a small transformer, 2 ranks, in one run:
 
-* **throughput**: samples/s over ``timings['train_s']`` of an eager fit and of
-  a compiled fit whose graphs are already in the session's cache (the second
-  compiled fit), so that the compile itself is not in the figure; reported as
-  measured, whatever it is;
+* **throughput**: samples/s over ``timings['train_s']`` less the slowest
+  rank's ``compile_s`` (the first step's compile is inside the loop), of an
+  eager fit and of the second compiled fit (graphs from the session's cache);
+  reported as measured, whatever it is (``samples_per_s_with_compile`` keeps
+  the compile in);
 * **first against second fit's compile time**: ``History.ranks[i]["compile_s"]``
   of the first compiled fit (cold: Dynamo, AOTAutograd and Inductor with gcc)
   and of the second (the same model unpickled afresh: Dynamo traces again,
@@ -77,7 +78,9 @@ def one_fit(size: dict[str, int], compile: Any, world: int = 2) -> dict[str, Any
     h = nbddp.dist_fit(model, (x, y), epochs=1, batch_size=size["batch"], shuffle=False, live=False,
                        loss_fn=F.cross_entropy, compile=compile)
     samples = len(x) // (world * size["batch"]) * world * size["batch"]
-    return {"samples_per_s": samples / h.timings["train_s"], "train_s": h.timings["train_s"],
+    compile_s = max((r.get("compile_s") or 0.0) for r in h.ranks)
+    return {"samples_per_s": samples / (h.timings["train_s"] - compile_s),  # the steps, not the compile inside them
+            "samples_per_s_with_compile": samples / h.timings["train_s"], "train_s": h.timings["train_s"],
             "compile_s": [r.get("compile_s") for r in h.ranks],
             "cache_hits": [r.get("compile_cache_hits") for r in h.ranks],
             "recompiles": [r["recompiles"] for r in h.compile_report]}
