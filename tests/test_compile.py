@@ -159,6 +159,23 @@ def test_a_compiling_rank_is_shown_with_its_time_and_its_waiting_peer_is_not_sta
     assert [p["phase"] for p in watch.positions()] == ["compiling 60 s", "backward"]
 
 
+def test_the_reaper_removes_the_session_cache_when_the_kernel_died_without_stop(tmp_path):
+    import subprocess
+
+    from nbddp.cluster import reaper
+    from nbddp.protocol.compile_settings import session_cache_dir
+
+    prefix = f"nbddp-test{os.getpid()}"
+    cache = session_cache_dir(prefix)
+    os.makedirs(os.path.join(cache, "fxgraph"), mode=0o700)
+    pidfile = tmp_path / "pids"
+    pidfile.write_text("")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the "kernel": a pid that no longer runs
+    assert reaper.main(gone.pid, str(pidfile), prefix, interval=0.01) == 0
+    assert not os.path.exists(cache)
+
+
 # ---- compiled fits ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ddp_compiled_equals_eager_the_second_fit_hits_the_cache_and_no_stall_fires(workers, tmp_path):
@@ -182,7 +199,7 @@ def test_ddp_compiled_equals_eager_the_second_fit_hits_the_cache_and_no_stall_fi
     assert max(warm) < min(cold) / 2, (cold, warm)
     assert all(r["compile_cache_hits"] > 0 for r in h2.ranks), h2.ranks
     print(f"compile_s per rank: first fit {cold}, second fit {warm}")
-    from nbddp.fit.compile_checks import session_cache_dir
+    from nbddp.protocol.compile_settings import session_cache_dir
 
     cache = session_cache_dir(workers.file_prefix)
     assert oct(os.stat(cache).st_mode & 0o777) == "0o700" and os.listdir(cache), cache

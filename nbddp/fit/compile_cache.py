@@ -97,7 +97,7 @@ def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
 
 
 def _load(session: Any, path: str) -> dict[str, Any]:
-    from nbddp.fit.compile_checks import session_cache_dir
+    from nbddp.protocol.compile_settings import session_cache_dir
     from nbddp.jobs.function_calls import call_everywhere
     from nbddp.worker.tasks.compile_cache import load_artifacts
 

@@ -8,13 +8,11 @@ when the process group forms), so the kernel's answer holds for them.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from dataclasses import replace
 from typing import Any
 
-from nbddp.protocol.compile_settings import COMPILE_KEYS, CompileSpec
+from nbddp.protocol.compile_settings import COMPILE_KEYS, CompileSpec, session_cache_dir
 
 
 def resolve_compile(value: Any) -> CompileSpec | None:
@@ -83,11 +81,6 @@ def _check_mode(mode: Any, backend: str) -> None:
     if backend != "inductor":
         raise ValueError(f"dist_fit(compile={{'mode': {mode!r}}}) is a mode of the 'inductor' backend, but backend "
                          f"is {backend!r}; drop 'mode' or use backend='inductor'")
-
-
-def session_cache_dir(file_prefix: str) -> str:
-    """Where each host's ranks keep Inductor's caches for this session (``/tmp/<session prefix>-inductor``)."""
-    return os.path.join(tempfile.gettempdir(), f"{file_prefix}-inductor")
 
 
 def with_cache_dir(spec: CompileSpec | None, file_prefix: str) -> CompileSpec | None:

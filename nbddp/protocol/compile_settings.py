@@ -9,6 +9,8 @@ every rank and every later fit of the session reads one Inductor cache.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 COMPILE_KEYS = ("mode", "backend", "fullgraph", "dynamic", "regional")
@@ -37,3 +39,11 @@ class CompileSpec:
         if self.mode is not None:
             out["mode"] = self.mode
         return out
+
+
+def session_cache_dir(file_prefix: str) -> str:
+    """Where a host's ranks keep Inductor's caches for one session (``/tmp/<session prefix>-inductor``).
+
+    Removed by ``nbddp.stop()`` on the kernel's host, and by the reaper when the kernel dies without it.
+    """
+    return os.path.join(tempfile.gettempdir(), f"{file_prefix}-inductor")

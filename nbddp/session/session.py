@@ -28,7 +28,7 @@ from nbddp.protocol.errors import ClusterError, FitRunningError, NotStartedError
 from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
 from nbddp.shipping.shm_files import BufferPool, remove_files
-from nbddp.fit.compile_checks import session_cache_dir
+from nbddp.protocol.compile_settings import session_cache_dir
 from nbddp.cluster.slurm.request import slurm_request
 from nbddp.session.source_ledger import SourceLedger
 from nbddp.session.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
