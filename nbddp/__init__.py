@@ -33,6 +33,8 @@ __all__ = [
     "pull",
     "run_script",
     "export_checkpoint",
+    "compile_cache",
+    "RecompileWarning",
     "find_batch_size",
     "scaling_report",
     "DDP",
@@ -82,6 +84,8 @@ _LAZY = {
     "pull": "nbddp.jobs.cells",
     "run_script": "nbddp.jobs.scripts",
     "export_checkpoint": "nbddp.api",
+    "compile_cache": "nbddp.fit.compile_cache",
+    "RecompileWarning": "nbddp.fit.compile_report",
     "find_batch_size": "nbddp.measure.batch_size",
     "scaling_report": "nbddp.measure.scaling",
     "DDP": "nbddp.protocol.parallel_settings",
@@ -118,6 +122,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.inference.predict_run import PredictHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
+    from nbddp.fit.compile_cache import compile_cache
+    from nbddp.fit.compile_report import RecompileWarning
     from nbddp.callbacks.base import stop_fit
     from nbddp.callbacks.early_stopping import EarlyStopping
     from nbddp.fit.history import plot_histories

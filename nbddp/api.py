@@ -104,7 +104,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
-             loggers: Any = None, callbacks: Any = None, **advanced: Any) -> History | FitHandle:
+             loggers: Any = None, callbacks: Any = None, compile: Any = False, **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -222,6 +222,13 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             (``return "stop"`` or ``nbddp.stop_fit()``), and one that raises stops
             it cleanly (``History.stop_reason`` says why).
             ``nbddp.EarlyStopping(...)`` is one.
+        compile: ``True`` or ``{"mode", "backend", "fullgraph", "dynamic",
+            "regional"}``: ``torch.compile`` on every rank, applied by the
+            strategy (DDP: the wrapped module; FSDP: each sharded block,
+            ``regional``; pipeline: each stage; tensor parallel: each block).
+            Inductor's caches are shared by the ranks of a host and by later
+            fits of the session; ``History.ranks[i]["compile_s"]`` says how
+            long each rank compiled. See ``docs/compile.md``.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -266,7 +273,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
-                   mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, **advanced)
+                   mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
+                   **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,

@@ -14,8 +14,10 @@
 #      (only those files: collecting all of tests/ imports nbclient, nbformat and
 #      scikit-learn, which the GPU machine does not have and .whl does not carry)
 #   d. benchmarks/bench_gpu.py -> benchmarks/results/<YYYY-MM-DD>_gpu.json       -> bench.log
-#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, the JSON and summary.txt
-#      copied into $OUT when it is set (7 files, flat)
+#      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
+#      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
+#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, compile.log, the JSONs and summary.txt
+#      copied into $OUT when it is set (10 files, flat)
 #   f. a summary of what passed, failed and was skipped.
 #
 # Exit status: 0 whenever the script itself worked, even when tests fail or a
@@ -23,7 +25,8 @@
 # (or there is no python to run). Without CUDA it runs what it can on CPU and
 # says plainly which GPU parts it skipped.
 #
-# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (200 s), BENCH_TIMEOUT (240 s), OUT.
+# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (200 s), BENCH_TIMEOUT (240 s),
+# COMPILE_TIMEOUT (150 s), OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 
@@ -33,9 +36,11 @@ PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 TEST_TIMEOUT=${TEST_TIMEOUT:-200}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-150}
 OUT=${OUT:-}
 DAY=$(date +%Y-%m-%d)
 JSON=benchmarks/results/${DAY}_gpu.json
+COMPILE_JSON=benchmarks/results/${DAY}_compile.json
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/nbddp-gpu-check.XXXXXX") || exit 2
 T0=$(date +%s)
 touch "$LOGS/.started"
@@ -166,6 +171,10 @@ section "d. benchmarks/bench_gpu.py"
 say "benchmark: -> $JSON (limit ${BENCH_TIMEOUT} s)"
 timeout -k 20 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_gpu.py --out "$JSON" 2>&1 | tee "$LOGS/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
+say "compile benchmark: -> $COMPILE_JSON (limit ${COMPILE_TIMEOUT} s)"
+timeout -k 20 "$COMPILE_TIMEOUT" "$PY" benchmarks/bench_compile.py --quick --out "$COMPILE_JSON" 2>&1 \
+    | tee "$LOGS/compile.log"
+COMPILE_RC=${PIPESTATUS[0]}
 
 # ---- f. summary ----------------------------------------------------------------
 section "summary"
@@ -231,16 +240,24 @@ else
     say "benchmark: wrote no $JSON this run (see bench.log)"
 fi
 
+case "$COMPILE_RC" in
+    0) say "compile benchmark: exit 0; $(grep -A5 'dist_fit(compile=True)' "$LOGS/compile.log" | tr '\n' ' ')" ;;
+    124|137) say "compile benchmark: STOPPED after the ${COMPILE_TIMEOUT} s limit (exit $COMPILE_RC)" ;;
+    *) say "compile benchmark: exit $COMPILE_RC (see compile.log)" ;;
+esac
+
 # ---- e. results into $OUT --------------------------------------------------------
 if [ -n "$OUT" ]; then
     copied=()
     if mkdir -p "$OUT"; then
-        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log; do
+        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log "$LOGS"/compile.log; do
             [ -f "$f" ] && cp "$f" "$OUT/" && copied+=("$(basename "$f")")
         done
-        if [ -f "$JSON" ] && [ "$JSON" -nt "$LOGS/.started" ] && cp "$JSON" "$OUT/"; then
-            copied+=("$(basename "$JSON")")
-        fi
+        for j in "$JSON" "$COMPILE_JSON"; do
+            if [ -f "$j" ] && [ "$j" -nt "$LOGS/.started" ] && cp "$j" "$OUT/"; then
+                copied+=("$(basename "$j")")
+            fi
+        done
         say "copied ${copied[*]} summary.txt into $OUT; $(($(date +%s) - T0)) s in all"
         cp "$LOGS/summary.txt" "$OUT/" && rm -rf -- "$LOGS"
     else

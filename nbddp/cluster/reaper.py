@@ -7,7 +7,8 @@ kernel; when the kernel is gone (even SIGKILLed) it kills every pid listed
 in PIDFILE, and their children, cancels the Slurm jobs listed there
 (``slurm:JOBID`` lines: engines on other machines that no local kill
 reaches), and removes the session's shared-memory files
-(``/dev/shm/FILE_PREFIX*``). When PIDFILE disappears (a clean
+(``/dev/shm/FILE_PREFIX*``) and its Inductor cache on this host
+(``/tmp/FILE_PREFIX-inductor``, ``dist_fit(compile=...)``). When PIDFILE disappears (a clean
 ``nbddp.stop()``), it simply exits.
 """
 
@@ -136,6 +137,11 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
         from nbddp.shipping.shm_files import remove_files
 
         remove_files(file_prefix)
+        import shutil
+
+        from nbddp.protocol.compile_settings import session_cache_dir
+
+        shutil.rmtree(session_cache_dir(file_prefix), ignore_errors=True)  # dist_fit(compile=...)'s Inductor cache
     return 0
 
 

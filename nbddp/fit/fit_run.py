@@ -16,6 +16,7 @@ from typing import Any
 
 from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.fit import compile_report
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.protocol.messages import FitResult, RankInfo, published
@@ -55,6 +56,7 @@ class FitRun:
         self.live_state = LiveState(world_size=session.world_size, backend=session.backend, epochs=plan.cfg.epochs,
                                     placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements])
         self.thread: threading.Thread | None = None
+        self._warned = False
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
         self.watch_cpu_s: float | None = None
         self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
@@ -205,6 +207,7 @@ class FitRun:
             history.add(kind, record)
         history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
         history.ranks = self._rank_rows(head)
+        history.compile_report = compile_report.gather(results)
         parcel: shipping.Parcel | None = head.weights
         if parcel is not None:
             try:
@@ -274,4 +277,7 @@ class FitRun:
                 notify(text, stacklevel=4)  # notify, result, dist_fit, the cell
         if self.error is not None:
             raise self.error
+        if not self._warned:  # in the cell's thread, so that the warning shows under that cell, once
+            self._warned = True
+            compile_report.warn_once(self.history.compile_report)
         return self.history

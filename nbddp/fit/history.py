@@ -49,7 +49,9 @@ class History:
             ``fit_peak_mem`` (``peak_mem - base_mem``: what the fit itself
             added, the same whatever ran before), ``param_bytes`` (the parameter
             bytes that rank holds), and on GPU ``cuda_allocated``,
-            ``cuda_reserved`` and ``cuda_peak``.
+            ``cuda_reserved`` and ``cuda_peak``. With ``compile=...`` also
+            ``compile_s`` (seconds that rank spent in Dynamo and Inductor)
+            and ``compile_cache_hits`` (graphs it found compiled already).
         model: the trained module when ``dist_fit`` was given a factory (the
             given module itself otherwise).
         stop_reason: why a stop was asked for, when one was: a callback
@@ -62,6 +64,9 @@ class History:
             ``logged`` and ``missed`` records, ``error`` (the first, if any).
         errors: every logger and callback exception reported during the fit
             (``source``, ``error``, ``traceback``).
+        compile_report: with ``dist_fit(compile=...)``, one dict per rank:
+            ``rank``, ``compiles``, ``recompiles`` and their ``reasons`` (as
+            Dynamo gives them), ``graph_breaks``, ``compile_s``, ``cache_hits``.
     """
 
     status: str = "completed"
@@ -78,6 +83,7 @@ class History:
     best: dict[str, Any] | None = None
     loggers: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
+    compile_report: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""

@@ -12,6 +12,7 @@ import os
 from dataclasses import fields
 from typing import Any
 
+from nbddp.fit.compile_checks import resolve_compile
 from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
 from nbddp.protocol.parallel_settings import check_mesh_shape, is_replicated, module_classes, resolve_strategy
 
@@ -73,6 +74,7 @@ def make_config(**options: Any) -> FitConfig:
     cfg.strategy = resolve_strategy(cfg.strategy)
     cfg.mesh = check_mesh_shape(cfg.mesh)
     cfg.activation_checkpointing = _checkpointing(cfg.activation_checkpointing)
+    cfg.compile = resolve_compile(cfg.compile)
     if not is_replicated(cfg.strategy) and cfg.sync_batchnorm:
         raise ValueError("dist_fit(sync_batchnorm=True) is not supported with strategy='fsdp': FSDP does not synchronise "
                          "buffers, so BatchNorm statistics would differ across ranks. Use strategy='ddp' for SyncBatchNorm.")

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.messages import FitLaunch
+from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
 from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated
@@ -248,6 +249,7 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32), **options)
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
+    cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
     check_units(model, cfg)
     check_topology(model, cfg, session.world_size, step_fn, stream=bool(getattr(spec, "stream", False)))
     if n_train is not None:

@@ -47,8 +47,9 @@ WAITING_S = 2.0  # quiet this long in a collective: shown "waiting" (for a peer)
 TICK_S = 0.25
 # where a rank is within one micro-batch; code that marks nothing (cells, calls, scripts) is behind
 # a rank waiting in a collective
-PHASE_ORDER = {"setup": 0, "cell": 0, "call": 0, "script": 0, "push": 0, "data": 1, "forward": 2, "backward": 3,
-               "optimizer": 4, "collective": 5, "validation": 6, "checkpoint": 7, "finish": 8}
+# ("compiling": Dynamo and Inductor at work inside a forward or backward, worker/training/compile_watch.py)
+PHASE_ORDER = {"setup": 0, "cell": 0, "call": 0, "script": 0, "push": 0, "data": 1, "compiling": 2, "forward": 2,
+               "backward": 3, "optimizer": 4, "collective": 5, "validation": 6, "checkpoint": 7, "finish": 8}
 FINISHED = (sys.maxsize, 0)
 UNSEEN = (-1, -1)
 
@@ -67,6 +68,7 @@ def position(beat: Beat | None) -> tuple[int, int]:
 class Seen:
     beat: Beat | None
     changed: float  # kernel clock: when the rank's progress counter last changed (or the watch began)
+    phase_since: float = 0.0  # kernel clock: when the rank's beats began to name their present phase
 
 
 class StallWatch:
@@ -85,6 +87,8 @@ class StallWatch:
             return
         if seen.beat is None or beat.progress != seen.beat.progress:
             seen.changed = self.clock()
+        if seen.beat is None or beat.phase != seen.beat.phase:
+            seen.phase_since = self.clock()
         seen.beat = beat
         if beat.phase == "paused":
             self.hold()
@@ -136,6 +140,8 @@ class StallWatch:
                 phase = "done" if rank in self.done else beat.phase
                 if phase == "collective" and self.quiet_s(rank) >= WAITING_S and rank not in stalled:
                     phase = "waiting"
+                elif phase == "compiling":  # how long this compile has run: minutes are normal on a first fit
+                    phase = f"compiling {self.clock() - seen.phase_since:.0f} s"
                 out.append({"rank": rank, "phase": phase, "step": beat.step, "micro": beat.micro,
                             "idle_s": self.quiet_s(rank)})
         return out

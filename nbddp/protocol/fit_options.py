@@ -57,6 +57,7 @@ class FitConfig:
     on_nan: str = "raise"  # a NaN/inf loss: "raise", "stop" (last good weights) or "skip" (drop that update)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
+    compile: Any = None  # None, or a protocol.compile_settings.CompileSpec (checked by fit/compile_checks.py)
 
 
 def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:

@@ -127,6 +127,7 @@ class FitResult:
     plan: FitPlanInfo | None = None  # rank 0: the plan it published (which may arrive after the result does)
     stop_reason: str | None = None  # the workers stopped training early, and why (on_nan="stop")
     notices: list[str] = field(default_factory=list)  # one-line notices for the person, raised in the kernel
+    compile: dict[str, Any] | None = None  # dist_fit(compile=...): this rank's compiles, recompiles and their reasons
 
 
 @dataclass(frozen=True)

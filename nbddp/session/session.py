@@ -15,6 +15,7 @@ caller wait for a heal without holding the lock meanwhile.
 from __future__ import annotations
 
 import os
+import shutil
 import secrets
 import sys
 import threading
@@ -27,6 +28,7 @@ from nbddp.protocol.errors import ClusterError, FitRunningError, NotStartedError
 from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
 from nbddp.shipping.shm_files import BufferPool, remove_files
+from nbddp.protocol.compile_settings import session_cache_dir
 from nbddp.cluster.slurm.request import slurm_request
 from nbddp.session.source_ledger import SourceLedger
 from nbddp.session.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
@@ -178,6 +180,8 @@ class Session:
             self.send_pool.close()
             self.sources.forget()
             remove_files(self.file_prefix)
+            # this host's Inductor cache of the session (dist_fit(compile=...)): kept only by compile_cache(save=...)
+            shutil.rmtree(session_cache_dir(self.file_prefix), ignore_errors=True)
 
     def restart(self) -> "Session":
         opts = self.options

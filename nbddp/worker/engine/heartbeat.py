@@ -180,6 +180,8 @@ class Monitor(threading.Thread):
                     self._sample(now)
                 elif BEAT.watch_waits:
                     self._see_waits()
+                if BEAT.phase == "compiling":  # in Dynamo or Inductor: progress however long it takes
+                    BEAT.progress += 1
                 self._send_beat(now)
 
     def _sample(self, now: float) -> None:

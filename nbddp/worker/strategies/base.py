@@ -67,6 +67,14 @@ class Strategy(ABC):
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.wrapped.parameters()
 
+    def compile_targets(self, spec: Any) -> list[nn.Module]:
+        """The modules ``dist_fit(compile=...)`` compiles in place, after ``wrap`` (``strategies/compiling.py``).
+
+        By default the person's module inside the wrapper: the wrapper calls
+        it in training, and validation calls it directly, so both run compiled.
+        """
+        return [self.module]
+
     # ---- the step ------------------------------------------------------------
     def train_micro_batch(self, ts: Any, batch: Any, window: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
         """Forward and backward one micro-batch (already on the device), the loss divided by ``window``.

@@ -1,4 +1,11 @@
-"""Replicated training: ``DistributedDataParallel``, one full copy per rank."""
+"""Replicated training: ``DistributedDataParallel``, one full copy per rank.
+
+``dist_fit(compile=...)`` compiles the module DDP wraps, whole (the base
+``compile_targets``; ``regional`` does not apply): DDP calls it inside its
+forward, where Dynamo sees the DDP module and splits the graph at its bucket
+boundaries (``optimize_ddp``), so each bucket's all-reduce still overlaps
+the rest of the backward; validation calls the same compiled module.
+"""
 
 from __future__ import annotations
 

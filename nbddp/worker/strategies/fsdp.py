@@ -73,6 +73,17 @@ class FSDPStrategy(Strategy):
         self.wrapped = self.module = model
         return model
 
+    def compile_targets(self, spec: Any) -> list[nn.Module]:
+        """Each sharded unit after ``fully_shard``, as torchtitan does (``regional``), else the whole root.
+
+        A unit's graph then sits between FSDP's all-gather and reduce-scatter
+        hooks (which Dynamo leaves to run eagerly), and the blocks of one
+        class share one compiled graph: compiled once, reused by the others.
+        """
+        from nbddp.worker.strategies.compiling import regions
+
+        return regions(self.module, blocks.shard_units(self.module, self.spec.shard_modules), spec)
+
     def _materialise(self, model: nn.Module) -> None:
         """Allocate this rank's shards of a model built on meta, and initialise them."""
         model.to_empty(device="cpu" if self.spec.cpu_offload else self.device)

@@ -107,6 +107,11 @@ class PipelineStrategy(MeshStrategy):
         self.wrapped = self.module = cut.holder(mine)
         return self.wrapped
 
+    def compile_targets(self, spec: Any) -> list[nn.Module]:
+        """Each stage this rank holds: the schedule calls a stage's module for every micro-batch, and the
+        forward-only stages of validation wrap the same modules."""
+        return [s.submod for s in self.stages]
+
     def _example(self) -> Any:
         """A micro-batch of the training data, for its shapes (RNG left as it was)."""
         from nbddp.worker.checkpoints.files import rng_state, set_rng_state

@@ -56,6 +56,13 @@ class TensorParallelStrategy(MeshStrategy):
         self.wrapped = self.module = model
         return model
 
+    def compile_targets(self, spec: Any) -> list[nn.Module]:
+        """Each repeated block after ``parallelize_module`` (``regional``), else the whole module."""
+        from nbddp.partitioning.blocks import repeated_blocks
+        from nbddp.worker.strategies.compiling import regions
+
+        return regions(self.module, repeated_blocks(self.module), spec)
+
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
         if self.sharded:

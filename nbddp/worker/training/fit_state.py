@@ -60,6 +60,7 @@ class TrainState:
     stoppers: list[Any] = field(default_factory=list)  # early_stop.Patience, one per EarlyStopping
     stop_reason: str | None = None  # why training stopped early, when the workers decided it (History.stop_reason)
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
+    compiled: list[nn.Module] = field(default_factory=list)  # modules whose forward is compiled for this fit
 
     @property
     def batches_per_epoch(self) -> int:

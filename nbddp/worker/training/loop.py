@@ -42,6 +42,8 @@ from nbddp.worker.training.report import Reporter
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.training.fit_state import TrainState
 from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
+from nbddp.worker.strategies.compiling import uncompile
+from nbddp.worker.training.compile_watch import COMPILES
 from nbddp.worker.training.validate import validate
 _END = object()  # the end of an epoch's batches
 
@@ -108,6 +110,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
         train(ts)
     finally:
         streams.release(ts)  # loader worker processes end with the fit
+        COMPILES.end()
+        uncompile(ts.compiled)
     train_s = time.perf_counter() - t_train
     timings = {"setup_s": setup_s, "train_s": train_s, "train_start_wall": train_start_wall}
     return finish(ts, launch, timings), ts
@@ -286,7 +290,8 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     rep.publish(force=True)
     timings["publish_s"] = rep.publish_s
     result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings, stop_reason=ts.stop_reason,
-                       notices=nan_policy.notices(ts))
+                       notices=nan_policy.notices(ts),
+                       compile=COMPILES.report() if ts.cfg.compile is not None else None)
     if ts.best is not None:  # every rank: putting the best weights back may be collective
         result.restored = ts.best.restore(ts)
     if launch.returns != "none":

@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from nbddp.protocol.messages import PUBLISH_KEYS, FitPlanInfo, Progress
 from nbddp.worker.memory.usage import cuda_memory
+from nbddp.worker.training.compile_watch import COMPILES
 
 WINDOW = 64
 RANK_SLOTS = ("samples_per_s", "samples", "peak_mem", "base_mem", "param_bytes", "cuda_allocated", "cuda_reserved",
-              "cuda_peak")
+              "cuda_peak", "compile_s", "compile_cache_hits")
+FLOAT_SLOTS = ("samples_per_s", "compile_s")
 
 
 class Reporter:
@@ -108,7 +110,8 @@ class Reporter:
             *[self.extras.get(k, self._zero) * weight for k in keys],
         ])
         mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem),
-                "base_mem": float(self.base_mem), "param_bytes": float(self.param_bytes), **cuda_memory(self.device)}
+                "base_mem": float(self.base_mem), "param_bytes": float(self.param_bytes), **cuda_memory(self.device),
+                **self._compile_figures()}
         slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
         for i, key in enumerate(RANK_SLOTS):
             slots[i * w + self.rank] = float(mine.get(key, 0.0))
@@ -136,6 +139,12 @@ class Reporter:
         self.reset_window()
         return stop > 0
 
+    def _compile_figures(self) -> dict[str, float]:
+        """Seconds this rank compiled in this fit, and the graphs it found in Inductor's cache (``compile=...``)."""
+        if getattr(self.cfg, "compile", None) is None:
+            return {}
+        return {"compile_s": COMPILES.seconds, "compile_cache_hits": float(COMPILES.cache_hits)}
+
     def _rank_figures(self, r: int, per_rank: list[float]) -> dict[str, Any]:
         w = self.world
         out: dict[str, Any] = {"rank": r, **self.roles[r]}
@@ -143,7 +152,9 @@ class Reporter:
             value = per_rank[i * w + r]
             if key.startswith("cuda_") and self.device.type != "cuda":
                 continue
-            out[key] = value if key == "samples_per_s" else int(value)
+            if key.startswith("compile_") and getattr(self.cfg, "compile", None) is None:
+                continue
+            out[key] = value if key in FLOAT_SLOTS else int(value)
         return out
 
     def end_epoch(self, epoch: int, step: int) -> dict[str, Any]:

@@ -30,8 +30,11 @@ from nbddp.worker.data import streams
 from nbddp.partitioning.blocks import apply_activation_checkpointing
 from nbddp.worker.data.datasets import keep_only, materialise, train_loader, val_loader
 from nbddp.worker.strategies.precision import precision_tools
+from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.strategies import make_strategy
+from nbddp.worker.strategies.compiling import compile_in_place, prepare_inductor
+from nbddp.worker.training.compile_watch import COMPILES
 from nbddp.worker.training.fit_state import TrainState
 from nbddp.worker.training.schedules import Schedule, choose_interval
 
@@ -161,6 +164,14 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
     identical = isinstance(parts["model"], nn.Module) or resume_path is not None
     ts.strategy.wrap(ts.model, identical)
     ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
+    if ts.cfg.compile is not None:
+        # a first compiled fit imports Dynamo and Inductor for seconds: compile work, not a stall. The caches
+        # are set before anything compiles (at the first forward)
+        BEAT.mark("compiling")
+        prepare_inductor(ts.cfg.compile)
+        COMPILES.begin()
+        ts.compiled = compile_in_place(ts.strategy.compile_targets(ts.cfg.compile), ts.cfg.compile)
+        BEAT.mark("setup")
     ts.optimizer = make_optimizer(parts.get("optimizer"), ts.strategy.parameters(), ts.cfg.lr)
     if ts.strategy.heap_steady_state:
         memory.steady_after_first_step(ts.optimizer)

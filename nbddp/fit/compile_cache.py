@@ -1,0 +1,106 @@
+"""``nbddp.compile_cache(save=path)`` / ``(load=path)``: what the workers compiled, kept in a file and brought back.
+
+The session's Inductor cache directory lives as long as the session (it is
+removed by ``nbddp.stop()``). To start a new session, or the machine a
+Slurm job lands on, warm, save torch's portable cache artifacts
+(``torch.compiler.save_cache_artifacts``) from every rank into one file,
+and load them (``load_cache_artifacts``) into every rank of the new session
+before its first compiled fit.
+
+The file: one JSON line (format, torch version, each blob's size), then the
+blobs. Ranks that compiled the same graphs give identical blobs; each is
+kept once. No pickle: loading a file runs no code of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+FORMAT = "nbddp-compile-cache/1"
+
+
+def compile_cache(save: str | os.PathLike | None = None, load: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Save what every rank compiled to ``save``, or load ``load`` into every rank; returns what moved.
+
+    Returns ``{"path", "bytes", "artifacts": {kind: count}}`` (for ``load``,
+    the counts rank 0 loaded). The file is owner-only (0600).
+
+    Raises:
+        ValueError: neither or both of ``save`` and ``load``; nothing compiled yet; a file of
+            another format, or saved by another torch version.
+    """
+    from nbddp.session.session import get_session
+
+    if (save is None) == (load is None):
+        raise ValueError(f"nbddp.compile_cache() takes one of save=path or load=path, got save={save!r}, "
+                         f"load={load!r}")
+    session = get_session()
+    session.ensure_started()
+    if save is not None:
+        return _save(session, os.path.abspath(os.fspath(save)))
+    return _load(session, os.path.abspath(os.fspath(load)))
+
+
+def _save(session: Any, path: str) -> dict[str, Any]:
+    import torch
+
+    from nbddp.jobs.function_calls import call_everywhere
+    from nbddp.worker.tasks.compile_cache import save_artifacts
+
+    blobs: list[bytes] = []
+    kinds: dict[str, int] = {}
+    seen: set[str] = set()
+    for found in call_everywhere(session, save_artifacts, (), {}):
+        digest = hashlib.sha256(found[0]).hexdigest() if found is not None else None
+        if digest is None or digest in seen:
+            continue
+        seen.add(digest)
+        blobs.append(found[0])
+        for kind, n in found[1].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    if not blobs:
+        raise ValueError("nbddp.compile_cache(save=...): no rank has compiled anything in this session; run "
+                         "dist_fit(..., compile=True) first, then save")
+    header = {"format": FORMAT, "torch": torch.__version__, "sizes": [len(b) for b in blobs], "artifacts": kinds}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(header).encode() + b"\n")
+        for blob in blobs:
+            f.write(blob)
+    os.replace(tmp, path)
+    return {"path": path, "bytes": os.path.getsize(path), "artifacts": kinds}
+
+
+def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
+    """The header and blobs of a file ``_save`` wrote, checked against this torch."""
+    import torch
+
+    with open(path, "rb") as f:
+        line = f.readline()
+        try:
+            header = json.loads(line)
+        except ValueError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise ValueError(f"nbddp.compile_cache(load={path!r}): not a file nbddp.compile_cache(save=...) wrote "
+                             f"(its first line should name {FORMAT!r})")
+        blobs = [f.read(n) for n in header["sizes"]]
+    if header["torch"] != torch.__version__:
+        raise ValueError(f"nbddp.compile_cache(load={path!r}) was saved with torch {header['torch']}, and the workers "
+                         f"run torch {torch.__version__}: compiled code is only valid for the torch that made it. "
+                         "Compile afresh (the first fit will) and save again")
+    return header, blobs
+
+
+def _load(session: Any, path: str) -> dict[str, Any]:
+    from nbddp.protocol.compile_settings import session_cache_dir
+    from nbddp.jobs.function_calls import call_everywhere
+    from nbddp.worker.tasks.compile_cache import load_artifacts
+
+    _, blobs = read_file(path)
+    counts = call_everywhere(session, load_artifacts, (blobs, session_cache_dir(session.file_prefix)), {})
+    return {"path": path, "bytes": os.path.getsize(path), "artifacts": counts[0]}
