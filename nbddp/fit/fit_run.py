@@ -22,6 +22,8 @@ from nbddp.protocol.messages import FitResult, RankInfo, published
 from nbddp.fit.preflight import FitPlan
 from nbddp.monitor.stalls import StuckStop
 from nbddp.jobs.rank_tasks import RankTasks
+from nbddp.profiling.time_split import split_ranks
+from nbddp.profiling.trace_merge import gathered_profile
 
 HARD_STOP_WAIT_S = 30.0
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
@@ -201,7 +203,9 @@ class FitRun:
         for _, kind, record in head.records:
             history.add(kind, record)
         history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
-        history.ranks = self._rank_rows(head)
+        history.ranks = self._rank_rows(head, results)
+        if self.plan.cfg.profile is not None:
+            history.profile = gathered_profile(results, self.plan.cfg.profile, self.session.world_size)
         parcel: shipping.Parcel | None = head.weights
         if parcel is not None:
             try:
@@ -233,12 +237,16 @@ class FitRun:
         del state
         return target
 
-    def _rank_rows(self, head: FitResult) -> list[dict[str, Any]]:
-        """One dict per rank: where it ran (the kernel knows) and what it measured (rank 0's last reduction)."""
+    def _rank_rows(self, head: FitResult, results: dict[int, FitResult]) -> list[dict[str, Any]]:
+        """One dict per rank: where it ran (the kernel knows), what it measured (rank 0's last reduction), and
+        its time split (from its own result: the time after the last reduction included)."""
         figures = {r["rank"]: r for r in head.ranks}
-        return [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
-                                                                        if k != "rank"}}
-                for p in self.live_state.placements]
+        placements = self.live_state.placements
+        splits = split_ranks([results[p.rank].phase_s if p.rank in results else {} for p in placements])
+        return [{"rank": p.rank, "host": p.host, "device": p.device,
+                 **{k: v for k, v in figures.get(p.rank, {}).items() if k not in ("rank", "phase_s")},
+                 "time_split": split}
+                for p, split in zip(placements, splits)]
 
     def _timings(self, head: FitResult, t0: float, loaded: float) -> dict[str, float]:
         worker = head.timings

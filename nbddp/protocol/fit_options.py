@@ -53,6 +53,7 @@ class FitConfig:
     prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
+    profile: Any = None  # a profile_spec.ProfileSpec once checked: torch.profiler over the same steps on every rank
 
 
 def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:

@@ -58,6 +58,9 @@ class Heartbeat:
         # rank blocked in torch.distributed as "collective", i.e. waiting for a peer, not stalled itself
         self.watch_waits = False
         self.marked = phase
+        # the fit's time split: seconds per marked phase, from ``time_phases`` on (None: not timed)
+        self.spent: dict[str, float] = {}
+        self._since: float | None = None
 
     def pause(self, where: str) -> None:
         """A debugger prompt holds the main thread: the phase says ``paused`` until ``resume``."""
@@ -72,9 +75,30 @@ class Heartbeat:
             self.mark(self._before_pause)
 
     def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        if self._since is not None:  # one clock read serves both: the split costs a dict update per mark
+            self.spent[self.marked] = self.spent.get(self.marked, 0.0) + now - self._since
+            self._since = now
         self.phase = self.marked = phase
         self.progress += 1
-        self.changed = time.monotonic()
+        self.changed = now
+
+    def time_phases(self, phase: str) -> None:
+        """Start the time split: from now on each mark closes the phase before it (``phase_seconds``)."""
+        self.spent = {}
+        self._since = None
+        self.mark(phase)
+        self._since = self.changed
+
+    def phase_seconds(self, stop: bool = False) -> dict[str, float]:
+        """Seconds per phase since ``time_phases``, the phase running now included; ``stop`` ends the timing."""
+        out = dict(self.spent)
+        if self._since is not None:
+            now = time.monotonic()
+            out[self.marked] = out.get(self.marked, 0.0) + now - self._since
+            if stop:
+                self.spent, self._since = out, None
+        return out
 
     def micro_batch(self) -> None:
         """A micro-batch is about to be fetched."""

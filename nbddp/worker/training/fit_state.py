@@ -51,6 +51,7 @@ class TrainState:
     best: Any = None  # worker.best.BestWeights when the kernel asked to end with the best check's weights
     lr: float = 0.0  # the learning rate of the last optimizer step
     stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
+    profiler: Any = None  # profiler.StepProfiler under dist_fit(profile=...)
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
 
     @property

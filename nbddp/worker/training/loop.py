@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
+from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult, timed_phases
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
@@ -43,6 +43,7 @@ from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.training.fit_state import TrainState
 from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
 from nbddp.worker.training.validate import validate
+from nbddp.worker.training.profiler import StepProfiler
 _END = object()  # the end of an epoch's batches
 
 
@@ -84,6 +85,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     except BaseException as exc:  # noqa: BLE001
         error = exc
     agree(error, device, "wrapping the model and loading the checkpoint")
+    agreed_us = time.time_ns() / 1000  # every rank leaves the agreement together: the profile's clock reference
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
@@ -93,14 +95,20 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
                            counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
+    ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
     setup_s = time.perf_counter() - t_setup
     t_train = time.perf_counter()
+    BEAT.time_phases("data")  # the time split covers train_s: building the epoch's loader is data work
     try:
         train(ts)
     finally:
         streams.release(ts)  # loader worker processes end with the fit
+        trace = ts.profiler.close() if ts.profiler is not None else None  # never left running on the engine
+    phase_s = timed_phases(BEAT.phase_seconds(stop=True))
     train_s = time.perf_counter() - t_train
-    return finish(ts, launch, {"setup_s": setup_s, "train_s": train_s}), ts
+    result = finish(ts, launch, {"setup_s": setup_s, "train_s": train_s})
+    result.phase_s, result.profile = phase_s, trace
+    return result, ts
 
 
 def train(ts: TrainState) -> None:
@@ -149,6 +157,9 @@ def run_epoch(ts: TrainState) -> bool:
         if not train_micro_batch(ts, bi, batch):
             continue  # inside an accumulation window
         optimizer_step(ts)
+        if ts.profiler is not None:
+            BEAT.mark("profiler")  # tracing and writing the trace out: "other" in the time split
+            ts.profiler.step()
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
         # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete

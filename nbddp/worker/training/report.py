@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.messages import PUBLISH_KEYS, FitPlanInfo, Progress
+from nbddp.protocol.messages import PUBLISH_KEYS, TIMED_PHASES, FitPlanInfo, Progress, timed_phases
+from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.memory.usage import cuda_memory
 
 WINDOW = 64
@@ -107,9 +108,10 @@ class Reporter:
         ])
         mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem),
                 "base_mem": float(self.base_mem), "param_bytes": float(self.param_bytes), **cuda_memory(self.device)}
-        slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
-        for i, key in enumerate(RANK_SLOTS):
-            slots[i * w + self.rank] = float(mine.get(key, 0.0))
+        spent = timed_phases(BEAT.phase_seconds())  # the time split so far rides in the same reduction
+        values = [float(mine.get(key, 0.0)) for key in RANK_SLOTS] + [spent[p] for p in TIMED_PHASES]
+        slots = torch.zeros(len(values) * w, dtype=torch.float64, device=self.device)
+        slots[self.rank::w] = torch.tensor(values, dtype=torch.float64)
         vec = torch.cat([head, slots])
         dist.all_reduce(vec)
         v = vec.cpu().tolist()
@@ -142,6 +144,8 @@ class Reporter:
             if key.startswith("cuda_") and self.device.type != "cuda":
                 continue
             out[key] = value if key == "samples_per_s" else int(value)
+        first = len(RANK_SLOTS)
+        out["phase_s"] = {p: per_rank[(first + j) * w + r] for j, p in enumerate(TIMED_PHASES)}
         return out
 
     def end_epoch(self, epoch: int, step: int) -> dict[str, Any]:
