@@ -27,7 +27,7 @@ from nbddp.live.widget import rank_rows, rank_table_html, summary_text
 from nbddp.profiling.time_split import SPLIT_PHASES, efficiency, split_frame, split_ranks, summary
 from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, timed_phases
 from nbddp.profiling.timeline import timeline_figure
-from nbddp.profiling.trace_merge import profile_summary, write_trace
+from nbddp.profiling.trace_merge import merge_traces, profile_summary, write_trace
 from nbddp.protocol.profile_spec import ProfileSpec, profile_spec
 from nbddp.worker.engine.heartbeat import Heartbeat
 from nbddp.worker.training.profiler import CLOCK_MARK, StepProfiler
@@ -265,7 +265,7 @@ def test_a_rank_traces_its_steps_and_maps_its_clock_to_the_wall_clock():
 
 def test_traces_merge_into_one_lane_per_rank_on_one_clock(tmp_path):
     t0 = _traced(agreed_us=1000.0)
-    t1 = dict(t0, agreed_us=1000.0 + 5e6)  # the same trace, from a rank whose wall clock runs 5 s ahead
+    t1 = dict(t0, agreed_us=1000.0 + 5e6, host="elsewhere")  # the same trace, from a host whose clock is 5 s ahead
     path = write_trace({0: t0, 1: t1}, str(tmp_path / "traces"))
     assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(tmp_path / "traces").st_mode & 0o777 == 0o700
     with open(path) as f:
@@ -276,6 +276,9 @@ def test_traces_merge_into_one_lane_per_rank_on_one_clock(tmp_path):
              for r in (0, 1)}
     assert lanes[0] and lanes[0] == pytest.approx([ts + 5e6 for ts in lanes[1]])  # rank 1's clock set back 5 s
     assert min(lanes[1]) >= 0
+    same_host = merge_traces({0: t0, 1: dict(t0, agreed_us=1000.0 + 5e6)})  # one host, one clock: no correction
+    assert sorted(e["ts"] for e in same_host if e["pid"] == 0 and "ts" in e) == \
+        sorted(e["ts"] for e in same_host if e["pid"] == 1 and "ts" in e)
     fig = timeline_figure(path)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
     assert "forward and other operators" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -327,3 +330,80 @@ def test_the_scaling_report_says_where_the_lost_efficiency_went():
     assert "10% of a step waits on gradient communication, 25% loads data and 25% waits for a slower rank" \
         in report.recommendation
     assert "waiting for a rank" in repr(report)
+
+
+# ---------------------------------------------------------------------------
+# handle.profile: the request, the traces as they arrive
+
+
+def _requests(local: bool = True):
+    from nbddp.profiling.requests import ProfileRequests
+
+    session = SimpleNamespace(file_prefix=f"nbddp-test-{os.getpid()}-req",
+                              placements=[SimpleNamespace(rank=0, host="far-away", local=local)])
+    return ProfileRequests(session)
+
+
+def test_a_request_is_an_owner_only_file_that_goes_when_the_traces_are_in():
+    requests = _requests()
+    try:
+        first = requests.ask(3)
+        assert os.stat(requests.path).st_mode & 0o777 == 0o600
+        with open(requests.path) as f:
+            assert json.load(f) == {"id": first, "steps": 3}
+        trace = _traced(agreed_us=0.0)
+        ars = {0: SimpleNamespace(data={"nbddp-profile": (first, trace)}), 1: SimpleNamespace(data={})}
+        requests.collect(ars)
+        assert requests.wait(first, timeout=0.01) is None  # rank 1's trace is missing
+        ars[1].data["nbddp-profile"] = (first, dict(trace))
+        requests.collect(ars)
+        result = requests.wait(first, timeout=0.01)
+        assert result["ranks"] == [0, 1] and not os.path.exists(requests.path)
+        os.remove(result["path"])
+        os.rmdir(os.path.dirname(result["path"]))
+    finally:
+        requests.close()
+    assert requests.wait(first + 1, timeout=None) is None  # the fit ended: a waiting call returns
+
+
+@pytest.mark.parametrize("steps, match", [(0, r"must be a whole number of steps >= 1, got 0"),
+                                          (2.5, r"got 2.5")])
+def test_a_request_needs_a_whole_number_of_steps(steps, match):
+    with pytest.raises(ValueError, match=match):
+        _requests().ask(steps)
+
+
+def test_a_request_needs_rank_0_on_this_machine():
+    with pytest.raises(RuntimeError, match=r"rank 0 runs on far-away; profile that fit from its start with "
+                                           r"dist_fit\(\.\.\., profile=True\)"):
+        _requests(local=False).ask(3)
+
+
+def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
+    handle = nbddp.dist_fit(Small(), _data(4000), epochs=1, batch_size=4, lr=0.01, optimizer=torch.optim.SGD,
+                            live=False, block=False, log_every=1)
+    try:
+        profile = handle.profile(steps=10)
+        assert not handle.done(), "the fit stopped for the profile"
+    finally:
+        history = handle.stop()
+    assert history.status == "interrupted" and profile["ranks"] == [0, 1]
+    with open(profile["path"]) as f:
+        events = json.load(f)["traceEvents"]
+    for rank in (0, 1):
+        lane = [e for e in events if e["pid"] == rank and e.get("ph") == "X"]
+        assert len({e["name"] for e in lane if e["name"].startswith("ProfilerStep#")}) == 10
+        assert any(e["name"].startswith("aten::") for e in lane)
+    with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=10\): this fit has ended \(interrupted\); "
+                                               r"profile a running fit"):
+        handle.profile(steps=10)
+
+
+def test_a_fit_that_ends_before_any_traced_step_says_so():
+    from nbddp.fit.handle import FitHandle
+
+    requests = SimpleNamespace(ask=lambda steps: 1, wait=lambda request, timeout: None)
+    run = SimpleNamespace(finished=False, requests=requests, live_state=SimpleNamespace(status="completed"))
+    with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=5\): the fit ended \(completed\) before its "
+                                               r"ranks traced a step"):
+        FitHandle(run).profile(steps=5)

@@ -24,6 +24,7 @@ from nbddp.monitor.stalls import StuckStop
 from nbddp.jobs.rank_tasks import RankTasks
 from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
+from nbddp.profiling.requests import ProfileRequests
 
 HARD_STOP_WAIT_S = 30.0
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
@@ -58,6 +59,7 @@ class FitRun:
         self.thread: threading.Thread | None = None
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
         self.watch_cpu_s: float | None = None
+        self.requests = ProfileRequests(session)  # handle.profile(steps): asked while the fit runs
 
     # ---- the work protocol (Session.running) -----------------------------------
     @property
@@ -127,6 +129,7 @@ class FitRun:
     def _stream(self) -> None:
         """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
         self._take_records()
+        self.requests.collect(self.tasks.ars)
         stalls = self.tasks.stalls
         stalls.tick()
         self.live_state.stalled = list(stalls.stalled)
@@ -185,6 +188,9 @@ class FitRun:
             self.live_state.status = "failed" if not self.hard_stopped else "interrupted"
             self.hooks.close(self.history)
         finally:
+            if self.tasks is not None:  # a trace published in the fit's last moments, then no more requests
+                self.requests.collect(self.tasks.ars)
+            self.requests.close()
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()

@@ -15,6 +15,8 @@ KINDS = (("communication", "#9467bd", ("all_reduce", "allreduce", "gloo", "nccl"
          ("optimizer", "#17becf", ("Optimizer", "optim")),
          ("forward and other operators", "#1f77b4", ("",)))
 
+DRAWN = ("aten::", "c10d::", "gloo:", "nccl:", "Optimizer.", "autograd::engine::evaluate_function")
+
 
 def kind_of(name: str) -> str:
     return next(kind for kind, _, keys in KINDS if any(k in name for k in keys))
@@ -39,7 +41,7 @@ def timeline_figure(path: str, figsize: tuple[float, float] = (9.0, 2.6)) -> Any
         ax.broken_barh(steps, (lane * 2 + 1.05, 0.7), facecolors="#dddddd", edgecolors="#888888", linewidth=0.5)
         for kind in colours:
             spans = [(e["ts"] / 1000, e["dur"] / 1000) for e in mine
-                     if e["name"].startswith(("aten::", "c10d::", "gloo:", "nccl:", "Optimizer."))
+                     if e["name"].startswith(DRAWN)
                      and kind_of(e["name"]) == kind]
             if spans:
                 ax.broken_barh(spans, (lane * 2 + 0.15, 0.8), facecolors=colours[kind], alpha=0.6,

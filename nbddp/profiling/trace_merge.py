@@ -5,7 +5,9 @@ Each rank sends its trace events (``worker/training/profiler.py``) with
 (the wall time it left the set-up agreement, which all ranks leave
 together). An event of rank ``r`` at profiler time ``ts`` happened at
 ``ts + clock_us[r] - (agreed_us[r] - agreed_us[0])`` on rank 0's wall
-clock; the merged file counts from its first event.
+clock, or ``ts + clock_us[r]`` when it ran on rank 0's host (one wall
+clock: the agreement's exit times differ only by scheduling, which on a
+busy machine is milliseconds); the merged file counts from its first event.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ TID_STRIDE = 1_000_000  # a rank's second process (a GPU's lanes) keeps its thre
 def merge_traces(traces: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every rank's events on one clock, each rank one process (``pid`` = rank, named ``rank N``)."""
     ranks = sorted(traces)
-    ref = traces[ranks[0]]["agreed_us"]
-    shift = {r: traces[r]["clock_us"] - (traces[r]["agreed_us"] - ref) for r in ranks}
+    first = traces[ranks[0]]
+    # ranks on rank 0's host share its wall clock: only another host's clock is set by the agreement
+    shift = {r: t["clock_us"] - (t["agreed_us"] - first["agreed_us"] if t.get("host") != first.get("host") else 0.0)
+             for r, t in traces.items()}
     start = min((e["ts"] + shift[r] for r in ranks for e in traces[r]["events"] if "ts" in e and e.get("ph") != "M"),
                 default=0.0)
     merged: list[dict[str, Any]] = []

@@ -31,7 +31,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks"}
+PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks",
+                "profile": "nbddp-profile"}
 
 
 def published(ar: Any, kind: str) -> Any:

@@ -7,8 +7,11 @@ ranks' traces cover the same steps and merge into one timeline.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from nbddp.shipping.shm_files import shm_dir
 
 MINIMUM = {"wait": 0, "warmup": 0, "active": 1, "repeat": 1}
 
@@ -73,3 +76,7 @@ def _check(key: str, item: Any) -> None:
     elif not isinstance(item, bool):
         raise TypeError(f"dist_fit(profile={{'{key}': ...}}) must be True or False, got {type(item).__name__} {item!r}")
 
+
+def request_path(worker_prefix: str) -> str:
+    """``handle.profile``'s request file for the worker whose files are named ``worker_prefix`` (rank 0's)."""
+    return os.path.join(shm_dir(), f"{worker_prefix}-profile-request")

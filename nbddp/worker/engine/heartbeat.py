@@ -256,7 +256,7 @@ def _size(path: str | None) -> int:
         return 0
 
 
-def _engine_publisher() -> Any:
+def engine_publisher() -> Any:
     """``publish_data`` inside an engine; None elsewhere (where it would create an IPython shell)."""
     try:
         from ipykernel.zmqshell import ZMQInteractiveShell
@@ -273,7 +273,7 @@ def start_monitor(phase: str) -> Monitor | None:
     from nbddp.worker.engine.rank_state import STATE
 
     BEAT.reset("setup" if phase == "fit" else phase)
-    publish = _engine_publisher()
+    publish = engine_publisher()
     if publish is None or STATE.placement is None:
         return None
     stack_path = STATE.stack_file.name if STATE.stack_file is not None else None

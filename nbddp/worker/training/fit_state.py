@@ -52,6 +52,7 @@ class TrainState:
     lr: float = 0.0  # the learning rate of the last optimizer step
     stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
     profiler: Any = None  # profiler.StepProfiler under dist_fit(profile=...)
+    asked: Any = None  # asked_profile.AskedProfiles: handle.profile's requests, during a fit
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
 
     @property

@@ -44,6 +44,7 @@ from nbddp.worker.training.fit_state import TrainState
 from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
 from nbddp.worker.training.validate import validate
 from nbddp.worker.training.profiler import StepProfiler
+from nbddp.worker.training.asked_profile import AskedProfiles
 _END = object()  # the end of an epoch's batches
 
 
@@ -96,6 +97,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
+    ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix)
     setup_s = time.perf_counter() - t_setup
     t_train = time.perf_counter()
     BEAT.time_phases("data")  # the time split covers train_s: building the epoch's loader is data work
@@ -104,6 +106,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
     finally:
         streams.release(ts)  # loader worker processes end with the fit
         trace = ts.profiler.close() if ts.profiler is not None else None  # never left running on the engine
+        ts.asked.end()
     phase_s = timed_phases(BEAT.phase_seconds(stop=True))
     train_s = time.perf_counter() - t_train
     result = finish(ts, launch, {"setup_s": setup_s, "train_s": train_s})
@@ -157,16 +160,16 @@ def run_epoch(ts: TrainState) -> bool:
         if not train_micro_batch(ts, bi, batch):
             continue  # inside an accumulation window
         optimizer_step(ts)
-        if ts.profiler is not None:
-            BEAT.mark("profiler")  # tracing and writing the trace out: "other" in the time split
-            ts.profiler.step()
+        profile_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
         # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
         if rep.due(ts.step) or end_of_epoch or ckpt_due:
             BEAT.mark("collective")
-            if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
+            if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device), ts.asked.pending()):
                 stopped, ts.status = True, "interrupted"
+            if rep.request is not None:  # handle.profile: every rank starts on the same step
+                ts.asked.start(*rep.request)
         if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
             validate(ts)
         if stopped or ts.step >= ts.total_steps:
@@ -179,6 +182,16 @@ def run_epoch(ts: TrainState) -> bool:
     elif stopped and cfg.checkpoint_dir:
         save_checkpoint(ts, bi + 1)
     return stopped
+
+
+def profile_step(ts: TrainState) -> None:
+    """The profilers' step after an optimizer step: ``dist_fit(profile=...)``'s and ``handle.profile``'s."""
+    if ts.profiler is None and ts.asked.current is None:
+        return
+    BEAT.mark("profiler")  # tracing and writing the trace out: "other" in the time split
+    if ts.profiler is not None:
+        ts.profiler.step()
+    ts.asked.step()
 
 
 def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -69,7 +70,7 @@ class StepProfiler:
         if not self.events:
             return None
         return {"events": self.events, "clock_us": statistics.median(self.offsets) if self.offsets else 0.0,
-                "agreed_us": self.agreed_us, "top": self.top, "steps": self.steps}
+                "agreed_us": self.agreed_us, "host": socket.gethostname(), "top": self.top, "steps": self.steps}
 
     def _ready(self, prof: Any) -> None:
         """One cycle of the schedule is traced: keep its events, its clock offsets and its top operators."""

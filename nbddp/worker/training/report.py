@@ -54,6 +54,7 @@ class Reporter:
         self._published = 0
         self._zero = torch.zeros((), device=device, dtype=torch.float64)
         self._extra_keys: list[str] | None = None
+        self.request: tuple[int, int] | None = None  # a profile asked at the last reduction: (id, steps)
         self.reset_window()
         self.epoch_loss = 0.0
         self.epoch_n = 0.0
@@ -91,8 +92,14 @@ class Reporter:
         return self.steps_since >= self.sync_every or step >= self.total_steps
 
     # -- collective -----------------------------------------------------
-    def sync(self, step: int, epoch: int, lr: float, stop_requested: bool, peak_mem: int) -> bool:
-        """Reduce the window, record it (rank 0), return whether to stop."""
+    def sync(self, step: int, epoch: int, lr: float, stop_requested: bool, peak_mem: int,
+             request: tuple[float, float] = (0.0, 0.0)) -> bool:
+        """Reduce the window, record it (rank 0), return whether to stop.
+
+        ``request``: rank 0's ``(id, steps)`` of a profile the notebook asked
+        for (``handle.profile``), ``(0, 0)`` if none; after the reduction every
+        rank finds it in ``self.request``.
+        """
         if self._extra_keys is None:
             self._extra_keys = sorted(self.extras)
         keys = self._extra_keys
@@ -104,6 +111,7 @@ class Reporter:
             torch.tensor(float(self.n) * weight, dtype=torch.float64, device=self.device),
             torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device),
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
+            *(torch.tensor(x if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device) for x in request),
             *[self.extras.get(k, self._zero) * weight for k in keys],
         ])
         mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem),
@@ -116,8 +124,9 @@ class Reporter:
         dist.all_reduce(vec)
         v = vec.cpu().tolist()
         loss_sum, n, stop, elapsed0 = v[0], v[1], v[2], v[3]
-        extras = dict(zip(keys, v[4 : 4 + len(keys)]))
-        per_rank = v[4 + len(keys):]
+        self.request = (int(v[4]), int(v[5])) if v[5] > 0 else None
+        extras = dict(zip(keys, v[6 : 6 + len(keys)]))
+        per_rank = v[6 + len(keys):]
         steps = max(self.steps_since, 1)
         self.sync_every = max(1, min(self.cfg.log_every, int(self.cfg.record_interval_s / (elapsed0 / steps))))
         loss = loss_sum / n if n else float("nan")
