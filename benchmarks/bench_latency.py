@@ -226,7 +226,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             model = common.make_model("mlp", seed=cfg["seed"])
             out["first_fit_after_start"] = first = common.nbddp_fit(model, data, cfg, world=world)
             steps = first["samples"] / (world * cfg["batch_size"])
-            out["time_split_cost"] = cost = time_split_cost(step_s=first["train_s"] / steps if steps else None)
+            out["time_split_cost"] = cost = time_split_cost(
+                step_s=first["train_s"] / steps if steps and first.get("train_s") else None)
             common.log(f"time split: +{cost['added_us']:.2f} us a step ({cost.get('share_of_step', 0):.4%} of this "
                        f"fit's step, {cost['share_of_1ms_step']:.3%} of a 1 ms step), {cost['sync_us']:.1f} us a record")
             out["warm"] = warm_calls.measure(reps=6 if quick else 30, big_layers=2 if quick else 24)

@@ -213,7 +213,7 @@ def test_a_slow_dataset_makes_data_loading_the_largest_share(workers, capsys):
     frame = h.time_split()
     for rank in (0, 1):
         assert frame.loc[rank, "data_share"] > 0.5, frame.loc[rank]
-    assert frame.attrs["summary"].startswith("data loading takes"), frame.attrs["summary"]
+    assert "data loading takes" in frame.attrs["summary"], frame.attrs["summary"]
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == f"nbddp: time split: {frame.attrs['summary']}"  # the text view's last line
 

@@ -28,7 +28,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 WORDS = {"data": "data loading", "forward": "the forward pass", "backward": "the backward pass",
          "optimizer": "the optimizer step", "communication": "communication", "wait": "waiting for a slower rank",
          "validation": "validation", "checkpoint": "checkpointing", "other": "other work"}
-STRAGGLER_MIN = 0.05  # a rank this much slower than the fastest is named
+STRAGGLER_MIN = 0.1  # a rank this much slower than the fastest is named (less is noise on a busy host)
 
 
 def split_ranks(raw: Sequence[dict[str, float]]) -> list[dict[str, float]]:
