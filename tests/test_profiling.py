@@ -407,3 +407,33 @@ def test_a_fit_that_ends_before_any_traced_step_says_so():
     with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=5\): the fit ended \(completed\) before its "
                                                r"ranks traced a step"):
         FitHandle(run).profile(steps=5)
+
+
+def test_the_dashboard_button_profiles_10_steps_and_shows_the_trace():
+    from nbddp.live.widget import WidgetView
+
+    asked = []
+
+    def wait(request, timeout):
+        return {"summary": f"merged trace of 2 rank(s): /tmp/trace-{request}.json", "path": "/tmp/x"}
+
+    requests = SimpleNamespace(ask=lambda steps: asked.append(steps) or len(asked), wait=wait)
+    view = WidgetView()
+    run = _run()
+    run.finished, run.requests = False, requests
+    view.profile_button.run = run
+    view.profile_button.button.click()
+    view.profile_button.thread.join(10)
+    assert asked == [10] and "merged trace of 2 rank(s): /tmp/trace-1.json" in view.profile_button.result.value
+    assert not view.profile_button.button.disabled  # the fit goes on: it may be asked again
+
+    def failing(steps):
+        raise RuntimeError("rank 0 runs on far-away")
+
+    run.requests = SimpleNamespace(ask=failing, wait=wait)
+    view.profile_button.button.click()
+    view.profile_button.thread.join(10)
+    assert "profile failed: RuntimeError: rank 0 runs on far-away" in view.profile_button.result.value
+    run.finished = True
+    view.profile_button.button.click()  # an ended fit: nothing to profile
+    assert "far-away" in view.profile_button.result.value

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 from nbddp.live.plot import LossPlot
+from nbddp.live.profile_button import ProfileButton
 from nbddp.live.time_bars import bar_html, rank_splits, split_html, split_sentence
 from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
 from nbddp.protocol.messages import innermost_frames
@@ -212,12 +213,14 @@ class WidgetView:
                                     tooltip="Stop training on every rank at the same step. Works while the notebook is "
                                             "free (dist_fit(..., block=False)); in a blocking cell use Kernel > Interrupt.")
         self.stop_button.on_click(self._on_stop)
+        self.profile_button = ProfileButton()
         self.box = w.VBox([
             self.status,
             w.HBox([self.bar, self.percent, self.progress]),
             self.metrics,
             w.HBox([self.placeholder, self.image,
-                    w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
+                    w.VBox([self.ranks, w.HBox([self.stop_button, self.profile_button.widget])],
+                           layout=w.Layout(margin="0 0 0 12px"))],
                    layout=w.Layout(flex_flow="row wrap")),
             self.stalls,
         ])
@@ -240,7 +243,7 @@ class WidgetView:
         """Called in the cell's thread: show the dashboard."""
         from IPython.display import display
 
-        self._run = run
+        self._run = self.profile_button.run = run
         self._t_start = self.clock()
         _shared_plot()  # import matplotlib and build the figure now, while the workers set up
         self.status.value = status_html(run, "starting")
@@ -275,6 +278,7 @@ class WidgetView:
         self.bar.bar_style = BAR_STYLES.get(status, "info")
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
+        self.profile_button.finish()
         if self._handle is not None:
             self._handle.update(self._bundle(run, final=True), raw=True)
 

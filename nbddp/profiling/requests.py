@@ -30,7 +30,7 @@ class ProfileRequests:
 
     def __init__(self, session: Any):
         self.session = session
-        self.path = request_path(f"{session.file_prefix}-w0")  # rank 0's files are named so
+        self.path = ""  # set by the first request: rank 0's files are named "<session prefix>-w0"
         self.asked = 0
         self.results: dict[int, dict[str, Any]] = {}
         self.arrived = threading.Condition()
@@ -45,6 +45,7 @@ class ProfileRequests:
             raise RuntimeError(f"handle.profile() asks rank 0 through a file on this machine, but rank 0 runs on "
                                f"{rank0.host}; profile that fit from its start with dist_fit(..., profile=True) instead")
         with self.arrived:
+            self.path = request_path(f"{self.session.file_prefix}-w0")
             self.asked += 1
             tmp = f"{self.path}.{self.asked}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -84,6 +85,8 @@ class ProfileRequests:
             self.arrived.notify_all()
 
     def _remove(self) -> None:
+        if not self.path:
+            return
         try:
             os.remove(self.path)
         except FileNotFoundError:
