@@ -163,7 +163,8 @@ def time_split_cost(reps: int = 20000, step_s: float | None = None) -> dict:
 
     A step marks its phases about six times (``SPLIT_MARKS``); with the split
     on, each mark also adds the seconds of the phase it closes. ``added_us``
-    is the least of five runs timed minus untimed, per step; ``sync_us`` what
+    is the least of nine runs timed minus the least of nine untimed (the runs
+    interleaved), per step; ``sync_us`` what
     packing the seconds costs once per record (at most once a second). The
     share is taken of ``step_s`` (the benchmark fit's step) and of a 1 ms step.
     """
@@ -179,8 +180,8 @@ def time_split_cost(reps: int = 20000, step_s: float | None = None) -> dict:
 
     untimed, timed = Heartbeat(), Heartbeat()
     timed.time_phases("data")
-    off = min(per_step_us(untimed) for _ in range(5))
-    on = min(per_step_us(timed) for _ in range(5))
+    rounds = [(per_step_us(untimed), per_step_us(timed)) for _ in range(9)]  # interleaved: the same load on both
+    off, on = min(r[0] for r in rounds), min(r[1] for r in rounds)
     t0 = time.perf_counter()
     for _ in range(reps // 10):
         timed_phases(timed.phase_seconds())

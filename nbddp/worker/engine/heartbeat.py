@@ -22,6 +22,7 @@ stack as well, for ranks on other hosts (whose file the kernel cannot read).
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 import faulthandler
 import os
 import sys
@@ -59,7 +60,7 @@ class Heartbeat:
         self.watch_waits = False
         self.marked = phase
         # the fit's time split: seconds per marked phase, from ``time_phases`` on (None: not timed)
-        self.spent: dict[str, float] = {}
+        self.spent: dict[str, float] = defaultdict(float)
         self._since: float | None = None
 
     def pause(self, where: str) -> None:
@@ -77,7 +78,7 @@ class Heartbeat:
     def mark(self, phase: str) -> None:
         now = time.monotonic()
         if self._since is not None:  # one clock read serves both: the split costs a dict update per mark
-            self.spent[self.marked] = self.spent.get(self.marked, 0.0) + now - self._since
+            self.spent[self.marked] += now - self._since
             self._since = now
         self.phase = self.marked = phase
         self.progress += 1
@@ -85,7 +86,7 @@ class Heartbeat:
 
     def time_phases(self, phase: str) -> None:
         """Start the time split: from now on each mark closes the phase before it (``phase_seconds``)."""
-        self.spent = {}
+        self.spent = defaultdict(float)
         self._since = None
         self.mark(phase)
         self._since = self.changed
@@ -97,7 +98,7 @@ class Heartbeat:
             now = time.monotonic()
             out[self.marked] = out.get(self.marked, 0.0) + now - self._since
             if stop:
-                self.spent, self._since = out, None
+                self.spent, self._since = defaultdict(float, out), None
         return out
 
     def micro_batch(self) -> None:
