@@ -21,6 +21,9 @@ Overhead of a call = its wall time in this process - the training-loop time
 measured inside the workers (torchrun_train's ``loop_s`` /
 ``hist.timings['train_s']``).
 
+``time_split_cost``: what the always-on time split (issue 35) adds to a
+step, in this process, and its share of this benchmark's step.
+
 ``source_shipping``: what carrying the person's source lines costs a call
 (``nbddp.shipping.source_lines``), in this process: packing a model whose class comes from
 a 200-line notebook cell, with cloudpickle alone and with nbddp's pickler,
@@ -152,6 +155,46 @@ def source_shipping(reps: int = 200) -> dict:
     }
 
 
+SPLIT_MARKS = ("data", "forward", "backward", "optimizer", "optimizer", "collective")  # one step's marks
+
+
+def time_split_cost(reps: int = 20000, step_s: float | None = None) -> dict:
+    """What the always-on time split adds to a training step, measured in this process.
+
+    A step marks its phases about six times (``SPLIT_MARKS``); with the split
+    on, each mark also adds the seconds of the phase it closes. ``added_us``
+    is the least of nine runs timed minus the least of nine untimed (the runs
+    interleaved), per step; ``sync_us`` what
+    packing the seconds costs once per record (at most once a second). The
+    share is taken of ``step_s`` (the benchmark fit's step) and of a 1 ms step.
+    """
+    from nbddp.protocol.messages import timed_phases
+    from nbddp.worker.engine.heartbeat import Heartbeat
+
+    def per_step_us(beat: Heartbeat) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for phase in SPLIT_MARKS:
+                beat.mark(phase)
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    untimed, timed = Heartbeat(), Heartbeat()
+    timed.time_phases("data")
+    rounds = [(per_step_us(untimed), per_step_us(timed)) for _ in range(9)]  # interleaved: the same load on both
+    off, on = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    t0 = time.perf_counter()
+    for _ in range(reps // 10):
+        timed_phases(timed.phase_seconds())
+    sync_us = (time.perf_counter() - t0) / (reps // 10) * 1e6
+    added = max(0.0, on - off)
+    out = {"marks_us_untimed": off, "marks_us_timed": on, "added_us": added, "sync_us": sync_us,
+           "share_of_1ms_step": added / 1000}
+    if step_s:
+        out["step_s"] = step_s
+        out["share_of_step"] = added / (step_s * 1e6)
+    return out
+
+
 def _in_a_row(call, n: int = CALLS) -> dict:
     """``n`` calls in a row: their results, overheads and wall times."""
     calls = [call() for _ in range(n)]
@@ -182,7 +225,12 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             out["nbddp_start_s"] = common.nbddp_start(world)
             started = True
             model = common.make_model("mlp", seed=cfg["seed"])
-            out["first_fit_after_start"] = common.nbddp_fit(model, data, cfg, world=world)
+            out["first_fit_after_start"] = first = common.nbddp_fit(model, data, cfg, world=world)
+            steps = first["samples"] / (world * cfg["batch_size"])
+            out["time_split_cost"] = cost = time_split_cost(
+                step_s=first["train_s"] / steps if steps and first.get("train_s") else None)
+            common.log(f"time split: +{cost['added_us']:.2f} us a step ({cost.get('share_of_step', 0):.4%} of this "
+                       f"fit's step, {cost['share_of_1ms_step']:.3%} of a 1 ms step), {cost['sync_us']:.1f} us a record")
             out["warm"] = warm_calls.measure(reps=6 if quick else 30, big_layers=2 if quick else 24)
             print_warm(out["warm"])
         except Exception as exc:

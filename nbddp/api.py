@@ -104,7 +104,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
-             loggers: Any = None, callbacks: Any = None, compile: Any = False, **advanced: Any) -> History | FitHandle:
+             profile: Any = False, loggers: Any = None, callbacks: Any = None, compile: Any = False,
+             **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -209,6 +210,14 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             why) or ``"skip"`` (that step's update is dropped and training goes
             on; a notice counts the skipped steps). Every rank agrees on the
             step; ``"stop"`` and ``"skip"`` cost one small all-reduce per step.
+        profile: ``True`` or ``{"wait": 1, "warmup": 1, "active": 3, "repeat": 1,
+            "record_shapes": False, "profile_memory": False, "with_stack": False,
+            "dir": None}``: ``torch.profiler`` on every rank over the same
+            steps (its schedule), stopped by itself after them; the ranks'
+            traces come back and are merged into one Chrome/Perfetto trace,
+            one process lane per rank, clocks aligned at the fit's start.
+            ``History.profile`` gives its path and the top operators per rank.
+            See ``docs/profiling.md``.
         loggers: where the run is written, once, from the kernel: ``"tensorboard"``,
             ``"wandb"``, ``"mlflow"``, ``"csv"``, or ``nbddp.loggers.TensorBoard(log_dir=...)``,
             ``WandB(project=...)``, ``MLflow(tracking_uri=..., experiment=...)``,
@@ -274,7 +283,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
                    mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
-                   **advanced)
+                   profile=profile, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,

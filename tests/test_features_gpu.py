@@ -95,3 +95,21 @@ def test_predict_in_bf16_on_gpus_brings_the_outputs_back_in_order(gpu_workers):
         expected = model.eval().cuda()(x.cuda()).float().cpu()
     assert out.device.type == "cpu" and out.shape == (1001, 2) and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), expected, atol=5e-2)
+
+
+def test_a_profile_on_gpus_holds_cuda_kernels_in_every_rank_lane(gpu_workers, tmp_path):
+    """issue 35: the first GPU run shows the time split and a merged CUDA trace (never run on the CPU machine)."""
+    import json
+
+    history = nbddp.dist_fit(_bn_net(), _data(), epochs=1, batch_size=32, lr=1e-2, live=False,
+                             profile={"wait": 1, "warmup": 1, "active": 3, "dir": str(tmp_path)})
+    print(history.time_split().round(4).T.to_string())
+    print(history.time_split().attrs["summary"])
+    print(history.profile["summary"])
+    with open(history.profile["path"]) as f:
+        events = json.load(f)["traceEvents"]
+    for rank in range(gpu_workers.world_size):
+        lane = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
+        assert any(e.get("cat") == "kernel" for e in lane), f"rank {rank}: no CUDA kernel in its lane"
+        assert any(e["name"].startswith("aten::") for e in lane)
+        assert sum(history.ranks[rank]["time_split"].values()) == pytest.approx(history.timings["train_s"], rel=0.05)

@@ -120,6 +120,7 @@ def test_the_scaling_report_measures_one_and_two_workers(workers):
     assert [r["world_size"] for r in report.rows] == [1, 2]
     for row in report.rows:
         assert row["samples_per_s"] > 0 and 0 <= row["comm_share"] <= 1 and row["peak_mem"] > 0
+        assert 0 <= row["data_share"] <= 1 and 0 <= row["wait_share"] <= 1  # the time split of its steps
     assert report.rows[0]["speedup"] == pytest.approx(1.0) and report.rows[0]["efficiency"] == pytest.approx(1.0)
     assert report.rows[1]["efficiency"] == pytest.approx(report.rows[1]["speedup"] / 2)
     fig = report.plot()

@@ -24,6 +24,9 @@ from nbddp.protocol.notices import notify
 from nbddp.fit.preflight import FitPlan
 from nbddp.monitor.stalls import StuckStop
 from nbddp.jobs.rank_tasks import RankTasks
+from nbddp.profiling.time_split import split_ranks
+from nbddp.profiling.trace_merge import gathered_profile
+from nbddp.profiling.requests import ProfileRequests
 
 HARD_STOP_WAIT_S = 30.0
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
@@ -61,6 +64,7 @@ class FitRun:
         self.watch_cpu_s: float | None = None
         self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
         self.end_notices: list[str] = []  # rank 0's notices at the end (FitResult.notices)
+        self.requests = ProfileRequests(session)  # handle.profile(steps): asked while the fit runs
 
     # ---- the work protocol (Session.running) -----------------------------------
     @property
@@ -130,6 +134,7 @@ class FitRun:
     def _stream(self) -> None:
         """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
         self._take_records()
+        self.requests.collect(self.tasks.ars)
         stalls = self.tasks.stalls
         stalls.tick()
         self.live_state.stalled = list(stalls.stalled)
@@ -188,6 +193,9 @@ class FitRun:
             self.live_state.status = "failed" if not self.hard_stopped else "interrupted"
             self.hooks.close(self.history)
         finally:
+            if self.tasks is not None:  # a trace published in the fit's last moments, then no more requests
+                self.requests.collect(self.tasks.ars)
+            self.requests.close()
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()
@@ -206,8 +214,10 @@ class FitRun:
         for _, kind, record in head.records:
             history.add(kind, record)
         history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
-        history.ranks = self._rank_rows(head)
+        history.ranks = self._rank_rows(head, results)
         history.compile_report = compile_report.gather(results)
+        if self.plan.cfg.profile is not None:
+            history.profile = gathered_profile(results, self.plan.cfg.profile, self.session.world_size)
         parcel: shipping.Parcel | None = head.weights
         if parcel is not None:
             try:
@@ -241,12 +251,16 @@ class FitRun:
         del state
         return target
 
-    def _rank_rows(self, head: FitResult) -> list[dict[str, Any]]:
-        """One dict per rank: where it ran (the kernel knows) and what it measured (rank 0's last reduction)."""
+    def _rank_rows(self, head: FitResult, results: dict[int, FitResult]) -> list[dict[str, Any]]:
+        """One dict per rank: where it ran (the kernel knows), what it measured (rank 0's last reduction), and
+        its time split (from its own result: the time after the last reduction included)."""
         figures = {r["rank"]: r for r in head.ranks}
-        rows = [{"rank": p.rank, "host": p.host, "device": p.device, **{k: v for k, v in figures.get(p.rank, {}).items()
-                                                                        if k != "rank"}}
-                for p in self.live_state.placements]
+        placements = self.live_state.placements
+        splits = split_ranks([results[p.rank].phase_s if p.rank in results else {} for p in placements])
+        rows = [{"rank": p.rank, "host": p.host, "device": p.device,
+                 **{k: v for k, v in figures.get(p.rank, {}).items() if k not in ("rank", "phase_s")},
+                 "time_split": split}
+                for p, split in zip(placements, splits)]
         for row in rows:  # what this fit added, whatever earlier work left resident (the order of fits cancels out)
             if "peak_mem" in row and "base_mem" in row:
                 row["fit_peak_mem"] = row["peak_mem"] - row["base_mem"]

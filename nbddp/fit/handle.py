@@ -6,6 +6,7 @@ from typing import Any
 
 from nbddp.fit.history import History
 from nbddp.jobs.waiting import wait_interruptibly
+from nbddp.protocol.errors import NbddpError
 
 
 class FitHandle:
@@ -36,6 +37,30 @@ class FitHandle:
         """Stop every rank at the same step (as the Stop button does); return the History."""
         self._run.request_stop()
         return self.wait() if wait else None
+
+    def profile(self, steps: int = 10) -> dict[str, Any]:
+        """Trace the next ``steps`` optimizer steps on every rank with torch.profiler while the fit goes on.
+
+        Every rank starts at the same step (the request rides in the next
+        record's reduction); the call returns once every rank's trace is in,
+        merged into one Chrome/Perfetto file: a dict like ``History.profile``
+        (``path``, ``ranks``, ``top_ops``, ``summary``). The fit does not stop.
+
+        Raises:
+            NbddpError: the fit has ended, or it ended before any traced step.
+            ValueError: ``steps`` is not a whole number >= 1.
+        """
+        run = self._run
+        if run.finished:
+            raise NbddpError(f"handle.profile(steps={steps!r}): this fit has ended ({self.status}); profile a running "
+                             "fit (dist_fit(..., block=False)), or trace a fit from its start with "
+                             "dist_fit(..., profile=True)")
+        request = run.requests.ask(steps)
+        result = run.requests.wait(request, None)
+        if result is None:
+            raise NbddpError(f"handle.profile(steps={steps}): the fit ended ({self.status}) before its ranks traced a "
+                             "step; ask for fewer steps, or earlier")
+        return result
 
     @property
     def history(self) -> History:

@@ -49,9 +49,13 @@ class History:
             ``fit_peak_mem`` (``peak_mem - base_mem``: what the fit itself
             added, the same whatever ran before), ``param_bytes`` (the parameter
             bytes that rank holds), and on GPU ``cuda_allocated``,
-            ``cuda_reserved`` and ``cuda_peak``. With ``compile=...`` also
-            ``compile_s`` (seconds that rank spent in Dynamo and Inductor)
-            and ``compile_cache_hits`` (graphs it found compiled already).
+            ``cuda_reserved`` and ``cuda_peak``; ``time_split``: seconds of
+            the training loop per phase (``data``, ``forward``, ``backward``,
+            ``optimizer``, ``communication``, ``wait`` for a slower rank,
+            ``validation``, ``checkpoint``, ``other``), see ``time_split()``.
+            With ``compile=...`` also ``compile_s`` (seconds that rank spent
+            in Dynamo and Inductor) and ``compile_cache_hits`` (graphs it
+            found compiled already).
         model: the trained module when ``dist_fit`` was given a factory (the
             given module itself otherwise).
         stop_reason: why a stop was asked for, when one was: a callback
@@ -67,6 +71,10 @@ class History:
         compile_report: with ``dist_fit(compile=...)``, one dict per rank:
             ``rank``, ``compiles``, ``recompiles`` and their ``reasons`` (as
             Dynamo gives them), ``graph_breaks``, ``compile_s``, ``cache_hits``.
+        profile: with ``dist_fit(profile=...)``: ``path`` (the merged
+            Chrome/Perfetto trace, one process lane per rank), ``ranks`` (those
+            it holds), ``top_ops`` (per rank: the operators with the most self
+            time) and ``summary`` (the same in words).
     """
 
     status: str = "completed"
@@ -84,6 +92,7 @@ class History:
     loggers: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
     compile_report: list[dict[str, Any]] = field(default_factory=list)
+    profile: dict[str, Any] | None = None
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""
@@ -121,6 +130,18 @@ class History:
         from nbddp.fit.history import frames
 
         return frames(self)
+
+    def time_split(self) -> Any:
+        """Where each rank's training time went: a pandas DataFrame, one row per rank.
+
+        Seconds per phase, ``total``, each phase's ``<phase>_share`` and the
+        ``efficiency`` (the compute share: forward, backward, optimizer).
+        ``.attrs["summary"]`` names the slowest rank, why, who waits for it,
+        and the largest share that is not compute (the text view prints it).
+        """
+        from nbddp.profiling.time_split import split_frame
+
+        return split_frame(self.ranks)
 
     def __repr__(self) -> str:
         last = self.epochs[-1] if self.epochs else (self.steps[-1] if self.steps else {})

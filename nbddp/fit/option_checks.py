@@ -15,6 +15,7 @@ from typing import Any
 from nbddp.fit.compile_checks import resolve_compile
 from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
 from nbddp.protocol.parallel_settings import check_mesh_shape, is_replicated, module_classes, resolve_strategy
+from nbddp.protocol.profile_spec import profile_spec
 
 
 def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
@@ -66,6 +67,7 @@ def make_config(**options: Any) -> FitConfig:
     cfg.grad_accum = _int("grad_accum", cfg.grad_accum, 1)
     cfg.clip_grad_norm = _float("clip_grad_norm", cfg.clip_grad_norm, 0.0, allow_none=True, strict=True)
     cfg.sync_batchnorm = _bool("sync_batchnorm", cfg.sync_batchnorm)
+    cfg.profile = profile_spec(cfg.profile)
     _check_checkpoints(cfg)
     cfg.log_every = _int("log_every", cfg.log_every, 1)
     if cfg.val_every == "epoch":

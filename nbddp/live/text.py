@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any
 
+from nbddp.live.time_bars import split_sentence
+
 
 def fmt_time(seconds: float) -> str:
     seconds = max(0, int(seconds))
@@ -183,6 +185,9 @@ class TextView:
     def finish(self, run: Any) -> None:
         # on a terminal the final line replaces the last progress line instead of repeating it below
         self.stream.write(("\r" + progress_line(run) + "\x1b[K\n") if self._tty else progress_line(run) + "\n")
+        sentence = split_sentence(run)
+        if sentence and run.error is None:
+            self.stream.write(f"nbddp: time split: {sentence}\n")
         if run.error is not None:
             self.stream.write(f"nbddp: training failed: {str(run.error).splitlines()[0]}\n")
         self.stream.flush()

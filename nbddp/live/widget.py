@@ -38,6 +38,8 @@ import time
 from typing import Any
 
 from nbddp.live.plot import LossPlot
+from nbddp.live.profile_button import ProfileButton
+from nbddp.live.time_bars import bar_html, rank_splits, split_html, split_sentence
 from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
 from nbddp.protocol.messages import innermost_frames
 
@@ -84,18 +86,19 @@ def rank_rows(run: Any) -> list[dict[str, Any]]:
     stalled = {s["rank"]: s for s in state.stalled}
     positions = {pos["rank"]: pos for pos in state.positions}
     ended = ended_status(run) is not None
+    splits = dict(enumerate(rank_splits(run)))
     rows = []
     for p in state.placements:
         fig = figures.get(p.rank, {})
         rows.append({"rank": p.rank, "host": p.host, "device": p.device, "samples_per_s": fig.get("samples_per_s"),
                      "peak_mem": fig.get("peak_mem"), "param_bytes": fig.get("param_bytes"),
                      "cuda_reserved": fig.get("cuda_reserved"), "stalled": None if ended else stalled.get(p.rank),
-                     "at": rank_state(run, p.rank, positions)})
+                     "at": rank_state(run, p.rank, positions), "split": splits.get(p.rank)})
     return rows
 
 
 RANK_COLUMNS = (("rank", "right"), ("host", "left"), ("device", "left"), ("at", "left"), ("samples/s", "right"),
-                ("peak memory", "right"), ("parameters", "right"))
+                ("peak memory", "right"), ("parameters", "right"), ("time split", "left"))
 
 
 def rank_table_html(rows: list[dict[str, Any]]) -> str:
@@ -108,7 +111,8 @@ def rank_table_html(rows: list[dict[str, Any]]) -> str:
         if r.get("stalled"):
             sps = f"<span style='color:#d62728'>stalled {r['stalled']['idle_s']:.0f} s</span>"
         cells = [(str(r["rank"]), "right"), (html.escape(str(r["host"])), "left"), (html.escape(str(r["device"])), "left"),
-                 (html.escape(r.get("at", "-")), "left"), (sps, "right"), (fmt_bytes(r["peak_mem"]), "right"), (fmt_bytes(r.get("param_bytes")), "right")]
+                 (html.escape(r.get("at", "-")), "left"), (sps, "right"), (fmt_bytes(r["peak_mem"]), "right"), (fmt_bytes(r.get("param_bytes")), "right"),
+                 (bar_html(r.get("split")), "left")]
         if cuda:
             cells.append((fmt_bytes(r.get("cuda_reserved")), "right"))
         body.append("<tr>" + "".join(f"<td style='padding:0 6px;text-align:{a};white-space:nowrap'>{c}</td>"
@@ -150,6 +154,9 @@ def summary_text(run: Any) -> str:
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
         lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}"
                      f"  params {fmt_bytes(r.get('param_bytes'))}  {r['at']}")
+    sentence = split_sentence(run)
+    if sentence:
+        lines.append(f"time split: {sentence}")
     error = getattr(run, "error", None)
     if error is not None:
         lines.append(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
@@ -206,12 +213,14 @@ class WidgetView:
                                     tooltip="Stop training on every rank at the same step. Works while the notebook is "
                                             "free (dist_fit(..., block=False)); in a blocking cell use Kernel > Interrupt.")
         self.stop_button.on_click(self._on_stop)
+        self.profile_button = ProfileButton()
         self.box = w.VBox([
             self.status,
             w.HBox([self.bar, self.percent, self.progress]),
             self.metrics,
             w.HBox([self.placeholder, self.image,
-                    w.VBox([self.ranks, self.stop_button], layout=w.Layout(margin="0 0 0 12px"))],
+                    w.VBox([self.ranks, w.HBox([self.stop_button, self.profile_button.widget])],
+                           layout=w.Layout(margin="0 0 0 12px"))],
                    layout=w.Layout(flex_flow="row wrap")),
             self.stalls,
         ])
@@ -234,11 +243,11 @@ class WidgetView:
         """Called in the cell's thread: show the dashboard."""
         from IPython.display import display
 
-        self._run = run
+        self._run = self.profile_button.run = run
         self._t_start = self.clock()
         _shared_plot()  # import matplotlib and build the figure now, while the workers set up
         self.status.value = status_html(run, "starting")
-        self.ranks.value = rank_table_html(rank_rows(run))
+        self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
         self._handle = display(self._bundle(run, final=False), raw=True, display_id=True)
 
     def update(self, run: Any) -> None:
@@ -269,6 +278,7 @@ class WidgetView:
         self.bar.bar_style = BAR_STYLES.get(status, "info")
         self.stop_button.disabled = True
         self.stop_button.description = "Stop"
+        self.profile_button.finish()
         if self._handle is not None:
             self._handle.update(self._bundle(run, final=True), raw=True)
 
@@ -288,7 +298,7 @@ class WidgetView:
         self.percent.value = f"{f['fraction'] * 100:.0f}%"
         self.progress.value = html.escape(progress_text(f))
         self.metrics.value = html.escape(metrics_text(f))
-        self.ranks.value = rank_table_html(rank_rows(run))
+        self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
 
     def _draw_plot(self, run: Any) -> None:
         hist = run.history

@@ -25,6 +25,7 @@ from typing import Any
 from nbddp.jobs.job import Job
 from nbddp.session.session import get_session
 from nbddp.fit.parallel_checks import scaling_sizes
+from nbddp.profiling.time_split import shares, split_ranks
 
 EFFICIENT = 0.7  # below this scaling efficiency another worker buys less than 70 % of one more
 
@@ -43,7 +44,9 @@ class ScalingReport:
     """The measured rows, a recommendation in words, a plot; shown as a table and plot in Jupyter.
 
     ``rows``: one dict per world size: ``world_size``, ``samples_per_s``,
-    ``speedup``, ``efficiency``, ``step_s``, ``comm_share`` (0-1), ``peak_mem``.
+    ``speedup``, ``efficiency``, ``step_s``, ``comm_share`` (0-1), ``peak_mem``,
+    and from the time split of the synchronised steps (``lost_shares``)
+    ``data_share``, ``communication_share`` and ``wait_share``.
     """
 
     rows: list[dict[str, Any]]
@@ -79,11 +82,16 @@ class ScalingReport:
         return fig
 
     def _table(self) -> list[list[str]]:
-        head = ["workers", "samples/s", "speed-up", "efficiency", "step", "waiting on gradients", "peak memory"]
+        head = ["workers", "samples/s", "speed-up", "efficiency", "step", "waiting on gradients", "data",
+                "waiting for a rank", "peak memory"]
         from nbddp.live.text import fmt_bytes
 
+        def share(r: dict[str, Any], key: str) -> str:
+            return f"{r[key]:.0%}" if key in r else "-"
+
         body = [[_workers(r), f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x", f"{r['efficiency']:.0%}",
-                 f"{r['step_s'] * 1000:.1f} ms", f"{r['comm_share']:.0%}", fmt_bytes(r["peak_mem"])] for r in self.rows]
+                 f"{r['step_s'] * 1000:.1f} ms", f"{r['comm_share']:.0%}", share(r, "data_share"),
+                 share(r, "wait_share"), fmt_bytes(r["peak_mem"])] for r in self.rows]
         return [head, *body]
 
     def __repr__(self) -> str:
@@ -119,7 +127,8 @@ def recommend(rows: list[dict[str, Any]]) -> str:
     last = rows[-1]
     text = (f"{last['world_size']} workers train {last['speedup']:.2f}x as many samples/s as one "
             f"({last['efficiency']:.0%} efficiency); {last['comm_share']:.0%} of a step waits on gradient "
-            "communication.")
+            "communication" + (f", {last['data_share']:.0%} loads data and {last['wait_share']:.0%} waits for a "
+                               "slower rank." if "data_share" in last else "."))
     if len(worth) == len(rows) - 1:
         return text + " Every added worker pays off (efficiency >= 70 %)."
     best = worth[-1]["world_size"] if worth else 1
@@ -170,5 +179,19 @@ def _rows(measured: list[Any]) -> list[dict[str, Any]]:
     return [{"world_size": m.world_size, "samples_per_s": m.samples_per_s, "speedup": m.samples_per_s / one,
              "efficiency": m.samples_per_s / one / m.world_size, "step_s": m.step_s,
              "comm_share": max(0.0, 1.0 - m.local_step_s / m.step_s) if m.step_s > 0 else 0.0, "peak_mem": m.peak_mem,
-             "topology": m.topology}
+             "topology": m.topology, **lost_shares(split_ranks(m.phase_s))}
             for m in measured]
+
+
+def lost_shares(splits: list[dict[str, float]]) -> dict[str, float]:
+    """Where the synchronised steps' time went besides compute, as shares averaged over the ranks.
+
+    ``data_share`` (loading batches), ``communication_share`` (the gradient
+    all-reduce that was not hidden under the backward pass, as far as the split
+    sees it: the reductions outside backward) and ``wait_share`` (waiting for a
+    slower rank): what an efficiency below 100 % went to.
+    """
+    if not splits:
+        return {}
+    mean = [shares(s) for s in splits]
+    return {f"{p}_share": sum(m[p] for m in mean) / len(mean) for p in ("data", "communication", "wait")}

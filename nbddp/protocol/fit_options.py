@@ -58,6 +58,7 @@ class FitConfig:
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
     compile: Any = None  # None, or a protocol.compile_settings.CompileSpec (checked by fit/compile_checks.py)
+    profile: Any = None  # a profile_spec.ProfileSpec once checked: torch.profiler over the same steps on every rank
 
 
 def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:

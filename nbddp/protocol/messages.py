@@ -33,7 +33,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks"}
+PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks",
+                "profile": "nbddp-profile"}
 
 
 def published(ar: Any, kind: str) -> Any:
@@ -112,6 +113,20 @@ class Beat:
     paused_at: str = ""  # file:line where the rank waits at a debugger prompt (phase "paused")
 
 
+# the phases a fit's time split reports from each rank (worker/engine/heartbeat.py marks them); any other
+# marked phase (a debugger pause) is counted as "other". The kernel splits "collective" into communication
+# and waiting (nbddp/profiling/time_split.py).
+TIMED_PHASES = ("data", "forward", "backward", "optimizer", "collective", "validation", "checkpoint", "other")
+
+
+def timed_phases(spent: dict[str, float]) -> dict[str, float]:
+    """``spent`` over ``TIMED_PHASES``: every phase present, the unnamed ones summed into ``other``."""
+    out = dict.fromkeys(TIMED_PHASES, 0.0)
+    for phase, seconds in spent.items():
+        out[phase if phase in out else "other"] += seconds
+    return out
+
+
 @dataclass
 class FitResult:
     """A rank's return value from a fit (rank 0 carries the records and weights)."""
@@ -128,6 +143,8 @@ class FitResult:
     stop_reason: str | None = None  # the workers stopped training early, and why (on_nan="stop")
     notices: list[str] = field(default_factory=list)  # one-line notices for the person, raised in the kernel
     compile: dict[str, Any] | None = None  # dist_fit(compile=...): this rank's compiles, recompiles and their reasons
+    phase_s: dict[str, float] = field(default_factory=dict)  # this rank's seconds per TIMED_PHASES in training
+    profile: dict[str, Any] | None = None  # dist_fit(profile=...): this rank's trace events, clock, top operators
 
 
 @dataclass(frozen=True)
@@ -218,6 +235,7 @@ class ScalingRow:
     local_step_s: float  # the same step without reducing gradients (no_sync)
     peak_mem: int  # the largest peak of the ranks taking part
     topology: str = ""  # how the ranks trained: "ddp", "pp=2", "dp=2 x tp=2 (ddp over dp)" (topologies.describe)
+    phase_s: list[dict[str, float]] = field(default_factory=list)  # each rank's seconds per TIMED_PHASES, synced
 
 
 @dataclass(frozen=True)

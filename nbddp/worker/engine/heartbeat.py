@@ -22,6 +22,7 @@ stack as well, for ranks on other hosts (whose file the kernel cannot read).
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 import faulthandler
 import os
 import sys
@@ -58,6 +59,9 @@ class Heartbeat:
         # rank blocked in torch.distributed as "collective", i.e. waiting for a peer, not stalled itself
         self.watch_waits = False
         self.marked = phase
+        # the fit's time split: seconds per marked phase, from ``time_phases`` on (None: not timed)
+        self.spent: dict[str, float] = defaultdict(float)
+        self._since: float | None = None
 
     def pause(self, where: str) -> None:
         """A debugger prompt holds the main thread: the phase says ``paused`` until ``resume``."""
@@ -72,9 +76,30 @@ class Heartbeat:
             self.mark(self._before_pause)
 
     def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        if self._since is not None:  # one clock read serves both: the split costs a dict update per mark
+            self.spent[self.marked] += now - self._since
+            self._since = now
         self.phase = self.marked = phase
         self.progress += 1
-        self.changed = time.monotonic()
+        self.changed = now
+
+    def time_phases(self, phase: str) -> None:
+        """Start the time split: from now on each mark closes the phase before it (``phase_seconds``)."""
+        self.spent = defaultdict(float)
+        self._since = None
+        self.mark(phase)
+        self._since = self.changed
+
+    def phase_seconds(self, stop: bool = False) -> dict[str, float]:
+        """Seconds per phase since ``time_phases``, the phase running now included; ``stop`` ends the timing."""
+        out = dict(self.spent)
+        if self._since is not None:
+            now = time.monotonic()
+            out[self.marked] = out.get(self.marked, 0.0) + now - self._since
+            if stop:
+                self.spent, self._since = defaultdict(float, out), None
+        return out
 
     def micro_batch(self) -> None:
         """A micro-batch is about to be fetched."""
@@ -237,7 +262,7 @@ def _size(path: str | None) -> int:
         return 0
 
 
-def _engine_publisher() -> Any:
+def engine_publisher() -> Any:
     """``publish_data`` inside an engine; None elsewhere (where it would create an IPython shell)."""
     try:
         from ipykernel.zmqshell import ZMQInteractiveShell
@@ -254,7 +279,7 @@ def start_monitor(phase: str) -> Monitor | None:
     from nbddp.worker.engine.rank_state import STATE
 
     BEAT.reset("setup" if phase == "fit" else phase)
-    publish = _engine_publisher()
+    publish = engine_publisher()
     if publish is None or STATE.placement is None:
         return None
     stack_path = STATE.stack_file.name if STATE.stack_file is not None else None

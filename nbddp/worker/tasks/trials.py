@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.messages import FitLaunch, ScalingRow, TrialResult
+from nbddp.protocol.messages import TIMED_PHASES, FitLaunch, ScalingRow, TrialResult, timed_phases
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.shipping.pickling import Parcel
 from nbddp.protocol.parallel_settings import data_parallel_size, describe
@@ -28,6 +28,7 @@ from nbddp.worker.data.batches import move
 from nbddp.worker.tasks.process_group import destroy_subgroup
 from nbddp.worker.training.loop import optimizer_step
 from nbddp.worker.memory.release import run_task
+from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.tasks.user_task import user_task
 from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
@@ -67,7 +68,10 @@ def _steps(ts: Any, batches: Iterator[Any], n: int, sync: bool) -> None:
     accum = ts.cfg.grad_accum
     for _ in range(n):
         for micro in range(accum):
-            batch = move(next(batches), ts.device, ts.non_blocking)
+            BEAT.mark("data")  # the phases of the time split, as the fit's loop marks them
+            batch = next(batches)
+            BEAT.mark("forward")
+            batch = move(batch, ts.device, ts.non_blocking)
             with ts.strategy.gradient_sync(sync and micro == accum - 1):
                 ts.strategy.train_micro_batch(ts, batch, accum)
         optimizer_step(ts)
@@ -129,13 +133,22 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        BEAT.time_phases("data")
         _steps(ts, batches, steps, sync)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        spent = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
-        return float(spent.item())
+        phases = timed_phases(BEAT.phase_seconds(stop=True))
+        # the slowest rank sets the pace; one slot per rank carries each rank's time split in the same reduction
+        vec = torch.zeros(1 + k * len(TIMED_PHASES), dtype=torch.float64)
+        vec[0] = time.perf_counter() - t0
+        vec[1 + dist.get_rank(group)::k] = torch.tensor([phases[p] for p in TIMED_PHASES], dtype=torch.float64)
+        vec = vec.to(device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        values = vec.cpu().tolist()
+        split.append([{p: values[1 + j * k + r] for j, p in enumerate(TIMED_PHASES)} for r in range(k)])
+        return values[0]
 
+    split: list[list[dict[str, float]]] = []
     _steps(ts, batches, warmup, True)
     t_sync, t_local = timed(True), timed(False)
     samples = data_parallel_size(cfg.strategy, cfg.mesh, k) * cfg.batch_size * cfg.grad_accum * steps
@@ -144,7 +157,7 @@ def _time_world(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel:
     ts = None  # the model and optimizer go before the next world size is built
     return ScalingRow(world_size=k, samples_per_s=samples / t_sync, step_s=t_sync / steps,
                       local_step_s=t_local / steps, peak_mem=int(peak.item()),
-                      topology=describe(cfg.strategy, cfg.mesh, k))
+                      topology=describe(cfg.strategy, cfg.mesh, k), phase_s=split[0])
 
 
 def scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel | None, sizes: list[int],

@@ -59,6 +59,8 @@ class TrainState:
     nan_first: int = 0  # the first of them
     stoppers: list[Any] = field(default_factory=list)  # early_stop.Patience, one per EarlyStopping
     stop_reason: str | None = None  # why training stopped early, when the workers decided it (History.stop_reason)
+    profiler: Any = None  # profiler.StepProfiler under dist_fit(profile=...)
+    asked: Any = None  # asked_profile.AskedProfiles: handle.profile's requests, during a fit
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
     compiled: list[nn.Module] = field(default_factory=list)  # modules whose forward is compiled for this fit
 

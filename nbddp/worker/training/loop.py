@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
+from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult, timed_phases
 from nbddp.protocol.fit_options import FitConfig, Patience
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
@@ -45,6 +45,8 @@ from nbddp.worker.memory.usage import peak_memory, reset_peak_memory
 from nbddp.worker.strategies.compiling import uncompile
 from nbddp.worker.training.compile_watch import COMPILES
 from nbddp.worker.training.validate import validate
+from nbddp.worker.training.profiler import StepProfiler
+from nbddp.worker.training.asked_profile import AskedProfiles
 _END = object()  # the end of an epoch's batches
 
 
@@ -93,10 +95,34 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     except BaseException as exc:  # noqa: BLE001
         error = exc
     agree(error, device, "wrapping the model and loading the checkpoint", group)
+    agreed_us = time.time_ns() / 1000  # every rank leaves the agreement together: the profile's clock reference
     del parts
     plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
                        model_class=model_class, params=params, notices=tuple(ts.notices))
+    attach_watchers(ts, launch, plan, base_mem, group, agreed_us)
+    setup_s = time.perf_counter() - t_setup
+    t_train, train_start_wall = time.perf_counter(), time.time()
+    BEAT.time_phases("data")  # the time split covers train_s: building the epoch's loader is data work
+    try:
+        train(ts)
+    finally:
+        streams.release(ts)  # loader worker processes end with the fit
+        COMPILES.end()
+        uncompile(ts.compiled)
+        trace = ts.profiler.close() if ts.profiler is not None else None  # never left running on the engine
+        ts.asked.end()
+    phase_s = timed_phases(BEAT.phase_seconds(stop=True))
+    train_s = time.perf_counter() - t_train
+    result = finish(ts, launch, {"setup_s": setup_s, "train_s": train_s, "train_start_wall": train_start_wall})
+    result.phase_s, result.profile = phase_s, trace
+    return result, ts
+
+
+def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_mem: int, group: Any,
+                    agreed_us: float) -> None:
+    """What watches the training of ``ts``: the best weights, the early stops, the reporter, the profilers."""
+    cfg, device = ts.cfg, ts.device
     ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.stoppers = [Patience(spec) for spec in launch.stoppers]
     ts.reporter = Reporter(ts.rank, ts.world, device, cfg, plan, param_bytes=ts.strategy.param_bytes(),
@@ -104,17 +130,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
                            group=group)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
-    setup_s = time.perf_counter() - t_setup
-    t_train, train_start_wall = time.perf_counter(), time.time()
-    try:
-        train(ts)
-    finally:
-        streams.release(ts)  # loader worker processes end with the fit
-        COMPILES.end()
-        uncompile(ts.compiled)
-    train_s = time.perf_counter() - t_train
-    timings = {"setup_s": setup_s, "train_s": train_s, "train_start_wall": train_start_wall}
-    return finish(ts, launch, timings), ts
+    ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
+    ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix)
 
 
 def train(ts: TrainState) -> None:
@@ -167,13 +184,16 @@ def run_epoch(ts: TrainState) -> bool:
                 rep.sync(ts.step, ts.epoch, ts.lr, False, peak_memory(ts.device))
             stopped = True
             break
+        profile_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
         # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
         if rep.due(ts.step) or end_of_epoch or ckpt_due:
             BEAT.mark("collective")
-            if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
+            if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device), ts.asked.pending()):
                 stopped, ts.status = True, "interrupted"
+            if rep.request is not None:  # handle.profile: every rank starts on the same step
+                ts.asked.start(*rep.request)
         if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
             validate(ts)
         if stopped or ts.step >= ts.total_steps or ts.stop_reason is not None:  # (a val_every check's EarlyStopping)
@@ -186,6 +206,16 @@ def run_epoch(ts: TrainState) -> bool:
     elif stopped and cfg.checkpoint_dir:
         save_checkpoint(ts, bi + 1)
     return stopped
+
+
+def profile_step(ts: TrainState) -> None:
+    """The profilers' step after an optimizer step: ``dist_fit(profile=...)``'s and ``handle.profile``'s."""
+    if ts.profiler is None and ts.asked.current is None:
+        return
+    BEAT.mark("profiler")  # tracing and writing the trace out: "other" in the time split
+    if ts.profiler is not None:
+        ts.profiler.step()
+    ts.asked.step()
 
 
 def train_micro_batch(ts: TrainState, bi: int, batch: Any) -> bool:

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.messages import PUBLISH_KEYS, FitPlanInfo, Progress
+from nbddp.protocol.messages import PUBLISH_KEYS, TIMED_PHASES, FitPlanInfo, Progress, timed_phases
+from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.memory.usage import cuda_memory
 from nbddp.worker.training.compile_watch import COMPILES
 
@@ -57,6 +58,7 @@ class Reporter:
         self._published = 0
         self._zero = torch.zeros((), device=device, dtype=torch.float64)
         self._extra_keys: list[str] | None = None
+        self.request: tuple[int, int] | None = None  # a profile asked at the last reduction: (id, steps)
         self.reset_window()
         self.epoch_loss = 0.0
         self.epoch_n = 0.0
@@ -94,8 +96,14 @@ class Reporter:
         return self.steps_since >= self.sync_every or step >= self.total_steps
 
     # -- collective -----------------------------------------------------
-    def sync(self, step: int, epoch: int, lr: float, stop_requested: bool, peak_mem: int) -> bool:
-        """Reduce the window, record it (rank 0), return whether to stop."""
+    def sync(self, step: int, epoch: int, lr: float, stop_requested: bool, peak_mem: int,
+             request: tuple[float, float] = (0.0, 0.0)) -> bool:
+        """Reduce the window, record it (rank 0), return whether to stop.
+
+        ``request``: rank 0's ``(id, steps)`` of a profile the notebook asked
+        for (``handle.profile``), ``(0, 0)`` if none; after the reduction every
+        rank finds it in ``self.request``.
+        """
         if self._extra_keys is None:
             self._extra_keys = sorted(self.extras)
         keys = self._extra_keys
@@ -107,20 +115,23 @@ class Reporter:
             torch.tensor(float(self.n) * weight, dtype=torch.float64, device=self.device),
             torch.tensor(1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device),
             torch.tensor(elapsed if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device),
+            *(torch.tensor(x if self.rank == 0 else 0.0, dtype=torch.float64, device=self.device) for x in request),
             *[self.extras.get(k, self._zero) * weight for k in keys],
         ])
         mine = {"samples_per_s": self.n / elapsed, "samples": float(self.samples), "peak_mem": float(peak_mem),
                 "base_mem": float(self.base_mem), "param_bytes": float(self.param_bytes), **cuda_memory(self.device),
                 **self._compile_figures()}
-        slots = torch.zeros(len(RANK_SLOTS) * w, dtype=torch.float64, device=self.device)
-        for i, key in enumerate(RANK_SLOTS):
-            slots[i * w + self.rank] = float(mine.get(key, 0.0))
+        spent = timed_phases(BEAT.phase_seconds())  # the time split so far rides in the same reduction
+        values = [float(mine.get(key, 0.0)) for key in RANK_SLOTS] + [spent[p] for p in TIMED_PHASES]
+        slots = torch.zeros(len(values) * w, dtype=torch.float64, device=self.device)
+        slots[self.rank::w] = torch.tensor(values, dtype=torch.float64)
         vec = torch.cat([head, slots])
         dist.all_reduce(vec, group=self.group)
         v = vec.cpu().tolist()
         loss_sum, n, stop, elapsed0 = v[0], v[1], v[2], v[3]
-        extras = dict(zip(keys, v[4 : 4 + len(keys)]))
-        per_rank = v[4 + len(keys):]
+        self.request = (int(v[4]), int(v[5])) if v[5] > 0 else None
+        extras = dict(zip(keys, v[6 : 6 + len(keys)]))
+        per_rank = v[6 + len(keys):]
         steps = max(self.steps_since, 1)
         self.sync_every = max(1, min(self.cfg.log_every, int(self.cfg.record_interval_s / (elapsed0 / steps))))
         loss = loss_sum / n if n else float("nan")
@@ -155,6 +166,8 @@ class Reporter:
             if key.startswith("compile_") and getattr(self.cfg, "compile", None) is None:
                 continue
             out[key] = value if key in FLOAT_SLOTS else int(value)
+        first = len(RANK_SLOTS)
+        out["phase_s"] = {p: per_rank[(first + j) * w + r] for j, p in enumerate(TIMED_PHASES)}
         return out
 
     def end_epoch(self, epoch: int, step: int) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""``handle.profile(steps=10)``: a profile of a fit that is already running, asked from the notebook.
+
+An engine runs its fit in its main thread and takes no other task meanwhile,
+so the request travels as a small owner-only file next to the session's
+other files (``<prefix>-w0-profile-request``: ``{"id": n, "steps": k}``). Rank
+0 looks for it at each record's reduction (one ``stat`` a record) and puts
+the request in that same reduction, so every rank learns it at the same step
+and traces the same steps (``worker/training/report.py``). Each rank
+publishes its trace when its steps are done; the kernel's watcher collects
+them (``collect``), merges them into one file, and the waiting call returns.
+
+Rank 0 must run on the kernel's machine to see the file; for a fit whose rank
+0 runs elsewhere, ``dist_fit(profile=...)`` traces from the start instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+from nbddp.profiling.trace_merge import profile_summary, write_trace
+from nbddp.protocol.messages import published
+from nbddp.protocol.profile_spec import request_path
+
+
+class ProfileRequests:
+    """The profiles asked of one running fit: the request file, and the traces as the ranks publish them."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        self.path = ""  # set by the first request: rank 0's files are named "<session prefix>-w0"
+        self.asked = 0
+        self.results: dict[int, dict[str, Any]] = {}
+        self.arrived = threading.Condition()
+        self.closed = False  # the fit ended
+
+    def ask(self, steps: int) -> int:
+        """Write the request (atomically, 0600); return its id."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"handle.profile(steps=...) must be a whole number of steps >= 1, got {steps!r}")
+        rank0 = self.session.placements[0]
+        if not getattr(rank0, "local", True):
+            raise RuntimeError(f"handle.profile() asks rank 0 through a file on this machine, but rank 0 runs on "
+                               f"{rank0.host}; profile that fit from its start with dist_fit(..., profile=True) instead")
+        with self.arrived:
+            self.path = request_path(f"{self.session.file_prefix}-w0")
+            self.asked += 1
+            tmp = f"{self.path}.{self.asked}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"id": self.asked, "steps": steps}, f)
+            os.replace(tmp, self.path)
+            return self.asked
+
+    def collect(self, ars: dict[int, Any]) -> None:
+        """From the watcher thread: when every rank published the trace of the last request, merge them."""
+        with self.arrived:
+            if not self.asked or self.asked in self.results:
+                return
+            traces = {r: published(ar, "profile") for r, ar in ars.items()}
+            if not all(t is not None and t[0] == self.asked for t in traces.values()):
+                return
+            got = {r: t[1] for r, t in traces.items() if t[1]}
+            if got:
+                self.results[self.asked] = profile_summary(write_trace(got, None), got, len(ars))
+            else:
+                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {},
+                                            "summary": "no trace: the fit ended before a traced step"}
+            self._remove()
+            self.arrived.notify_all()
+
+    def wait(self, request: int, timeout: float | None) -> dict[str, Any] | None:
+        """The merged profile of ``request``, or None if the fit ended first or ``timeout`` passed."""
+        with self.arrived:
+            self.arrived.wait_for(lambda: request in self.results or self.closed, timeout)
+            return self.results.get(request)
+
+    def close(self) -> None:
+        """The fit ended: no rank will read a request any more; wake a waiting call."""
+        with self.arrived:
+            self.closed = True
+            self._remove()
+            self.arrived.notify_all()
+
+    def _remove(self) -> None:
+        if not self.path:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,56 @@
+"""The merged profiler trace drawn as a timeline: a lane per rank, its steps above its operators.
+
+For a look without Perfetto or TensorBoard (a saved notebook, a page in the
+docs): ``timeline_figure(history.profile["path"])``. Built with ``Figure`` +
+Agg, never pyplot, like every nbddp plot.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+KINDS = (("communication", "#9467bd", ("all_reduce", "allreduce", "gloo", "nccl", "c10d", "broadcast")),
+         ("backward", "#2ca02c", ("Backward", "backward")),
+         ("optimizer", "#17becf", ("Optimizer", "optim")),
+         ("forward and other operators", "#1f77b4", ("",)))
+
+DRAWN = ("aten::", "c10d::", "gloo:", "nccl:", "Optimizer.", "autograd::engine::evaluate_function")
+
+
+def kind_of(name: str) -> str:
+    return next(kind for kind, _, keys in KINDS if any(k in name for k in keys))
+
+
+def timeline_figure(path: str, figsize: tuple[float, float] = (9.0, 2.6)) -> Any:
+    """A matplotlib ``Figure`` of the trace at ``path`` (``History.profile["path"]``), time in ms."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranks = sorted({e["pid"] for e in events if isinstance(e.get("pid"), int)})
+    fig = Figure(figsize=figsize, dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = {kind: colour for kind, colour, _ in KINDS}
+    drawn: set[str] = set()
+    for lane, rank in enumerate(ranks):
+        mine = [e for e in events if e["pid"] == rank]
+        steps = [(e["ts"] / 1000, e["dur"] / 1000) for e in mine if e["name"].startswith("ProfilerStep#")]
+        ax.broken_barh(steps, (lane * 2 + 1.05, 0.7), facecolors="#dddddd", edgecolors="#888888", linewidth=0.5)
+        for kind in colours:
+            spans = [(e["ts"] / 1000, e["dur"] / 1000) for e in mine
+                     if e["name"].startswith(DRAWN)
+                     and kind_of(e["name"]) == kind]
+            if spans:
+                ax.broken_barh(spans, (lane * 2 + 0.15, 0.8), facecolors=colours[kind], alpha=0.6,
+                               label=None if kind in drawn else kind)
+                drawn.add(kind)
+    ax.set_yticks([lane * 2 + 0.9 for lane in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_xlabel("ms (steps in grey above each rank's operators)")
+    ax.set_ylim(0, max(1, len(ranks)) * 2)
+    if drawn:
+        ax.legend(fontsize=7, loc="upper right", ncol=len(drawn))
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,66 @@
+"""``handle.profile(steps)`` on a rank: rank 0 reads the kernel's request, every rank traces the agreed steps.
+
+Rank 0 looks for the request file (``protocol.profile_spec.request_path``)
+when it packs a record's reduction and puts ``(id, steps)`` in it; every rank
+starts tracing right after that reduction, so all trace the same steps. A
+rank publishes its trace (``PUBLISH_KEYS["profile"]``) as soon as its steps
+are done, while the fit goes on; the kernel merges them
+(``nbddp/profiling/requests.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from nbddp.protocol.messages import PUBLISH_KEYS
+from nbddp.protocol.profile_spec import ProfileSpec, request_path
+from nbddp.worker.engine.heartbeat import engine_publisher
+from nbddp.worker.training.profiler import StepProfiler
+
+
+class AskedProfiles:
+    """The profiles the notebook asks of this fit while it runs."""
+
+    def __init__(self, rank: int, device: torch.device, agreed_us: float, prefix: str):
+        self.rank, self.device, self.agreed_us = rank, device, agreed_us
+        self.path = request_path(prefix) if prefix else ""
+        self.seen = 0  # the last request id started
+        self.current: tuple[int, StepProfiler] | None = None
+
+    def pending(self) -> tuple[float, float]:
+        """Rank 0, at a reduction: ``(id, steps)`` of a request not yet started, else ``(0, 0)``."""
+        if self.rank != 0 or self.current is not None or not self.path:
+            return 0.0, 0.0
+        try:
+            with open(self.path) as f:
+                request = json.load(f)
+        except (FileNotFoundError, ValueError):  # none, or being replaced
+            return 0.0, 0.0
+        return (float(request["id"]), float(request["steps"])) if request["id"] > self.seen else (0.0, 0.0)
+
+    def start(self, request: int, steps: int) -> None:
+        """Every rank, right after the reduction that carried the request."""
+        self.seen = request
+        if self.current is None:
+            spec = ProfileSpec(wait=0, warmup=1, active=steps)
+            self.current = (request, StepProfiler(spec, self.device, self.agreed_us))
+
+    def step(self) -> None:
+        """After an optimizer step: trace it; publish the trace once the steps are done."""
+        if self.current is not None:
+            self.current[1].step()
+            if self.current[1].prof is None:
+                self.end()
+
+    def end(self) -> None:
+        """Publish what was traced (the fit may be ending): the kernel waits for every rank's."""
+        if self.current is None:
+            return
+        request, prof = self.current
+        self.current = None
+        trace = prof.close()
+        publish = engine_publisher()
+        if publish is not None:
+            publish({PUBLISH_KEYS["profile"]: (request, trace)})
