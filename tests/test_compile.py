@@ -181,6 +181,8 @@ def test_the_reaper_removes_the_session_cache_when_the_kernel_died_without_stop(
 def test_ddp_compiled_equals_eager_the_second_fit_hits_the_cache_and_no_stall_fires(workers, tmp_path):
     """Slow: Inductor compiles the forward and backward graphs with gcc on 2 shared cores (124 s per rank cold, measured here).
 
+    It cannot be made faster: the cold compile is the behaviour under test (the cache hit needs one first).
+
     One cold compile serves three checks: the weights, the stall guard (a
     stall_timeout far shorter than the compile), and the cache that the
     second fit reads.
@@ -212,7 +214,10 @@ def test_ddp_compiled_equals_eager_the_second_fit_hits_the_cache_and_no_stall_fi
 
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_equals_eager(workers):
-    """Slow: Inductor compiles each sharded block's graphs with gcc on 2 shared cores."""
+    """Slow: Inductor compiles each sharded block's graphs with gcc on 2 shared cores.
+
+    It cannot be made faster: a regional compile under FSDP is what is checked, and one block is already the least.
+    """
     torch.manual_seed(0)
     base = Stack()
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
@@ -226,6 +231,8 @@ def test_fsdp_compiled_per_block_equals_eager(workers):
 @pytest.mark.slow
 def test_a_last_batch_of_another_size_is_reported_with_its_reason(workers):
     """Slow: Dynamo traces the model twice on each rank (the full batches, then the short last one).
+
+    It cannot be made faster: the recompile that is reported needs both traces.
 
     Measured 16 s here; slow since the first compiled fit of a worker imports
     Dynamo and AOTAutograd (seconds per worker on 2 shared cores), which the
@@ -248,6 +255,8 @@ def test_a_last_batch_of_another_size_is_reported_with_its_reason(workers):
 def test_a_compiled_pipeline_trains_with_each_stage_compiled(workers):
     """Slow: each rank traces its stage's forward and backward (``aot_eager``: Dynamo and AOTAutograd, no gcc).
 
+    It cannot be made faster: ``aot_eager`` is already the cheapest backend that compiles a backward.
+
     Measured 17 s here, with the imports of a worker's first compile: too much for the quick tier's 3 minutes.
     """
     torch.manual_seed(0)
@@ -264,6 +273,8 @@ def test_a_compiled_pipeline_trains_with_each_stage_compiled(workers):
 @pytest.mark.slow
 def test_a_compiled_tensor_parallel_fit_trains_with_each_block_compiled(workers):
     """Slow: each rank traces its blocks over DTensors (``aot_eager``), with the imports of a first compile.
+
+    It cannot be made faster: ``aot_eager`` is already the cheapest backend that compiles a backward.
 
     Measured 38 s here: too much for the quick tier's 3 minutes.
     """

@@ -103,7 +103,7 @@ def test_a_task_for_another_generation_is_refused_on_the_worker(monkeypatch):
 
 
 def test_a_rank_whose_peer_failed_raises_peer_failed(monkeypatch):
-    def other_rank_failed(flag):
+    def other_rank_failed(flag, group=None):
         flag += 1.0
 
     monkeypatch.setattr(loop.dist, "all_reduce", other_rank_failed)

@@ -54,11 +54,10 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
                                                   "samples": result.samples, "stride": result.stride,
                                                   "stream": result.stream})
         else:
-            pool = STATE.return_pool  # rewriting resident pages: no page faults on a fresh /dev/shm file
-            if pool is not None:
-                pool.reclaim()  # the kernel read the last call's parcel before that call returned
+            # a file of its own, as the fit's weights: this rank unmaps it once written and the kernel removes it
+            # once read, so no copy of the outputs stays with the worker after the call
             result.outputs = shipping.pack(outputs.packed(), what="the predictions", local=STATE.placement.local,
-                                           pool=pool, prefix=STATE.file_prefix or None)
+                                           prefix=f"{STATE.file_prefix}-o" if STATE.file_prefix else None)
         result.timings["pack_s"] = time.perf_counter() - t1
     return result
 
