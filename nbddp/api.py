@@ -103,8 +103,9 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
              val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
-             live: bool | str | None = None, stall_timeout: float | None = None,
-             loggers: Any = None, callbacks: Any = None, **advanced: Any) -> History | FitHandle:
+             live: bool | str | None = None, stall_timeout: float | None = None, loggers: Any = None,
+             callbacks: Any = None, max_restarts: int = 0, snapshot_every: Any = None, retry_on: Any = None,
+             **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
     Args:
@@ -198,6 +199,19 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             (``return "stop"`` or ``nbddp.stop_fit()``), and one that raises stops
             it cleanly (``History.stop_reason`` says why).
             ``nbddp.EarlyStopping(...)`` is one.
+        max_restarts: how many times a lost rank (a process killed or
+            crashed, a collective broken by it, a stall past ``stall_timeout``)
+            is replaced and the same fit goes on, in this call, from the last
+            snapshot; the final weights equal an unbroken run's.
+            ``History.restarts`` lists each restart. Default 0: a lost rank
+            ends the fit. An exception raised by your code is not retried.
+        snapshot_every: how often an elastic fit snapshots its whole state to
+            ``/dev/shm`` (removed when the fit ends): an int of steps,
+            ``"epoch"``, a duration (``"30s"``, ``"2min"``) or ``"auto"`` (the
+            default: every 30 s, further apart if writing one would cost more
+            than 2 % of the time). See ``docs/faults.md``.
+        retry_on: exception classes to retry too (matched by name), such as
+            a flaky ``OSError`` from remote storage.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -239,7 +253,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
-                   mesh=mesh, activation_checkpointing=activation_checkpointing, **advanced)
+                   mesh=mesh, activation_checkpointing=activation_checkpointing, max_restarts=max_restarts,
+                   snapshot_every=snapshot_every, retry_on=retry_on, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,

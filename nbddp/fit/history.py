@@ -61,6 +61,14 @@ class History:
             ``logged`` and ``missed`` records, ``error`` (the first, if any).
         errors: every logger and callback exception reported during the fit
             (``source``, ``error``, ``traceback``).
+        restarts: an elastic fit's (``max_restarts``) lost ranks, one dict per
+            restart: ``rank``, ``cause``, ``step_lost_at`` (the furthest step the
+            kernel had seen a rank reach: records and heartbeats, which come
+            about once a second), ``step_resumed_from`` (the snapshot's step; 0:
+            from the start), ``replace_s`` (the lost workers replaced and the
+            group formed again), ``seconds`` (from the failure seen to the
+            relaunched fit ready to train on), ``time`` (when the failure was
+            seen, ``time.time()``).
     """
 
     status: str = "completed"
@@ -77,6 +85,7 @@ class History:
     best: dict[str, Any] | None = None
     loggers: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""

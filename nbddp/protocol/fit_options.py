@@ -53,6 +53,16 @@ class FitConfig:
     prefetch: int = 1  # batches copied to the GPU ahead of the step (0: off; ignored on CPU)
     record_interval_s: float = 1.0
     publish_interval_s: float = 0.25
+    # elastic fits (``max_restarts``): where each rank writes its snapshots (the kernel's /dev/shm folder), how
+    # often (steps: int, "epoch", seconds: float, or "auto": AUTO_SNAPSHOT_S stretched to keep the cost small),
+    # and whether this launch is a relaunch that starts from the newest snapshot there
+    snapshot_dir: str | None = None
+    snapshot_every: Any = None
+    from_snapshot: bool = False
+
+
+AUTO_SNAPSHOT_S = 30.0  # snapshot_every="auto": at least this many seconds apart ...
+AUTO_SNAPSHOT_COST = 0.02  # ... and far enough apart that writing one costs at most this share of the time
 
 
 def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:

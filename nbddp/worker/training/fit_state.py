@@ -52,6 +52,7 @@ class TrainState:
     lr: float = 0.0  # the learning rate of the last optimizer step
     stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
+    snapshots: Any = None  # checkpoints.snapshots.SnapshotClock in an elastic fit (dist_fit(max_restarts=...))
 
     @property
     def batches_per_epoch(self) -> int:

@@ -30,6 +30,7 @@ from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.checkpoints.snapshots import SnapshotClock
 from nbddp.worker.training import setup
 from nbddp.worker.data import streams
 from nbddp.worker.data.batch_agreement import PeerFailed
@@ -93,14 +94,17 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch,
                            counted=ts.strategy.reports_metrics, roles=ts.strategy.roles(ts.world), base_mem=base_mem)
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
+    ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group) if cfg.snapshot_dir else None
     setup_s = time.perf_counter() - t_setup
     t_train = time.perf_counter()
     try:
         train(ts)
     finally:
         streams.release(ts)  # loader worker processes end with the fit
-    train_s = time.perf_counter() - t_train
-    return finish(ts, launch, {"setup_s": setup_s, "train_s": train_s}), ts
+    timings = {"setup_s": setup_s, "train_s": time.perf_counter() - t_train}
+    if ts.snapshots is not None:  # of train_s: writing the elastic fit's snapshots
+        timings.update(snapshot_s=ts.snapshots.total_s, snapshots=ts.snapshots.count)
+    return finish(ts, launch, timings), ts
 
 
 def train(ts: TrainState) -> None:
@@ -139,7 +143,7 @@ def run_epoch(ts: TrainState) -> bool:
     """One epoch (or what is left of it); return whether training stops."""
     cfg, rep = ts.cfg, ts.reporter
     first, batches = epoch_batches(ts)
-    bi, stopped = first - 1, False
+    bi, stopped, snap_due = first - 1, False, False
     while True:
         BEAT.micro_batch()  # "data": a rank stuck in its data pipeline shows it
         batch = next(batches, _END)
@@ -151,8 +155,9 @@ def run_epoch(ts: TrainState) -> bool:
         optimizer_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
-        # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
-        if rep.due(ts.step) or end_of_epoch or ckpt_due:
+        snap_due = ts.snapshots is not None and ts.snapshots.due(ts.step, rep.due(ts.step))
+        # a checkpoint (or snapshot) step is a sync point, so the epoch's loss sums it saves are complete
+        if rep.due(ts.step) or end_of_epoch or ckpt_due or snap_due:
             BEAT.mark("collective")
             if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
                 stopped, ts.status = True, "interrupted"
@@ -163,8 +168,12 @@ def run_epoch(ts: TrainState) -> bool:
             break
         if ckpt_due and not end_of_epoch:
             save_checkpoint(ts, bi + 1)
+        if snap_due and not end_of_epoch:
+            write_snapshot(ts, bi + 1)
     if bi == ts.batches_per_epoch - 1:
         end_epoch(ts)
+        if ts.snapshots is not None and (ts.snapshots.at_epoch_end or snap_due) and not stopped:
+            write_snapshot(ts, 0)
     elif stopped and cfg.checkpoint_dir:
         save_checkpoint(ts, bi + 1)
     return stopped
@@ -223,8 +232,17 @@ def end_epoch(ts: TrainState) -> None:
         save_checkpoint(ts, 0)
 
 
-def save_checkpoint(ts: TrainState, batches_done: int) -> None:
-    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state."""
+def write_snapshot(ts: TrainState, batches_done: int) -> None:
+    """An elastic fit's snapshot: a checkpoint in the fit's ``/dev/shm`` folder, owner-only, the last two kept."""
+    with ts.snapshots.writing(ts.rank):
+        save_checkpoint(ts, batches_done, ts.cfg.snapshot_dir)
+
+
+def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = None) -> None:
+    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state.
+
+    ``directory``: where (default ``checkpoint_dir``; an elastic fit's snapshots go to its own folder).
+    """
     BEAT.mark("checkpoint")
     states: list[Any] = [None] * ts.world
     dist.all_gather_object(states, ckpt.rng_state())
@@ -242,7 +260,7 @@ def save_checkpoint(ts: TrainState, batches_done: int) -> None:
         "batch_size": ts.cfg.batch_size,
         "strategy": ts.strategy.name,
     }
-    ts.strategy.save_checkpoint(ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
+    ts.strategy.save_checkpoint(directory or ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
 
 
 def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitResult:
