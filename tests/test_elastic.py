@@ -212,7 +212,7 @@ def test_sharded_fits_recover_with_the_unbroken_weights(workers, tmp_path, strat
 @pytest.mark.timeout(180)
 def test_a_stall_past_stall_timeout_is_a_failure_that_restarts(workers, unbroken, tmp_path):
     marker = armed(str(tmp_path / "stall"))
-    h, weights = _fit(KillAt([(1, 11, marker, "stall")]), max_restarts=1, snapshot_every=4, stall_timeout=3)
+    h, weights = _fit(KillAt([(1, 11, marker, "stall")]), max_restarts=1, snapshot_every=4, stall_timeout=8)
     assert h.status == "completed" and len(h.restarts) == 1
     assert all(torch.equal(weights[name], want) for name, want in unbroken[1].items())
     assert "WorkerStalled" in h.restarts[0]["cause"] and h.restarts[0]["step_resumed_from"] == 8

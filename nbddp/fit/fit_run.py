@@ -110,6 +110,9 @@ class FitRun:
         self.hooks.relaunched()
         self.start_tasks(dataclasses.replace(self.plan.cfg, from_snapshot=True),
                          dataclasses.replace(self.plan.launch, generation=s.generation, resident=()))
+        # a replaced engine's first set-up and step import and build for seconds: stall_timeout applies again
+        # from the relaunch's first record (_take_records)
+        self.tasks.stalls.stall_timeout = None
 
     def new_history(self, records: list[tuple[str, dict[str, Any]]]) -> History:
         """A History of this fit holding ``records`` (``(kind, record)``), its restarts listed."""
@@ -190,6 +193,8 @@ class FitRun:
                 self.history.add(kind, record)
                 self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
+        if self._seen:  # a record: every rank took a step together, so a relaunch's set-up is over
+            self.tasks.stalls.stall_timeout = self.stall_timeout
         self.hooks.tick(self.history.last_step)
 
     def _watch(self) -> None:
