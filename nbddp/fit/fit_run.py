@@ -193,7 +193,10 @@ class FitRun:
                 self.history.add(kind, record)
                 self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
-        if self._seen:  # a record: every rank took a step together, so a relaunch's set-up is over
+        if self._seen and self.tasks.stalls.stall_timeout is None and self.stall_timeout is not None:
+            # a record: every rank took a step together, so a relaunch's set-up is over; that is progress for
+            # every rank (a fresh engine's heartbeats may still say "setup")
+            self.tasks.stalls.watch.hold()
             self.tasks.stalls.stall_timeout = self.stall_timeout
         self.hooks.tick(self.history.last_step)
 
