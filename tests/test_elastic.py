@@ -141,8 +141,10 @@ def test_sigkill_mid_fit_the_same_call_ends_with_the_unbroken_weights(workers, u
 
 
 @pytest.mark.faults
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_after_max_restarts_the_fit_fails_saying_so(workers, tmp_path):
+    """Two deaths in one fit: it cannot be faster than two heals, each a fresh engine started (60-85 s here)."""
     first, second = armed(str(tmp_path / "first")), armed(str(tmp_path / "second"))
     with pytest.raises(WorkerError, match=r"restarted 1 time\(s\) and max_restarts=1 were all used"):
         _fit(KillAt([(1, 3, first), (1, 5, second)]), max_restarts=1, snapshot_every=4)
@@ -216,4 +218,37 @@ def test_a_stall_past_stall_timeout_is_a_failure_that_restarts(workers, unbroken
     assert h.status == "completed" and len(h.restarts) == 1
     assert all(torch.equal(weights[name], want) for name, want in unbroken[1].items())
     assert "WorkerStalled" in h.restarts[0]["cause"] and h.restarts[0]["step_resumed_from"] == 8
+    assert _snapshot_folders(workers) == []
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_killing_rank_0_while_it_writes_a_snapshot_resumes_from_the_previous_one(workers):
+    """Rank 0 (which writes a DDP fit's snapshot) is SIGKILLed mid-write of a 128 MB model's snapshot.
+
+    It cannot be much faster: the write must last long enough to be caught (a big model, a snapshot every
+    step), and a fresh engine is started and loads it (80 s here on a shared 2-core machine).
+    """
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4096, generator=g), torch.randn(64, 4096, generator=g)
+    rank0 = workers.placements[0].pid
+    big = lambda: torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False),  # noqa: E731
+                                      torch.nn.Linear(4096, 4096, bias=False))
+    handle = nbddp.dist_fit(big, (x, y), epochs=100, max_steps=8, batch_size=2, optimizer=torch.optim.SGD, lr=1e-3,
+                            block=False, live=False, max_restarts=1, snapshot_every=1)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        folders = _snapshot_folders(workers)
+        done = [p for f in folders for p in glob.glob(os.path.join(f, "step-*.pt"))]
+        tmps = [p for f in folders for p in glob.glob(os.path.join(f, f"step-*.pt.tmp-{rank0}"))]
+        if done and tmps and os.path.getsize(tmps[0]) > (1 << 20):
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail("no snapshot was being written")
+    os.kill(rank0, 9)
+    h = handle.wait(timeout=240)
+    assert h.status == "completed" and h.last_step == 8 and len(h.restarts) == 1
+    assert h.restarts[0]["rank"] == 0 and h.restarts[0]["step_resumed_from"] >= 1
     assert _snapshot_folders(workers) == []
