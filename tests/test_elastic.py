@@ -170,7 +170,7 @@ def test_an_exception_in_the_persons_code_is_not_retried(workers, tmp_path):
 def test_snapshots_are_owner_only_and_gone_after_the_fit(workers, tmp_path):
     modes = str(tmp_path / "modes.json")
     # by time: about 10 steps a second, a snapshot at the first synchronisation step after each second
-    h, _ = _fit(KillAt(prefix=workers.file_prefix, modes=modes, modes_at=20, delay=0.1), max_restarts=1,
+    h, _ = _fit(KillAt(prefix=workers.file_prefix, modes=modes, modes_at=STEPS, delay=0.1), max_restarts=1,
                 snapshot_every="1s")
     with open(modes) as f:
         seen = json.load(f)

@@ -155,9 +155,10 @@ def run_epoch(ts: TrainState) -> bool:
         optimizer_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
-        snap_due = ts.snapshots is not None and ts.snapshots.due(ts.step, rep.due(ts.step))
+        sync = rep.due(ts.step) or end_of_epoch or ckpt_due  # the same on every rank
+        snap_due = ts.snapshots is not None and ts.snapshots.due(ts.step, sync)
         # a checkpoint (or snapshot) step is a sync point, so the epoch's loss sums it saves are complete
-        if rep.due(ts.step) or end_of_epoch or ckpt_due or snap_due:
+        if sync or snap_due:
             BEAT.mark("collective")
             if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device)):
                 stopped, ts.status = True, "interrupted"
