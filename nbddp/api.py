@@ -105,6 +105,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
              profile: Any = False, loggers: Any = None, callbacks: Any = None, compile: Any = False,
+             max_restarts: int = 0, snapshot_every: Any = None, retry_on: Any = None,
              **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
@@ -238,6 +239,19 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             Inductor's caches are shared by the ranks of a host and by later
             fits of the session; ``History.ranks[i]["compile_s"]`` says how
             long each rank compiled. See ``docs/compile.md``.
+        max_restarts: how many times a lost rank (a process killed or
+            crashed, a collective broken by it, a stall past ``stall_timeout``)
+            is replaced and the same fit goes on, in this call, from the last
+            snapshot; the final weights equal an unbroken run's.
+            ``History.restarts`` lists each restart. Default 0: a lost rank
+            ends the fit. An exception raised by your code is not retried.
+        snapshot_every: how often an elastic fit snapshots its whole state to
+            ``/dev/shm`` (removed when the fit ends): an int of steps,
+            ``"epoch"``, a duration (``"30s"``, ``"2min"``) or ``"auto"`` (the
+            default: every 30 s, further apart if writing one would cost more
+            than 2 % of the time). See ``docs/faults.md``.
+        retry_on: exception classes to retry too (matched by name), such as
+            a flaky ``OSError`` from remote storage.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -269,13 +283,10 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                            optimizer=optimizer, loss_fn=loss_fn,
                            scheduler=scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler)
     if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
-        from nbddp.measure.batch_size import find_batch_size
-
-        batch_size = find_batch_size(
-            model, data, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
+        batch_size = _auto_batch_size(
+            model, data, advanced, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
             seed=seed, precision=precision, grad_accum=grad_accum, clip_grad_norm=clip_grad_norm,
-            sync_batchnorm=sync_batchnorm, strategy=strategy, mesh=mesh, activation_checkpointing=activation_checkpointing,
-            **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
+            sync_batchnorm=sync_batchnorm, strategy=strategy, mesh=mesh, activation_checkpointing=activation_checkpointing)
     s = get_session()
     s.ensure_started()
     options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,
@@ -283,7 +294,8 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
                    mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
-                   profile=profile, **advanced)
+                   profile=profile, max_restarts=max_restarts, snapshot_every=snapshot_every, retry_on=retry_on,
+                   **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
@@ -296,6 +308,14 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
     if not block:
         return FitHandle(run_)
     return _wait_for_fit(run_)
+
+
+def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: Any) -> int:
+    """``dist_fit(batch_size="auto")``: ``find_batch_size`` with the fit's own step and loader settings."""
+    from nbddp.measure.batch_size import find_batch_size
+
+    return find_batch_size(model, data, **step,
+                           **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
 
 
 def _wait_for_fit(run_: Any) -> History:

@@ -65,6 +65,8 @@ class FitHooks:
         self.next_seq = 0  # the next record to hand over (watcher thread)
         self.flushed = 0  # records handed over when the last flush was asked for
         self.planned = False
+        self.handed_through = -1  # after an elastic fit's relaunch: replays of steps up to here are not handed over
+        self.last_step = -1  # the step of the last record handed over
         self.finishing = False
         self.queue: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
@@ -120,7 +122,16 @@ class FitHooks:
         if seq != self.next_seq or not self.planned:  # a gap (or no plan yet): finish() hands over from here
             return
         self.next_seq += 1
+        step = record.get("step", self.handed_through + 1)
+        if step <= self.handed_through:
+            return  # a replayed step after a restart: the loggers have its record already (the same values)
+        self.last_step = max(self.last_step, step)
         self.queue.put(("record", (kind, record)))
+
+    def relaunched(self) -> None:
+        """An elastic fit starts again on new ranks: their records count from 0; replays of handed steps are skipped."""
+        self.next_seq = self.flushed = 0
+        self.handed_through = self.last_step
 
     def tick(self, step: int | None) -> None:
         """After each look at the stream: the loggers write what they buffered (once per new batch of records)."""

@@ -9,6 +9,7 @@ stop) or gets a ``FitHandle`` at once.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -27,6 +28,9 @@ from nbddp.jobs.rank_tasks import RankTasks
 from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
+from nbddp.elastic import snapshot_folder
+from nbddp.elastic.recovery import Recovery
+from nbddp.protocol.errors import WorkerError
 
 HARD_STOP_WAIT_S = 30.0
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
@@ -41,7 +45,8 @@ class FitRun:
         self.plan = plan
         self.view = view
         self.stall_timeout = stall_timeout  # seconds without progress that fail the fit (WorkerStalled)
-        self.history = History(world_size=session.world_size, batch_size=plan.cfg.batch_size)
+        self.recovery = Recovery(plan.elastic)  # max_restarts: a lost rank replaced, the same fit going on
+        self.history = self.new_history([])
         self.error: BaseException | None = None
         self.done_event = threading.Event()
         self.stop_requested = False
@@ -55,6 +60,7 @@ class FitRun:
         self.hard_stop_reason = ""
         self.tasks: RankTasks | None = None
         self._seen = 0
+        self._plan_seen = False  # this launch's rank 0 sent its plan (a relaunch sends another)
         self.started_at = time.perf_counter() - plan.ship_s  # the call began when shipping began
         self.live_state = LiveState(world_size=session.world_size, backend=session.backend, epochs=plan.cfg.epochs,
                                     placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements])
@@ -80,26 +86,50 @@ class FitRun:
     def launch(self) -> None:
         """Start every rank's task and the watcher; if that fails, the shipped files go and the session is free."""
         try:
-            self._launch()
+            if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
+                self.plan.cfg.snapshot_dir = snapshot_folder.make(self.session.file_prefix)
+            self.start_tasks(self.plan.cfg, self.plan.launch)
+            self.session.running = self
+            self.view.start(self)
+            self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
+            self.thread.start()
         except BaseException:
             self.plan.discard()
+            snapshot_folder.remove(self.plan.cfg.snapshot_dir)
             self.session.running = None
             raise
 
-    def _launch(self) -> None:
+    def start_tasks(self, cfg: Any, launch: Any) -> None:
+        """One ``fit_task`` per rank of the current group, watched by a new ``RankTasks``."""
         from nbddp.worker.tasks.entry import fit_task
 
         s = self.session
         plan = self.plan
         s.follow_kernel_paths()
-        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg,
-                                                         plan.launch, s.sources.attach(plan.model_parcels.get(p.local), p))
+        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, s.sources.attach(plan.parcels[p.local], p), cfg,
+                                                         launch, s.sources.attach(plan.model_parcels.get(p.local), p))
                for p in s.placements}
         self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
-        s.running = self
-        self.view.start(self)
-        self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
-        self.thread.start()
+
+    def relaunch(self) -> None:
+        """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``)."""
+        s = self.session
+        self._seen, self._plan_seen, self._training_started = 0, False, False
+        self.live_state.placements = [RankInfo(p.rank, p.host, p.device, p.pid) for p in s.placements]
+        self.hooks.relaunched()
+        self.start_tasks(dataclasses.replace(self.plan.cfg, from_snapshot=True),
+                         dataclasses.replace(self.plan.launch, generation=s.generation, resident=()))
+        # a replaced engine's first set-up and step import and build for seconds: stall_timeout applies again
+        # from the relaunch's first record (_take_records)
+        self.tasks.stalls.stall_timeout = None
+
+    def new_history(self, records: list[tuple[str, dict[str, Any]]]) -> History:
+        """A History of this fit holding ``records`` (``(kind, record)``), its restarts listed."""
+        history = History(world_size=self.session.world_size, batch_size=self.plan.cfg.batch_size,
+                          restarts=self.recovery.restarts)
+        for kind, record in records:
+            history.add(kind, record)
+        return history
 
     def request_stop(self, reason: str | None = None) -> None:
         """The coordinated stop: every rank stops at the same step (``reason``: who asks, for History)."""
@@ -147,9 +177,11 @@ class FitRun:
         """Take new records from rank 0's published data (seq + window)."""
         rank0 = self.tasks.ars.get(0)
         plan, msg = published(rank0, "plan"), published(rank0, "progress")
-        if plan is not None and self.live_state.plan is None:
+        if plan is not None and not self._plan_seen:
+            self._plan_seen = True
             self.live_state.plan = plan
             self.hooks.start(plan)
+            self.recovery.resumed(self, plan.start_step)  # after a relaunch: where it resumed
         if msg is None:
             return
         if not self._training_started:
@@ -171,12 +203,16 @@ class FitRun:
                 self.history.add(kind, record)
                 self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
+        if self._seen and self.tasks.stalls.stall_timeout is None and self.stall_timeout is not None:
+            # a record: every rank took a step together, so a relaunch's set-up is over; that is progress for
+            # every rank (a fresh engine's heartbeats may still say "setup")
+            self.tasks.stalls.watch.hold()
+            self.tasks.stalls.stall_timeout = self.stall_timeout
         self.hooks.tick(self.history.last_step)
 
     def _watch(self) -> None:
         try:
-            results = self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
-            self._finish(results)
+            self._finish(self._wait_through_restarts())
         except StuckStop as exc:  # stopped, but a stalled rank could not: its weights never came back
             self.session.resident.clear()
             self.history.status = self.live_state.status = "interrupted"
@@ -199,6 +235,7 @@ class FitRun:
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()
+            snapshot_folder.remove(self.plan.cfg.snapshot_dir)
             try:  # before done_event: a blocking cell returns only once the final state is drawn
                 self.view.finish(self)
             except Exception:  # noqa: BLE001 - a display problem must not hide the result
@@ -207,12 +244,20 @@ class FitRun:
             self.history.timings["watch_cpu_s"] = self.watch_cpu_s
             self.done_event.set()
 
+    def _wait_through_restarts(self) -> dict[int, FitResult]:
+        """Every rank's result; a lost rank, with ``max_restarts``, is replaced and the fit relaunched."""
+        while True:
+            try:
+                return self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
+            except WorkerError as exc:
+                if not self.recovery.should_retry(self, exc):
+                    raise
+                self.recovery.relaunch(self, exc)
+
     def _finish(self, results: dict[int, FitResult]) -> None:
         t0 = time.perf_counter()
         head = results[0]
-        history = History(world_size=self.session.world_size, batch_size=self.plan.cfg.batch_size)
-        for _, kind, record in head.records:
-            history.add(kind, record)
+        history = self.new_history(self.recovery.kept + [(kind, record) for _, kind, record in head.records])
         history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
         history.ranks = self._rank_rows(head, results)
         history.compile_report = compile_report.gather(results)
@@ -279,6 +324,7 @@ class FitRun:
             "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out
             "load_s": loaded - t0,  # the kernel reading them into the model
             "total_s": loaded - self.started_at,
+            **{k: worker[k] for k in ("snapshot_s", "snapshots") if k in worker},  # an elastic fit's snapshots
         }
         timings["overhead_s"] = timings["total_s"] - timings["train_s"]
         return timings

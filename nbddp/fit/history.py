@@ -75,6 +75,14 @@ class History:
             Chrome/Perfetto trace, one process lane per rank), ``ranks`` (those
             it holds), ``top_ops`` (per rank: the operators with the most self
             time) and ``summary`` (the same in words).
+        restarts: an elastic fit's (``max_restarts``) lost ranks, one dict per
+            restart: ``rank``, ``cause``, ``step_lost_at`` (the furthest step the
+            kernel had seen a rank reach: records and heartbeats, which come
+            about once a second), ``step_resumed_from`` (the snapshot's step; 0:
+            from the start), ``replace_s`` (the lost workers replaced and the
+            group formed again), ``seconds`` (from the failure seen to the
+            relaunched fit ready to train on), ``time`` (when the failure was
+            seen, ``time.time()``).
     """
 
     status: str = "completed"
@@ -93,6 +101,7 @@ class History:
     errors: list[dict[str, str]] = field(default_factory=list)
     compile_report: list[dict[str, Any]] = field(default_factory=list)
     profile: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""

@@ -45,6 +45,9 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+KERNEL_SET = {"snapshot_dir", "from_snapshot"}  # set by the kernel for an elastic fit, never by a person
+
+
 def make_config(**options: Any) -> FitConfig:
     """Check every plain option and build a ``FitConfig``.
 
@@ -52,7 +55,7 @@ def make_config(**options: Any) -> FitConfig:
         TypeError / ValueError: naming the option, the bad value and what it
             should be.
     """
-    known = {f.name for f in fields(FitConfig)}
+    known = {f.name for f in fields(FitConfig)} - KERNEL_SET
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"dist_fit() got unknown option(s) {sorted(unknown)}; see help(nbddp.dist_fit) for the options")

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.messages import FitLaunch
+from nbddp.elastic.policy import ElasticPolicy, check_elastic
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
@@ -33,6 +34,7 @@ class FitPlan:
     model_parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # the model alone (sharded training)
     ship_s: float = 0.0
     data_keys: list[str] = field(default_factory=list)  # resident on the workers once this fit succeeds
+    elastic: ElasticPolicy = field(default_factory=ElasticPolicy)  # max_restarts, snapshot_every, retry_on
 
     def discard(self) -> None:
         for parcel in [*self.parcels.values(), *self.model_parcels.values()]:
@@ -232,6 +234,8 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
             step_fn: Callable | None = None, batch_size: int | None = None, keep: str | None = None,
             return_weights: bool = True, **options: Any) -> FitPlan:
     """Check everything, then pack the arguments for the workers."""
+    elastic = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
+                            options.pop("retry_on", None))
     returned = check_model(model)
     check_keep(keep, return_weights)
     spec, n_train, loader_bs = data_spec(data, "dist_fit(data=...)")
@@ -246,7 +250,8 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     options.update(scheduler_options)
     check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
     keep_loader_settings(spec.loader, batch_size, options)
-    cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32), **options)
+    cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32),
+                      snapshot_every=elastic.snapshot_every, **options)
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
@@ -254,13 +259,15 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     check_topology(model, cfg, session.world_size, step_fn, stream=bool(getattr(spec, "stream", False)))
     if n_train is not None:
         check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, session.world_size))
-    keys = session.resident.key_specs([spec, val_spec])
+    # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole
+    keys = session.resident.key_specs([spec, val_spec], by_value=elastic.enabled)
     launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
                        resident=session.resident.to_keep(keys), keep=keep)
     parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": loss_fn, "optimizer": optimizer,
              "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
     plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
-                   factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys)
+                   factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys,
+                   elastic=elastic)
     if not is_replicated(cfg.strategy) and returned is not None:
         parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
         ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)

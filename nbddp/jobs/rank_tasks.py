@@ -137,7 +137,7 @@ class RankTasks:
                 killed.append(p.engine_id)
             # the headline is the cause: a death before any raise, an own error before
             # a peer's broken connection, then the earliest on the workers' clock
-            ranked.append(((not dead, _is_consequence(failure), at), failure))
+            ranked.append(((not dead, is_consequence(failure), at), failure))
         failures = [f for _, f in sorted(ranked, key=lambda kv: kv[0])]
         own = [f for f in failures if f.exc_type != PEER_FAILED] or failures
         head, others = own[0], [f for f in failures if f is not own[0] and f.exc_type != PEER_FAILED]
@@ -184,7 +184,7 @@ def _finished_at(ar: Any) -> float:
 _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _is_consequence(failure: RankFailure) -> bool:
+def is_consequence(failure: RankFailure) -> bool:
     """A failure caused by another rank's failure (its own work was fine)."""
     return failure.exc_type == PEER_FAILED or any(c in failure.message for c in _CONSEQUENCES)
 

@@ -20,6 +20,7 @@ class LiveState:
     placements: list[Any] = field(default_factory=list)  # messages.RankInfo, in rank order
     plan: Any = None  # messages.FitPlanInfo once the workers sent it
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's latest figures
+    restarts: list[str] = field(default_factory=list)  # "rank 1 lost at step 12 (...); replaced in 2.1 s; ..."
     missed: int = 0  # records the stream skipped (the final result fills them in)
     stalled: list[dict[str, Any]] = field(default_factory=list)  # ranks that stopped advancing, with their stacks
     # every rank's latest heartbeat: {rank, phase, step, micro, idle_s} (stalls.StallWatch.positions)

@@ -152,6 +152,7 @@ def progress_line(run: Any) -> str:
         parts.append(f"ranks {positions}")
     if not ended:
         parts += paused_lines(run.live_state)
+    parts += run.live_state.restarts  # an elastic fit's lost ranks, and where it resumed
     return "  ".join(parts)
 
 

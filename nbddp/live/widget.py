@@ -45,7 +45,8 @@ from nbddp.protocol.messages import innermost_frames
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
-                  "stalled": "#d62728", "completed": "#2ca02c", "interrupted": "#ff7f0e", "failed": "#d62728"}
+                  "stalled": "#d62728", "recovering": "#ff7f0e", "completed": "#2ca02c", "interrupted": "#ff7f0e",
+                  "failed": "#d62728"}
 BAR_STYLES = {"completed": "success", "interrupted": "warning", "failed": "danger"}
 PLOT_CPU_SHARE = 0.01  # the plot may use at most this share of one core (on CPU workers, it is taken from them)
 MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
@@ -292,6 +293,7 @@ class WidgetView:
             status = "stalled"
         self.status.value = status_html(run, status)
         paused = paused_lines(run.live_state) if not getattr(run, "finished", False) else []
+        paused += run.live_state.restarts  # an elastic fit's lost ranks, and where it resumed
         self.stalls.value = (stalls_html(run.live_state) if stalled else "") + "".join(
             f"<div class='nbddp-paused' style='color:#1f77b4;font-size:12px'>{html.escape(p)}</div>" for p in paused)
         self.bar.value = f["fraction"]

@@ -111,6 +111,12 @@ class WorkerError(NbddpError):
         self.note = note
         super().__init__(self._summary())
 
+    def with_note(self, text: str) -> WorkerError:
+        """Add a line to the message (an elastic fit says what it retried); returns the same error."""
+        self.note = "\n".join(x for x in (self.note, text) if x)
+        self.args = (self._summary(),)
+        return self
+
     def _summary(self) -> str:
         lines = [f"{self.failure.headline()}"]
         for other in self.others:

@@ -59,6 +59,16 @@ class FitConfig:
     publish_interval_s: float = 0.25
     compile: Any = None  # None, or a protocol.compile_settings.CompileSpec (checked by fit/compile_checks.py)
     profile: Any = None  # a profile_spec.ProfileSpec once checked: torch.profiler over the same steps on every rank
+    # elastic fits (``max_restarts``): where each rank writes its snapshots (the kernel's /dev/shm folder), how
+    # often (steps: int, "epoch", seconds: float, or "auto": AUTO_SNAPSHOT_S stretched to keep the cost small),
+    # and whether this launch is a relaunch that starts from the newest snapshot there
+    snapshot_dir: str | None = None
+    snapshot_every: Any = None
+    from_snapshot: bool = False
+
+
+AUTO_SNAPSHOT_S = 30.0  # snapshot_every="auto": at least this many seconds apart ...
+AUTO_SNAPSHOT_COST = 0.02  # ... and far enough apart that writing one costs at most this share of the time
 
 
 def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:

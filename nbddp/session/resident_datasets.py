@@ -32,8 +32,11 @@ class ResidentSet:
         with self._lock:
             return list(self._keys)
 
-    def key_specs(self, specs: list[Any]) -> list[str]:
-        """Give each dataset passed by value its key; one the workers hold is replaced by the key alone."""
+    def key_specs(self, specs: list[Any], by_value: bool = False) -> list[str]:
+        """Give each dataset passed by value its key; one the workers hold is replaced by the key alone.
+
+        ``by_value``: keep the dataset in the spec all the same (an elastic fit may relaunch on new workers).
+        """
         keys = []
         for spec in specs:
             if spec is None or spec.dataset is None or spec.stream:
@@ -45,7 +48,7 @@ class ResidentSet:
                 continue
             spec.key = key
             keys.append(key)
-            if key in self:
+            if key in self and not by_value:
                 spec.dataset = None  # the workers have it: send the key alone
         return keys
 

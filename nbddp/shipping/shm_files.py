@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 
@@ -130,7 +131,10 @@ def remove_files(prefix: str) -> int:
     paths = glob.glob(os.path.join(shm_dir(), glob.escape(prefix) + "*"))
     for path in paths:
         _POOL_OF.pop(path, None)
-        _unlink(path)
+        if os.path.isdir(path):  # an elastic fit's snapshot folder
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink(path)
     return len(paths)
 
 

@@ -63,6 +63,7 @@ class TrainState:
     asked: Any = None  # asked_profile.AskedProfiles: handle.profile's requests, during a fit
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
     compiled: list[nn.Module] = field(default_factory=list)  # modules whose forward is compiled for this fit
+    snapshots: Any = None  # checkpoints.snapshots.SnapshotClock in an elastic fit (dist_fit(max_restarts=...))
 
     @property
     def batches_per_epoch(self) -> int:

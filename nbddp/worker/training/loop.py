@@ -30,6 +30,7 @@ from nbddp.protocol.messages import FitLaunch, FitPlanInfo, FitResult, timed_pha
 from nbddp.protocol.fit_options import FitConfig, Patience
 from nbddp.shipping.pickling import Parcel
 from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.checkpoints.snapshots import SnapshotClock
 from nbddp.worker.training import early_stop, nan_policy, setup
 from nbddp.worker.data import streams
 from nbddp.worker.data.batch_agreement import PeerFailed
@@ -113,15 +114,18 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
         trace = ts.profiler.close() if ts.profiler is not None else None  # never left running on the engine
         ts.asked.end()
     phase_s = timed_phases(BEAT.phase_seconds(stop=True))
-    train_s = time.perf_counter() - t_train
-    result = finish(ts, launch, {"setup_s": setup_s, "train_s": train_s, "train_start_wall": train_start_wall})
+    timings = {"setup_s": setup_s, "train_s": time.perf_counter() - t_train, "train_start_wall": train_start_wall}
+    if ts.snapshots is not None:  # of train_s: writing the elastic fit's snapshots
+        timings.update(snapshot_s=ts.snapshots.total_s, snapshots=ts.snapshots.count)
+    result = finish(ts, launch, timings)
     result.phase_s, result.profile = phase_s, trace
     return result, ts
 
 
 def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_mem: int, group: Any,
                     agreed_us: float) -> None:
-    """What watches the training of ``ts``: the best weights, the early stops, the reporter, the profilers."""
+    """What watches the training of ``ts``: the best weights, the early stops, the reporter, the profilers, the
+    elastic fit's snapshots."""
     cfg, device = ts.cfg, ts.device
     ts.best = BestWeights(launch.best) if launch.best is not None else None
     ts.stoppers = [Patience(spec) for spec in launch.stoppers]
@@ -132,6 +136,7 @@ def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_m
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
     ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix)
+    ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group) if cfg.snapshot_dir else None
 
 
 def train(ts: TrainState) -> None:
@@ -170,7 +175,7 @@ def run_epoch(ts: TrainState) -> bool:
     """One epoch (or what is left of it); return whether training stops."""
     cfg, rep = ts.cfg, ts.reporter
     first, batches = epoch_batches(ts)
-    bi, stopped = first - 1, False
+    bi, stopped, snap_due = first - 1, False, False
     while True:
         BEAT.micro_batch()  # "data": a rank stuck in its data pipeline shows it
         batch = next(batches, _END)
@@ -187,8 +192,10 @@ def run_epoch(ts: TrainState) -> bool:
         profile_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
         ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
-        # a checkpoint step is a sync point, so the epoch's loss sums it saves are complete
-        if rep.due(ts.step) or end_of_epoch or ckpt_due:
+        sync = rep.due(ts.step) or end_of_epoch or ckpt_due  # the same on every rank
+        snap_due = ts.snapshots is not None and ts.snapshots.due(ts.step, sync)
+        # a checkpoint (or snapshot) step is a sync point, so the epoch's loss sums it saves are complete
+        if sync or snap_due:
             BEAT.mark("collective")
             if rep.sync(ts.step, ts.epoch, ts.lr, STATE.stop_requested, peak_memory(ts.device), ts.asked.pending()):
                 stopped, ts.status = True, "interrupted"
@@ -201,8 +208,12 @@ def run_epoch(ts: TrainState) -> bool:
             break
         if ckpt_due and not end_of_epoch:
             save_checkpoint(ts, bi + 1)
+        if snap_due and not end_of_epoch:
+            write_snapshot(ts, bi + 1)
     if bi == ts.batches_per_epoch - 1:
         end_epoch(ts)
+        if ts.snapshots is not None and (ts.snapshots.at_epoch_end or snap_due) and not stopped:
+            write_snapshot(ts, 0)
     elif stopped and cfg.checkpoint_dir:
         save_checkpoint(ts, bi + 1)
     return stopped
@@ -290,8 +301,17 @@ def end_epoch(ts: TrainState) -> None:
         save_checkpoint(ts, 0)
 
 
-def save_checkpoint(ts: TrainState, batches_done: int) -> None:
-    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state."""
+def write_snapshot(ts: TrainState, batches_done: int) -> None:
+    """An elastic fit's snapshot: a checkpoint in the fit's ``/dev/shm`` folder, owner-only, the last two kept."""
+    with ts.snapshots.writing(ts.rank):
+        save_checkpoint(ts, batches_done, ts.cfg.snapshot_dir)
+
+
+def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = None) -> None:
+    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state.
+
+    ``directory``: where (default ``checkpoint_dir``; an elastic fit's snapshots go to its own folder).
+    """
     BEAT.mark("checkpoint")
     states: list[Any] = [None] * ts.world
     dist.all_gather_object(states, ckpt.rng_state(), group=ts.strategy.group)
@@ -309,7 +329,7 @@ def save_checkpoint(ts: TrainState, batches_done: int) -> None:
         "batch_size": ts.cfg.batch_size,
         "strategy": ts.strategy.name,
     }
-    ts.strategy.save_checkpoint(ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
+    ts.strategy.save_checkpoint(directory or ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
 
 
 def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitResult:

@@ -25,6 +25,7 @@ from nbddp.protocol.messages import FitLaunch
 from nbddp.protocol.fit_options import DEFAULT_LR, FitConfig, check_device_rules
 from nbddp.shipping.pickling import Parcel, unpack
 from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.checkpoints import snapshots
 from nbddp.worker.memory import allocator as memory
 from nbddp.worker.data import streams
 from nbddp.partitioning.blocks import apply_activation_checkpointing
@@ -201,5 +202,10 @@ def restore(ts: TrainState, path: str) -> None:
 
 
 def resume_path(cfg: FitConfig) -> str | None:
-    """The checkpoint ``resume=`` points at, or None to start fresh."""
-    return ckpt.resolve(cfg.resume, cfg.checkpoint_dir)
+    """The checkpoint ``resume=`` points at, or None to start fresh.
+
+    An elastic fit's relaunch (``cfg.from_snapshot``) starts from its newest
+    snapshot; before the first one it starts where the first launch did.
+    """
+    found = snapshots.latest(cfg) if cfg.from_snapshot else None
+    return found or ckpt.resolve(cfg.resume, cfg.checkpoint_dir)

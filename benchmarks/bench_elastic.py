@@ -1,0 +1,160 @@
+"""Elastic fits (issue 33): what snapshots cost, how long a recovery takes, how many steps are lost.
+
+One run measures three things on the MLP workload, 2 ranks:
+
+* **snapshot cost**: the same fit without snapshots (``max_restarts=0``) and
+  with them, alternating: at the default interval (``snapshot_every="auto"``,
+  30 s or more) and at a dense one (every ``DENSE`` steps) that gives the
+  cost of one snapshot; reported as ``timings['snapshot_s'] / train_s``, the
+  paired throughput ratio, and the share one snapshot would take of the
+  default interval;
+* **recovery time**: a fit whose rank 1 SIGKILLs itself at step ``KILL_AT``
+  (writing the time first), split into *noticing* (the kill to the kernel
+  seeing the failure), *replacing* (the supervisor's heal: the new engine
+  started and the group formed again) and *restoring* (the relaunch, set-up
+  and the snapshot loaded, to the moment it is ready to train);
+* **steps lost**: ``step_lost_at - step_resumed_from``, at most the interval.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys as _sys
+import tempfile
+import time
+from pathlib import Path as _Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+
+import cloudpickle  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+cloudpickle.register_pickle_by_value(_sys.modules[__name__])  # the step_fn travels to the engines by value
+
+NAME = "elastic"
+DENSE = 5  # steps between snapshots in the dense mode
+KILL_AT = 35  # rank 1's step that it does not finish (3/4 of the fit when it is shorter)
+
+
+class KillOnce:
+    """``step_fn``: cross-entropy; rank 1 writes the time to ``marker`` and SIGKILLs itself at call ``at``, once."""
+
+    def __init__(self, marker: str = "", at: int = 0):
+        self.marker, self.at, self.calls = marker, at, 0
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        self.calls += 1
+        if self.marker and self.calls == self.at and dist.get_rank() == 1 and os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(f"{time.time()!r} {self.calls}")
+            os.rename(self.marker, self.marker + ".fired")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss
+
+
+def _fit(model_seed: int, data: Any, cfg: dict[str, Any], **extra: Any) -> Any:
+    import nbddp
+    import torch
+
+    model = common.make_model("mlp", seed=model_seed)
+    return nbddp.dist_fit(model, data, epochs=cfg["epochs"], batch_size=cfg["batch_size"], optimizer=torch.optim.SGD,
+                          lr=cfg["lr"], live=False, log_every=cfg.get("log_every", 20), **extra)
+
+
+def _cost_run(data: Any, cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(), **extra)
+    t = h.timings
+    samples = len(data[0]) // 2 // cfg["batch_size"] * cfg["batch_size"] * 2 * cfg["epochs"]
+    return {"train_s": t["train_s"], "samples_per_s": samples / t["train_s"], "snapshots": t.get("snapshots", 0),
+            "snapshot_s": t.get("snapshot_s", 0.0), "share": t.get("snapshot_s", 0.0) / t["train_s"],
+            "steps": h.last_step}
+
+
+def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One fit that loses rank 1 at ``KILL_AT``: the time split and the steps lost."""
+    marker = os.path.join(tempfile.mkdtemp(prefix="nbddp-bench-elastic-"), "kill")
+    open(marker, "w").close()
+    steps = len(data[0]) // 2 // cfg["batch_size"] * cfg["epochs"]
+    kill_at = min(KILL_AT, steps * 3 // 4)  # the quick workload has 16 steps
+    h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(marker, kill_at), max_restarts=1, snapshot_every=DENSE)
+    with open(marker + ".fired") as f:
+        killed_at, call = f.read().split()
+    killed_at, done = float(killed_at), int(call) - 1  # the steps rank 1 finished before it died
+    (event,) = h.restarts
+    return {"noticing_s": event["time"] - killed_at, "replacing_s": event["replace_s"],
+            "restoring_s": event["seconds"] - event["replace_s"], "recovery_s": event["seconds"],
+            "from_death_s": event["time"] - killed_at + event["seconds"],
+            "steps_lost": done - event["step_resumed_from"], "interval_steps": DENSE,
+            "status": h.status, "event": event}
+
+
+def main(quick: bool = False, reps: int | None = None) -> dict:
+    reps = reps or (1 if quick else 3)
+    cfg = common.workload_cfg("mlp", quick)
+    ok, reason = common.nbddp_status()
+    out: dict[str, Any] = {"name": NAME, "env": common.environment(), "cfg": cfg}
+    if not ok:
+        common.log(f"skipped: {reason}")
+        return {**out, "skipped": reason}
+    data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
+    out["nbddp_start_s"] = common.nbddp_start(2)
+    try:
+        raw = common.alternate({
+            "plain": lambda: _cost_run(data, cfg),
+            "snapshots_auto": lambda: _cost_run(data, cfg, max_restarts=1),
+            "snapshots_dense": lambda: _cost_run(data, cfg, max_restarts=1, snapshot_every=DENSE),
+        }, reps=reps, warmup=0 if quick else 1, label=NAME)
+        out["recovery"] = recovery(data, cfg)
+    finally:
+        common.nbddp_stop()
+    out["raw"] = raw
+    out["summary"] = summary(raw)
+    report(out)
+    return out
+
+
+def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
+    dense = [r for r in raw["snapshots_dense"] if isinstance(r, dict) and r.get("snapshots")]
+    one = common.median(r["snapshot_s"] / r["snapshots"] for r in dense)
+    return {
+        "auto_share": common.median(common.field_values(raw["snapshots_auto"], "share")),
+        "dense_share": common.median(common.field_values(raw["snapshots_dense"], "share")),
+        "one_snapshot_s": one,
+        "share_at_default_interval": (one / 30.0) if one is not None else None,
+        "throughput_auto/plain_paired": common.paired_ratios(raw["snapshots_auto"], raw["plain"],
+                                                             "samples_per_s")["median"],
+        "throughput_dense/plain_paired": common.paired_ratios(raw["snapshots_dense"], raw["plain"],
+                                                              "samples_per_s")["median"],
+        "errors": {n: common.errors_of(r) for n, r in raw.items()},
+    }
+
+
+def report(out: dict[str, Any]) -> None:
+    s, r = out["summary"], out["recovery"]
+    print(f"\n== elastic: snapshots and recovery on mlp ({out['cfg']['n_samples']} x {out['cfg']['epochs']} epochs) ==")
+    print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in s.items() if k != "errors"), flush=True)
+    print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in r.items() if k != "event"), flush=True)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    result = main(quick=args.quick, reps=args.reps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)

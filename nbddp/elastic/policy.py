@@ -1,0 +1,105 @@
+"""``dist_fit``'s elastic options checked: how many restarts, how often a snapshot, which errors are retried.
+
+Checked in the kernel before anything is shipped, so a typo costs an error
+message. Only the snapshot interval travels to the workers (in
+``FitConfig.snapshot_every``); what is retried is decided here, in the kernel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from nbddp.protocol.errors import WorkerDied, WorkerError, WorkerStalled
+from nbddp.jobs.rank_tasks import is_consequence
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|minutes?|h|hours?)\s*$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+FORMS = ("an int of optimizer steps (snapshot_every=200), 'epoch', a duration ('30s', '2min', '1h', or a "
+         "datetime.timedelta), or 'auto' (the default: every 30 s or more, so that writing costs at most 2 %)")
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """What one fit does when a rank is lost (``max_restarts=0``: nothing, today's behaviour)."""
+
+    max_restarts: int = 0
+    snapshot_every: Any = None  # for FitConfig: int steps, "epoch", float seconds, "auto"; None when not elastic
+    retry_on: tuple[type, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_restarts > 0
+
+    def retries(self, exc: BaseException) -> bool:
+        """Whether this failure is worth a restart: a lost process, a broken collective, a stall, or ``retry_on``.
+
+        An exception the person's code raised is not: a bug does the same thing again.
+        """
+        if isinstance(exc, (WorkerDied, WorkerStalled)):
+            return True
+        if not isinstance(exc, WorkerError):
+            return False  # the controller or the Slurm job is gone: nothing to relaunch on
+        if exc.exc_type in {t.__name__ for t in self.retry_on}:
+            return True
+        return is_consequence(exc.failure)  # every rank failed only because a peer went away
+
+
+def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> ElasticPolicy:
+    """``dist_fit(max_restarts=, snapshot_every=, retry_on=)`` as an ``ElasticPolicy``.
+
+    Raises:
+        TypeError / ValueError: naming the option, the value and the fix.
+    """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, numbers.Integral):
+        raise TypeError(f"dist_fit(max_restarts=...) must be an int, got {type(max_restarts).__name__} "
+                        f"{max_restarts!r}")
+    if max_restarts < 0:
+        raise ValueError(f"dist_fit(max_restarts={max_restarts}): the number of times a lost rank is replaced and the "
+                         "fit goes on must be 0 (the default: a lost rank ends the fit) or more, e.g. max_restarts=3")
+    types = exception_types(retry_on)
+    if not max_restarts:
+        given = [name for name, value in (("snapshot_every", snapshot_every), ("retry_on", types)) if value]
+        if given:
+            raise ValueError(f"dist_fit({given[0]}=...) takes effect only in a fit that restarts after a "
+                             f"lost rank; pass max_restarts=N (N >= 1) too, or leave {' and '.join(given)} out")
+        return ElasticPolicy()
+    return ElasticPolicy(int(max_restarts), snapshot_interval(snapshot_every), types)
+
+
+def snapshot_interval(value: Any) -> int | str | float:
+    """``snapshot_every`` as the workers read it: int steps, ``"epoch"``, float seconds or ``"auto"``."""
+    if value is None or value in ("auto", "epoch"):
+        return value or "auto"
+    if isinstance(value, datetime.timedelta):
+        value = f"{value.total_seconds()}s"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        seconds = None
+    elif isinstance(value, str) and _DURATION.match(value):
+        number, unit = _DURATION.match(value).groups()
+        value, seconds = float(number) * _UNIT_S[unit[0]], True
+    else:
+        raise ValueError(f"dist_fit(snapshot_every={value!r}) must be {FORMS}")
+    if value <= 0:
+        raise ValueError(f"dist_fit(snapshot_every={value!r}): a snapshot interval must be above 0 "
+                         f"{'seconds' if seconds else 'steps'}; give {FORMS}")
+    return float(value) if seconds else int(value)
+
+
+def exception_types(retry_on: Any) -> tuple[type, ...]:
+    """``retry_on``: an exception class or several (matched by name: the worker's exception comes back as text)."""
+    if retry_on is None:
+        return ()
+    items = (retry_on,) if isinstance(retry_on, type) else retry_on
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (retry_on,)
+    bad = [item for item in items if not (isinstance(item, type) and issubclass(item, BaseException))]
+    if bad:
+        raise TypeError(f"dist_fit(retry_on=...) takes exception classes to retry besides lost ranks, such as "
+                        f"retry_on=[OSError, TimeoutError]; {bad[0]!r} is not one")
+    return items

@@ -1,0 +1,87 @@
+"""After a lost rank, inside the same fit: retry or not, wait for the heal, relaunch, and say what happened.
+
+The supervisor already replaces the lost workers (``RankTasks.fail`` hands the
+dead and the stuck to ``Supervisor.recover``). ``Recovery`` decides whether
+the fit goes on (``ElasticPolicy.retries`` and ``max_restarts``), waits for
+that heal, and has the ``FitRun`` launch the same fit again on the new
+group, from the newest snapshot (``worker/checkpoints/snapshots.py``). When
+the relaunched rank 0 says where it resumed, the records of the steps after
+that are dropped (their replays take their place), and the live view and
+``History.restarts`` say what happened.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbddp.elastic.policy import ElasticPolicy
+from nbddp.protocol.errors import WorkerDied, WorkerError
+
+KINDS = (("step", "steps"), ("epoch", "epochs"), ("val", "validations"))
+
+
+class Recovery:
+    """One fit's restarts (``policy.max_restarts`` at most)."""
+
+    def __init__(self, policy: ElasticPolicy):
+        self.policy = policy
+        self.restarts: list[dict[str, Any]] = []  # History.restarts: the same list
+        self.kept: list[tuple[str, dict[str, Any]]] = []  # records of the steps before the last resume
+        self._pending: tuple[dict[str, Any], float] | None = None  # a relaunch not yet resumed
+
+    def should_retry(self, run: Any, exc: WorkerError) -> bool:
+        """Whether the fit goes on after ``exc``; when it does not, the error says why."""
+        if not self.policy.enabled or run.stop_requested or run.hard_stopped:
+            return False
+        if not self.policy.retries(exc):
+            exc.with_note(f"nbddp: not retried: {exc.exc_type} was raised by the fit's own code, and a bug does the "
+                          f"same thing again; to retry it, pass retry_on=[{exc.exc_type}]")
+            return False
+        used = len(self.restarts)
+        if used >= self.policy.max_restarts:
+            exc.with_note(f"nbddp: the fit was restarted {used} time(s) and max_restarts={self.policy.max_restarts} "
+                          "were all used; this failure ends it (History.restarts on a FitHandle lists them)")
+            return False
+        return True
+
+    def relaunch(self, run: Any, exc: WorkerError) -> None:
+        """Wait for the supervisor's heal, then launch the same fit again from the newest snapshot."""
+        noticed = time.monotonic()
+        # the ranks' last heartbeats, read once more as the failure was built (they come about once a second)
+        steps = [p.get("step") or 0 for p in run.tasks.stalls.watch.positions() + run.live_state.positions]
+        cause = exc.how if isinstance(exc, WorkerDied) else f"{exc.exc_type}: {exc.message}"
+        event = {"rank": exc.rank, "cause": cause,
+                 "step_lost_at": max(steps + [run.history.last_step]), "step_resumed_from": None,
+                 "replace_s": None, "seconds": None, "time": time.time()}
+        self.restarts.append(event)
+        run.live_state.restarts.append(f"rank {event['rank']} lost at step {event['step_lost_at']} "
+                                       f"({event['cause']}); replacing it")
+        run.live_state.status = "recovering"
+        run.view.update(run)
+        run.session.wait_healed(raise_error=True)
+        event["replace_s"] = round(time.monotonic() - noticed, 3)
+        self._pending = (event, noticed)
+        run.relaunch()
+
+    def resumed(self, run: Any, start_step: int) -> None:
+        """The relaunched rank 0 restored its state at ``start_step``: keep the records up to it, say so."""
+        if self._pending is None:
+            return
+        event, noticed = self._pending
+        self._pending = None
+        event["step_resumed_from"] = start_step
+        event["step_lost_at"] = max(event["step_lost_at"], start_step)  # the snapshot's step was reached
+        event["seconds"] = round(time.monotonic() - noticed, 3)
+        self.kept = kept_records(run.history, start_step)
+        run.history = run.new_history(self.kept)
+        run.live_state.restarts[-1] = (f"rank {event['rank']} lost at step {event['step_lost_at']} ({event['cause']}); "
+                                       f"replaced in {event['replace_s']:.1f} s; resumed from step {start_step}")
+
+
+def kept_records(history: Any, start_step: int) -> list[tuple[str, dict[str, Any]]]:
+    """The records of ``history`` up to ``start_step``, as ``(kind, record)``: later ones are replayed."""
+    kept = []
+    for kind, name in KINDS:
+        kept += [(kind, r) for r in getattr(history, name) if r.get("step", 0) <= start_step]
+    return kept
