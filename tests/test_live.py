@@ -233,7 +233,9 @@ def _bare_run():
     from nbddp.jobs.rank_tasks import RankTasks
 
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
-    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1))
+    from nbddp.elastic.policy import ElasticPolicy
+
+    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), elastic=ElasticPolicy())
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})
     run.tasks = RankTasks(session, {0: ar}, "dist_fit", fit=True)

@@ -160,11 +160,24 @@ def _leaderboard_rows(text: str) -> dict[int, str]:
 EPOCHS = 12
 
 
+def paced_step(model, batch):
+    """A step of at least 4 ms: a whole trial lasts about 0.4 s, so the pruner's stop (polled every 10 ms, then a
+    signal) lands before a tiny-lr trial could finish its 12 epochs, even on a loaded machine."""
+    import time
+
+    import torch.nn.functional as F
+
+    time.sleep(0.004)
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
 def test_six_trials_with_a_pruner_complete_and_the_pruned_stop_early(workers, capsys):
     study = optuna.create_study(sampler=grid(lr=[1e-6, 0.05], width=[4, 8, 16]), pruner=PruneTinyLr())
     # publish_interval_s: each validation reaches the kernel at once, so the pruner decides while the trial runs
     result = nbddp.sweep(make_net, tensors(128), val_data=tensors(32, 1), n_trials=6, study=study, epochs=EPOCHS,
-                         space={"lr": [1e-6, 0.05], "width": [4, 8, 16]}, batch_size=16, publish_interval_s=0.02)
+                         space={"lr": [1e-6, 0.05], "width": [4, 8, 16]}, batch_size=16, publish_interval_s=0.02,
+                         step_fn=paced_step)
     trials = result.trials
     assert len(trials) == 6 and result.status == "completed"
     assert sorted(trials["state"]) == ["complete"] * 3 + ["pruned"] * 3

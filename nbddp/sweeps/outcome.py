@@ -38,6 +38,12 @@ def settle(sweep: Any, run: Any) -> None:
 
     results, failure = _collect(sweep, run)
     row = run.row
+    if failure is not None and sweep.stopping and failure.exc_type == "KeyboardInterrupt":
+        # the stop's signal reached a rank before its trial had put up its own handler: stopped, not failed
+        row.state = "stopped"
+        _discard(results)
+        tell(sweep, run.trial, state=TrialState.FAIL)
+        return
     if failure is not None:
         row.state, row.rank, row.error = "failed", failure.rank, f"{failure.exc_type}: {failure.message}\n{failure.remote_traceback}"
         _discard(results)
