@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys as _sys
+import shutil
 import tempfile
 import time
 from pathlib import Path as _Path
@@ -81,13 +82,17 @@ def _cost_run(data: Any, cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """One fit that loses rank 1 at ``KILL_AT``: the time split and the steps lost."""
-    marker = os.path.join(tempfile.mkdtemp(prefix="nbddp-bench-elastic-"), "kill")
-    open(marker, "w").close()
-    steps = len(data[0]) // 2 // cfg["batch_size"] * cfg["epochs"]
-    kill_at = min(KILL_AT, steps * 3 // 4)  # the quick workload has 16 steps
-    h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(marker, kill_at), max_restarts=1, snapshot_every=DENSE)
-    with open(marker + ".fired") as f:
-        killed_at, call = f.read().split()
+    folder = tempfile.mkdtemp(prefix="nbddp-bench-elastic-")
+    marker = os.path.join(folder, "kill")
+    try:  # the folder goes with the measurement, whatever happens
+        open(marker, "w").close()
+        steps = len(data[0]) // 2 // cfg["batch_size"] * cfg["epochs"]
+        kill_at = min(KILL_AT, steps * 3 // 4)  # the quick workload has 16 steps
+        h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(marker, kill_at), max_restarts=1, snapshot_every=DENSE)
+        with open(marker + ".fired") as f:
+            killed_at, call = f.read().split()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     killed_at, done = float(killed_at), int(call) - 1  # the steps rank 1 finished before it died
     (event,) = h.restarts
     return {"noticing_s": event["time"] - killed_at, "replacing_s": event["replace_s"],
