@@ -256,7 +256,9 @@ def _traced(agreed_us: float, steps: int = 4) -> dict:
 def test_a_rank_traces_its_steps_and_maps_its_clock_to_the_wall_clock():
     before = time.time_ns() / 1000
     trace = _traced(agreed_us=before)
-    assert trace["steps"] == 4 and trace["top"] and trace["top"][0]["name"].startswith("aten::")
+    # the busiest rows are operators; on a loaded machine an autograd engine row may lead (its self time is
+    # scheduling), so the check is that aten operators are among them, not which one is first
+    assert trace["steps"] == 4 and any(row["name"].startswith("aten::") for row in trace["top"])
     ops = [e for e in trace["events"] if e.get("ph") == "X" and e["name"].startswith("aten::")]
     assert ops and not any(e["name"] == CLOCK_MARK for e in trace["events"])
     first = min(e["ts"] for e in ops) + trace["clock_us"]  # on the wall clock
