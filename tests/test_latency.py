@@ -76,9 +76,11 @@ def test_a_task_costs_milliseconds_on_the_worker_whatever_is_imported(workers):
     few, many = (_on_the_workers(workers, _overhead_on_this_worker, n) for n in (0, 3000))
     for a, b in zip(few, many):
         assert b["modules"] >= a["modules"] + 3000 >= 3000 + 1000, (a, b)
-        assert a["task_s"] < 0.004 and b["task_s"] < 0.004, (a, b)  # was 0.2 s with 1,580 modules
-        assert b["walk_s"] < 0.001, (a, b)  # a walk of 4,500 modules that did not change: no realpath, no stat
-        assert b["task_s"] < a["task_s"] + 0.003, (a, b)  # sorting cost 0.2 s per 1,580 modules per task before
+        # bounds 10x under the regression they guard (0.2 s per task with 1,580 modules), not a speed goal: ~2 ms
+        # on a quiet machine, up to 5 ms seen under load 10 on 2 cores (the goal lives in bench_latency.py)
+        assert a["task_s"] < 0.02 and b["task_s"] < 0.02, (a, b)
+        assert b["walk_s"] < 0.002, (a, b)  # a walk of 4,500 modules that did not change: no realpath, no stat
+        assert b["task_s"] < a["task_s"] + 0.015, (a, b)  # sorting cost 0.2 s per 1,580 modules per task before
 
 
 def test_warm_calls_stay_within_reach_of_bare_ipyparallel_on_the_same_engines(workers):

@@ -139,8 +139,6 @@ class FitRun:
         self.stop_reason = reason or PERSON_STOP
         self.live_state.status = "stopping"
         self.session.debugger.let_go(self, "the fit is stopping")  # a paused rank could not take the stop
-        if self.tasks is not None:  # a rank that stalled cannot take the stop: it is killed after a grace
-            self.tasks.stalls.stop_at = time.monotonic()
         if self._training_started:
             self._send_stop()
         # else: sent by _stream when rank 0 first reports. Before that a rank may not yet have
@@ -149,6 +147,10 @@ class FitRun:
     def _send_stop(self) -> None:
         if not self._stop_sent:
             self._stop_sent = True
+            # a rank that stalled cannot take the stop: it is killed after a grace counted from here, not from
+            # the request, since a stop asked during set-up is held until training starts (a slow set-up is no stall)
+            if self.tasks is not None:
+                self.tasks.stalls.stop_at = time.monotonic()
             self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
