@@ -66,7 +66,7 @@ class ProfileRequests:
             if got:
                 self.results[self.asked] = profile_summary(write_trace(got, None), got, len(ars))
             else:
-                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {},
+                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {}, "breakdown": {},
                                             "summary": "no trace: the fit ended before a traced step"}
             self._remove()
             self.arrived.notify_all()
