@@ -113,3 +113,5 @@ def test_a_profile_on_gpus_holds_cuda_kernels_in_every_rank_lane(gpu_workers, tm
         assert any(e.get("cat") == "kernel" for e in lane), f"rank {rank}: no CUDA kernel in its lane"
         assert any(e["name"].startswith("aten::") for e in lane)
         assert sum(history.ranks[rank]["time_split"].values()) == pytest.approx(history.timings["train_s"], rel=0.05)
+        breakdown = history.profile["breakdown"][rank]  # read from the kernels, as HTA does
+        assert breakdown["basis"] == "gpu kernels" and breakdown["compute_s"] > 0, breakdown
