@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps traced")
     args = parser.parse_args()
     import nbddp
+    from nbddp.profiling.time_split import summary
 
     folder = args.out or tempfile.mkdtemp(prefix="nbddp-profile-check-")
     t0 = time.time()
@@ -110,16 +111,19 @@ def main() -> int:
         history = profiled_fit(args.steps, folder)
     finally:
         nbddp.stop()
-    split = history.time_split()
-    print(split[["data", "forward", "backward", "communication", "wait", "efficiency"]].round(4).to_string())
-    print("time split:", split.attrs["summary"])
+    # from History.ranks, not History.time_split(): the GPU machine's python may lack pandas
+    splits = [r["time_split"] for r in history.ranks]
+    for r, split in enumerate(splits):
+        print(f"rank {r} time split (s): " + ", ".join(f"{p} {s:.4f}" for p, s in split.items()))
+    sentence = summary(splits)
+    print("time split:", sentence)
     print(history.profile["summary"])
     kernels = kernel_counts(history.profile["path"]) if history.profile["path"] else {}
     print("GPU kernels per rank:", kernels or "none (a CPU trace)")
     hta = hta_view(history.profile["path"]) if history.profile["path"] else {"skipped": "no trace"}
     print("HTA:", json.dumps(hta, default=str)[:2000])
-    result = {"where": where, "status": history.status, "time_split": split.reset_index().to_dict(orient="records"),
-              "time_split_summary": split.attrs["summary"], "trace": history.profile["path"],
+    result = {"where": where, "status": history.status, "time_split": splits,
+              "time_split_summary": sentence, "trace": history.profile["path"],
               "breakdown": history.profile["breakdown"], "kernels": kernels, "hta": hta, "wall_s": time.time() - t0}
     with open(os.path.join(folder, "profile.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
