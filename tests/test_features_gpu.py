@@ -103,8 +103,10 @@ def test_a_profile_on_gpus_holds_cuda_kernels_in_every_rank_lane(gpu_workers, tm
 
     history = nbddp.dist_fit(_bn_net(), _data(), epochs=1, batch_size=32, lr=1e-2, live=False,
                              profile={"wait": 1, "warmup": 1, "active": 3, "dir": str(tmp_path)})
-    print(history.time_split().round(4).T.to_string())
-    print(history.time_split().attrs["summary"])
+    from nbddp.profiling.time_split import summary  # History.time_split() needs pandas: the GPU machine may lack it
+
+    print([r["time_split"] for r in history.ranks])
+    print(summary([r["time_split"] for r in history.ranks]))
     print(history.profile["summary"])
     with open(history.profile["path"]) as f:
         events = json.load(f)["traceEvents"]
