@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -449,6 +450,7 @@ def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
     assert history.status == "interrupted" and profile["ranks"] == [0, 1]
     with open(profile["path"]) as f:
         events = json.load(f)["traceEvents"]
+    shutil.rmtree(os.path.dirname(profile["path"]))  # the private folder handle.profile made for the trace
     for rank in (0, 1):
         lane = [e for e in events if e["pid"] == rank and e.get("ph") == "X"]
         assert len({e["name"] for e in lane if e["name"].startswith("ProfilerStep#")}) == 10
