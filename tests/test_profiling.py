@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import time
 from types import SimpleNamespace
 
@@ -439,18 +438,19 @@ def test_a_request_needs_rank_0_on_this_machine():
         _requests(local=False).ask(3)
 
 
-def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
+def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers, tmp_path):
     handle = nbddp.dist_fit(Small(), _data(4000), epochs=1, batch_size=4, lr=0.01, optimizer=torch.optim.SGD,
                             live=False, block=False, log_every=1)
     try:
-        profile = handle.profile(steps=10)
+        profile = handle.profile(steps=10, dir=tmp_path / "traces")
         assert not handle.done(), "the fit stopped for the profile"
     finally:
         history = handle.stop()
     assert history.status == "interrupted" and profile["ranks"] == [0, 1]
     with open(profile["path"]) as f:
         events = json.load(f)["traceEvents"]
-    shutil.rmtree(os.path.dirname(profile["path"]))  # the private folder handle.profile made for the trace
+    assert os.path.dirname(profile["path"]) == str(tmp_path / "traces")
+    assert os.stat(tmp_path / "traces").st_mode & 0o777 == 0o700
     for rank in (0, 1):
         lane = [e for e in events if e["pid"] == rank and e.get("ph") == "X"]
         assert len({e["name"] for e in lane if e["name"].startswith("ProfilerStep#")}) == 10
@@ -464,7 +464,7 @@ def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
 def test_a_fit_that_ends_before_any_traced_step_says_so():
     from nbddp.fit.handle import FitHandle
 
-    requests = SimpleNamespace(ask=lambda steps: 1, wait=lambda request, timeout: None)
+    requests = SimpleNamespace(ask=lambda steps, folder: 1, wait=lambda request, timeout: None)
     run = SimpleNamespace(finished=False, requests=requests, live_state=SimpleNamespace(status="completed"))
     with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=5\): the fit ended \(completed\) before its "
                                                r"ranks traced a step"):
