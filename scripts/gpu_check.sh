@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: install the carried wheels, report the environment,
-# run the requires_gpu tests, run benchmarks/bench_gpu.py, and copy what they wrote
-# into $OUT. Under 8 minutes on one GPU (the two timed steps are capped by `timeout`).
+# run the requires_gpu tests, benchmarks/bench_gpu.py, the compile benchmark and the profile
+# check, and copy what they wrote into $OUT. Each timed step is capped by `timeout`: the caps
+# add up to 710 s; for a 600 s slot lower some (say BENCH_TIMEOUT=180 COMPILE_TIMEOUT=120).
 #
 #   bash scripts/gpu_wheels.sh     # here, where PyPI is reachable: fills .whl/ (git-ignored)
 #   bash scripts/gpu_check.sh      # there, from the repo root, with .whl carried
@@ -16,8 +17,11 @@
 #   d. benchmarks/bench_gpu.py -> benchmarks/results/<YYYY-MM-DD>_gpu.json       -> bench.log
 #      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
 #      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
-#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, compile.log, the JSONs and summary.txt
-#      copied into $OUT when it is set (10 files, flat)
+#   p. scripts/profile_check.py: dist_fit(profile=...) over 3 steps, the merged trace with its CUDA kernels
+#      (NCCL ones with 2+ GPUs), the compute/communication/idle breakdown, the time split, and HTA's
+#      view of the same trace where hta imports  -> profile.json, the trace, profile.log
+#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, compile.log, profile.log, the JSONs,
+#      the merged trace and summary.txt copied into $OUT when it is set (14 files, flat)
 #   f. a summary of what passed, failed and was skipped.
 #
 # Exit status: 0 whenever the script itself worked, even when tests fail or a
@@ -26,7 +30,7 @@
 # says plainly which GPU parts it skipped.
 #
 # Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (200 s), BENCH_TIMEOUT (240 s),
-# COMPILE_TIMEOUT (150 s), OUT.
+# COMPILE_TIMEOUT (150 s), PROFILE_TIMEOUT (120 s), OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 
@@ -37,6 +41,7 @@ SITE=${SITE:-/tmp/site}
 TEST_TIMEOUT=${TEST_TIMEOUT:-200}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-150}
+PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-120}
 OUT=${OUT:-}
 DAY=$(date +%Y-%m-%d)
 JSON=benchmarks/results/${DAY}_gpu.json
@@ -176,6 +181,13 @@ timeout -k 20 "$COMPILE_TIMEOUT" "$PY" benchmarks/bench_compile.py --quick --out
     | tee "$LOGS/compile.log"
 COMPILE_RC=${PIPESTATUS[0]}
 
+# ---- p. the profile step -------------------------------------------------------
+section "p. scripts/profile_check.py"
+say "profile: a merged trace of 3 steps with its breakdown (limit ${PROFILE_TIMEOUT} s)"
+mkdir -p -m 700 "$LOGS/profile"
+timeout -k 20 "$PROFILE_TIMEOUT" "$PY" scripts/profile_check.py --out "$LOGS/profile" 2>&1 | tee "$LOGS/profile.log"
+PROFILE_RC=${PIPESTATUS[0]}
+
 # ---- f. summary ----------------------------------------------------------------
 section "summary"
 case "$TEST_RC" in
@@ -245,12 +257,18 @@ case "$COMPILE_RC" in
     124|137) say "compile benchmark: STOPPED after the ${COMPILE_TIMEOUT} s limit (exit $COMPILE_RC)" ;;
     *) say "compile benchmark: exit $COMPILE_RC (see compile.log)" ;;
 esac
+case "$PROFILE_RC" in
+    0) say "profile: exit 0; $(grep -E '^(rank [0-9]+ over|GPU kernels|time split)' "$LOGS/profile.log" | tr '\n' ' ')" ;;
+    124|137) say "profile: STOPPED after the ${PROFILE_TIMEOUT} s limit (exit $PROFILE_RC)" ;;
+    *) say "profile: exit $PROFILE_RC (see profile.log)" ;;
+esac
 
 # ---- e. results into $OUT --------------------------------------------------------
 if [ -n "$OUT" ]; then
     copied=()
     if mkdir -p "$OUT"; then
-        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log "$LOGS"/compile.log; do
+        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log "$LOGS"/compile.log \
+                 "$LOGS"/profile.log "$LOGS"/profile/*.json; do
             [ -f "$f" ] && cp "$f" "$OUT/" && copied+=("$(basename "$f")")
         done
         for j in "$JSON" "$COMPILE_JSON"; do

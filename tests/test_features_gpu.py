@@ -103,8 +103,10 @@ def test_a_profile_on_gpus_holds_cuda_kernels_in_every_rank_lane(gpu_workers, tm
 
     history = nbddp.dist_fit(_bn_net(), _data(), epochs=1, batch_size=32, lr=1e-2, live=False,
                              profile={"wait": 1, "warmup": 1, "active": 3, "dir": str(tmp_path)})
-    print(history.time_split().round(4).T.to_string())
-    print(history.time_split().attrs["summary"])
+    from nbddp.profiling.time_split import summary  # History.time_split() needs pandas: the GPU machine may lack it
+
+    print([r["time_split"] for r in history.ranks])
+    print(summary([r["time_split"] for r in history.ranks]))
     print(history.profile["summary"])
     with open(history.profile["path"]) as f:
         events = json.load(f)["traceEvents"]
@@ -113,3 +115,5 @@ def test_a_profile_on_gpus_holds_cuda_kernels_in_every_rank_lane(gpu_workers, tm
         assert any(e.get("cat") == "kernel" for e in lane), f"rank {rank}: no CUDA kernel in its lane"
         assert any(e["name"].startswith("aten::") for e in lane)
         assert sum(history.ranks[rank]["time_split"].values()) == pytest.approx(history.timings["train_s"], rel=0.05)
+        breakdown = history.profile["breakdown"][rank]  # read from the kernels, as HTA does
+        assert breakdown["basis"] == "gpu kernels" and breakdown["compute_s"] > 0, breakdown

@@ -27,6 +27,7 @@ from nbddp.live.widget import rank_rows, rank_table_html, summary_text
 from nbddp.profiling.time_split import SPLIT_PHASES, efficiency, split_frame, split_ranks, summary
 from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, timed_phases
 from nbddp.profiling.timeline import timeline_figure
+from nbddp.profiling.trace_analysis import breakdown_lines, trace_breakdown
 from nbddp.profiling.trace_merge import merge_traces, profile_summary, write_trace
 from nbddp.protocol.profile_spec import ProfileSpec, profile_spec
 from nbddp.worker.engine.heartbeat import Heartbeat
@@ -302,7 +303,62 @@ def test_a_profile_of_5_steps_gives_one_chrome_trace_with_a_lane_per_rank(worker
         assert any(e["name"].startswith("aten::") for e in lane)
         assert len({e["name"] for e in lane if e["name"].startswith("ProfilerStep#")}) == 5
         assert h.profile["top_ops"][rank]
+        # the gradient all-reduce runs on gloo's threads as "gloo:all_reduce", launched by "c10d::allreduce_"
+        assert any(e["name"] == "gloo:all_reduce" for e in lane) and any(e["name"] == "c10d::allreduce_" for e in lane)
+        b = h.profile["breakdown"][rank]
+        assert b["basis"] == "cpu operators" and b["steps"] == 5
+        assert b["compute_s"] > 0 and b["communication_total_s"] > 0 and 0 <= b["overlap"] <= 1
+        assert sum(b[f"{k}_share"] for k in ("compute", "communication", "memory", "idle")) == pytest.approx(1)
+        assert f"rank {rank} over 5 traced steps (cpu operators): compute " in h.profile["summary"]
     assert h.profile["path"] in h.profile["summary"]
+
+
+def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op", pid: int = 0) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_the_trace_breakdown_counts_compute_communication_and_idle_as_hta_would():
+    events = [
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        _x("aten::addmm", 0, 40), _x("aten::empty", 1, 2),  # nested: counted once
+        _x("gloo:all_reduce", 30, 30, tid=2, cat="user_annotation"),  # 10 µs of it under the addmm
+        _x("c10d::allreduce_", 60, 10), _x("aten::empty", 61, 2),  # an operator inside a collective: not compute
+        _x("aten::mul", 80, 10),
+        _x("aten::add", 150, 10),  # after the traced steps: not counted
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
+        _x("ProfilerStep#1", 0, 100, cat="user_annotation", pid=1), _x("aten::mm", 10, 50, pid=1),
+    ]
+    b = trace_breakdown(events)
+    r0 = b[0]
+    assert r0["basis"] == "cpu operators" and r0["steps"] == 1 and r0["window_s"] == pytest.approx(100e-6)
+    # compute 0-40 and 80-90; communication 30-70 of which 30-40 is hidden; idle 70-80 and 90-100
+    assert r0["compute_share"] == pytest.approx(0.5) and r0["communication_share"] == pytest.approx(0.3)
+    assert r0["idle_share"] == pytest.approx(0.2) and r0["memory_share"] == 0
+    assert r0["communication_total_s"] == pytest.approx(40e-6) and r0["overlap"] == pytest.approx(0.25)
+    assert b[1]["compute_share"] == pytest.approx(0.5) and b[1]["overlap"] == 0 and b[1]["idle_share"] == 0.5
+    assert breakdown_lines(b)[0] == ("rank 0 over 1 traced steps (cpu operators): compute 50 %, communication 30 % "
+                                     "(plus 0.0 ms hidden under compute: 25 % of its communication), idle 20 %")
+    assert trace_breakdown([_x("aten::mm", 0, 5)]) == {}  # no traced step: nothing to count over
+
+
+def test_with_gpu_kernels_the_breakdown_reads_the_kernels():
+    events = [
+        _x("ProfilerStep#3", 0, 50, cat="user_annotation"),
+        _x("aten::mm", 0, 50),  # host work: not what a GPU trace is judged by
+        _x("sm80_xmma_gemm", 10, 40, tid=7, cat="kernel"),
+        _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 30, tid=8, cat="kernel"),  # 10 µs under the gemm
+        _x("Memcpy HtoD (Pageable -> Device)", 0, 5, tid=7, cat="gpu_memcpy"),
+        _x("Memset (Device)", 45, 5, tid=9, cat="gpu_memset"),  # under compute and communication: not memory
+    ]
+    b = trace_breakdown(events)[0]
+    # the window runs to the last kernel's end (70): compute 10-50, communication 50-70 exposed, memory 0-5
+    assert b["basis"] == "gpu kernels" and b["window_s"] == pytest.approx(70e-6)
+    assert b["compute_s"] == pytest.approx(40e-6) and b["communication_s"] == pytest.approx(30e-6 - 10e-6)
+    assert b["memory_s"] == pytest.approx(5e-6) and b["idle_s"] == pytest.approx(5e-6)
+    assert b["overlap"] == pytest.approx(10 / 30)
+    # ranks sharing a GPU under gloo communicate on the host: gloo's spans count as communication
+    shared = trace_breakdown(events[:3] + [_x("gloo:all_reduce", 50, 10, tid=3, cat="user_annotation")])[0]
+    assert shared["communication_s"] == pytest.approx(10e-6) and shared["overlap"] == 0
 
 
 @pytest.mark.parametrize("bad", ["yes", {"active": 0}])
@@ -382,21 +438,24 @@ def test_a_request_needs_rank_0_on_this_machine():
         _requests(local=False).ask(3)
 
 
-def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
+def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers, tmp_path):
     handle = nbddp.dist_fit(Small(), _data(4000), epochs=1, batch_size=4, lr=0.01, optimizer=torch.optim.SGD,
                             live=False, block=False, log_every=1)
     try:
-        profile = handle.profile(steps=10)
+        profile = handle.profile(steps=10, dir=tmp_path / "traces")
         assert not handle.done(), "the fit stopped for the profile"
     finally:
         history = handle.stop()
     assert history.status == "interrupted" and profile["ranks"] == [0, 1]
     with open(profile["path"]) as f:
         events = json.load(f)["traceEvents"]
+    assert os.path.dirname(profile["path"]) == str(tmp_path / "traces")
+    assert os.stat(tmp_path / "traces").st_mode & 0o777 == 0o700
     for rank in (0, 1):
         lane = [e for e in events if e["pid"] == rank and e.get("ph") == "X"]
         assert len({e["name"] for e in lane if e["name"].startswith("ProfilerStep#")}) == 10
         assert any(e["name"].startswith("aten::") for e in lane)
+        assert profile["breakdown"][rank]["steps"] == 10
     with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=10\): this fit has ended \(interrupted\); "
                                                r"profile a running fit"):
         handle.profile(steps=10)
@@ -405,7 +464,7 @@ def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers):
 def test_a_fit_that_ends_before_any_traced_step_says_so():
     from nbddp.fit.handle import FitHandle
 
-    requests = SimpleNamespace(ask=lambda steps: 1, wait=lambda request, timeout: None)
+    requests = SimpleNamespace(ask=lambda steps, folder: 1, wait=lambda request, timeout: None)
     run = SimpleNamespace(finished=False, requests=requests, live_state=SimpleNamespace(status="completed"))
     with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=5\): the fit ended \(completed\) before its "
                                                r"ranks traced a step"):

@@ -67,11 +67,16 @@ def _save(session: Any, path: str) -> dict[str, Any]:
     header = {"format": FORMAT, "torch": torch.__version__, "sizes": [len(b) for b in blobs], "artifacts": kinds}
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(json.dumps(header).encode() + b"\n")
-        for blob in blobs:
-            f.write(blob)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(header).encode() + b"\n")
+            for blob in blobs:
+                f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: no half-written file left beside the path
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return {"path": path, "bytes": os.path.getsize(path), "artifacts": kinds}
 
 

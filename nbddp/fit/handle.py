@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from nbddp.fit.history import History
@@ -38,13 +40,15 @@ class FitHandle:
         self._run.request_stop()
         return self.wait() if wait else None
 
-    def profile(self, steps: int = 10) -> dict[str, Any]:
+    def profile(self, steps: int = 10, dir: str | os.PathLike | None = None) -> dict[str, Any]:
         """Trace the next ``steps`` optimizer steps on every rank with torch.profiler while the fit goes on.
 
         Every rank starts at the same step (the request rides in the next
         record's reduction); the call returns once every rank's trace is in,
         merged into one Chrome/Perfetto file: a dict like ``History.profile``
-        (``path``, ``ranks``, ``top_ops``, ``summary``). The fit does not stop.
+        (``path``, ``ranks``, ``top_ops``, ``breakdown``, ``summary``). The fit
+        does not stop. The file goes into ``dir`` (made owner-only if missing),
+        or a new private temporary folder.
 
         Raises:
             NbddpError: the fit has ended, or it ended before any traced step.
@@ -55,7 +59,7 @@ class FitHandle:
             raise NbddpError(f"handle.profile(steps={steps!r}): this fit has ended ({self.status}); profile a running "
                              "fit (dist_fit(..., block=False)), or trace a fit from its start with "
                              "dist_fit(..., profile=True)")
-        request = run.requests.ask(steps)
+        request = run.requests.ask(steps, None if dir is None else os.fspath(dir))
         result = run.requests.wait(request, None)
         if result is None:
             raise NbddpError(f"handle.profile(steps={steps}): the fit ended ({self.status}) before its ranks traced a "

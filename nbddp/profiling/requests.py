@@ -33,11 +33,12 @@ class ProfileRequests:
         self.path = ""  # set by the first request: rank 0's files are named "<session prefix>-w0"
         self.asked = 0
         self.results: dict[int, dict[str, Any]] = {}
+        self.folders: dict[int, str | None] = {}  # where each request's trace goes (None: a new temporary folder)
         self.arrived = threading.Condition()
         self.closed = False  # the fit ended
 
-    def ask(self, steps: int) -> int:
-        """Write the request (atomically, 0600); return its id."""
+    def ask(self, steps: int, folder: str | None = None) -> int:
+        """Write the request (atomically, 0600); return its id. Its trace will go into ``folder``."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"handle.profile(steps=...) must be a whole number of steps >= 1, got {steps!r}")
         rank0 = self.session.placements[0]
@@ -47,6 +48,7 @@ class ProfileRequests:
         with self.arrived:
             self.path = request_path(f"{self.session.file_prefix}-w0")
             self.asked += 1
+            self.folders[self.asked] = folder
             tmp = f"{self.path}.{self.asked}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -64,9 +66,10 @@ class ProfileRequests:
                 return
             got = {r: t[1] for r, t in traces.items() if t[1]}
             if got:
-                self.results[self.asked] = profile_summary(write_trace(got, None), got, len(ars))
+                self.results[self.asked] = profile_summary(write_trace(got, self.folders.get(self.asked)), got,
+                                                            len(ars))
             else:
-                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {},
+                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {}, "breakdown": {},
                                             "summary": "no trace: the fit ended before a traced step"}
             self._remove()
             self.arrived.notify_all()

@@ -18,6 +18,8 @@ import tempfile
 import time
 from typing import Any
 
+from nbddp.profiling.trace_analysis import breakdown_lines, trace_breakdown
+
 PROCESS_META = ("process_name", "process_labels", "process_sort_index")
 FLOW_PHASES = ("s", "t", "f")
 TID_STRIDE = 1_000_000  # a rank's second process (a GPU's lanes) keeps its threads apart from the first's
@@ -76,23 +78,27 @@ def write_trace(traces: dict[int, dict[str, Any]], folder: str | None) -> str:
 
 
 def profile_summary(path: str, traces: dict[int, dict[str, Any]], expected: int) -> dict[str, Any]:
-    """``History.profile``: the file, the ranks it holds, and each rank's top operators by self time."""
+    """``History.profile``: the file, the ranks it holds, each rank's top operators by self time, and its
+    compute, communication and idle shares over the traced steps (``trace_analysis.py``)."""
     missing = [r for r in range(expected) if r not in traces]
     top = {r: t["top"] for r, t in sorted(traces.items())}
+    with open(path) as f:
+        breakdown = trace_breakdown(json.load(f)["traceEvents"])
     lines = [f"merged trace of {len(traces)} rank(s): {path} (open it in https://ui.perfetto.dev or chrome://tracing)"]
     for r, ops in top.items():
         shown = ", ".join(f"{o['name']} {o['self_cpu_us'] / 1000:.1f} ms" for o in ops[:3])
         lines.append(f"rank {r}: {shown}")
+    lines += breakdown_lines(breakdown)
     if missing:
         lines.append(f"no trace from rank(s) {missing}: the fit ended before their first traced step")
-    return {"path": path, "ranks": sorted(traces), "top_ops": top, "summary": "\n".join(lines)}
+    return {"path": path, "ranks": sorted(traces), "top_ops": top, "breakdown": breakdown, "summary": "\n".join(lines)}
 
 
 def gathered_profile(results: dict[int, Any], spec: Any, world: int) -> dict[str, Any]:
     """From every rank's fit result, the merged trace written and summarised (``History.profile``)."""
     traces = {r: res.profile for r, res in results.items() if getattr(res, "profile", None)}
     if not traces:
-        return {"path": None, "ranks": [], "top_ops": {},
+        return {"path": None, "ranks": [], "top_ops": {}, "breakdown": {},
                 "summary": f"no trace: the fit ended before the profile's first traced step (step "
                            f"{spec.wait + spec.warmup + 1}); train longer or lower wait/warmup"}
     return profile_summary(write_trace(traces, spec.dir), traces, world)

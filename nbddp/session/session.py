@@ -29,6 +29,7 @@ from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
 from nbddp.shipping.shm_files import BufferPool, remove_files
 from nbddp.protocol.compile_settings import session_cache_dir
+from nbddp.session.cache_cleanup import remove_remote_caches
 from nbddp.cluster.slurm.request import slurm_request
 from nbddp.session.source_ledger import SourceLedger
 from nbddp.session.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
@@ -168,6 +169,8 @@ class Session:
         self.supervisor.wait(raise_error=False)
         self.debugger.close()
         with self.lock:
+            if self.workers is not None and self.workers.controller_problem() is None:
+                remove_remote_caches(self)  # dist_fit(compile=...)'s Inductor cache on the other hosts
             if self.workers is not None:
                 if not self.workers.owned and self.workers.controller_problem() is None:
                     self._group_former().leave()  # (through a dead controller it would never return)

@@ -1,0 +1,43 @@
+"""The session's Inductor cache on the other hosts, removed at ``nbddp.stop()``.
+
+``dist_fit(compile=...)`` keeps Inductor's caches in one directory per session
+and host (``protocol/compile_settings.py``). ``stop()`` removes the kernel's
+host's directory itself, and the reaper does if the kernel dies; a directory
+on another host (Slurm, SSH) can only be removed by a process there, so
+``stop()`` asks one of that host's engines before stopping them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REMOTE_CLEANUP_S = 5.0  # stop() waits at most this long for the other hosts to remove their cache
+
+
+def remove_remote_caches(session: Any, timeout: float = REMOTE_CLEANUP_S) -> list[str]:
+    """At ``stop()``: remove the session's Inductor cache on every host but the kernel's; the hosts asked.
+
+    One engine per other host removes the directory (the kernel's own is removed by ``stop()``,
+    and by the reaper if the kernel dies). Best effort, bounded by ``timeout``: an engine that
+    is gone or busy leaves its host's directory in ``/tmp``, as before.
+    """
+    import shutil
+
+    from nbddp.protocol.compile_settings import session_cache_dir
+
+    one_per_host = {p.host: p.engine_id for p in reversed(session.placements) if not p.local}
+    if not one_per_host:
+        return []
+    path = session_cache_dir(session.file_prefix)
+    asked = []
+    for host, engine in one_per_host.items():
+        try:
+            asked.append((host, session.client[engine].apply_async(shutil.rmtree, path, True)))
+        except Exception:  # noqa: BLE001 - a lost engine: nothing to clean through it
+            continue
+    for _, ar in asked:
+        try:
+            ar.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - best effort: the directory stays on that host
+            pass
+    return [host for host, _ in asked]
