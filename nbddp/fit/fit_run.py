@@ -18,6 +18,7 @@ from typing import Any
 from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit import compile_report
+from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.protocol.messages import FitResult, RankInfo, published
@@ -53,7 +54,8 @@ class FitRun:
         self.stop_reason: str | None = None  # who asked for the stop (History.stop_reason)
         self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
         self.hooks.bind(self)
-        self.hooks.attach(plan)  # restore_best: what the workers monitor
+        self.handle = FitHandle(self)  # what the callbacks act through (info.handle, Callback.handle)
+        self.hooks.attach(plan, session)  # restore_best: what the workers monitor; the synchronous callbacks
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -166,6 +168,8 @@ class FitRun:
         self._take_records()
         self.requests.collect(self.tasks.ars)
         stalls = self.tasks.stalls
+        if self.hooks.answering:  # the ranks wait for the kernel's on_epoch_end: that is no stall
+            stalls.watch.hold()
         stalls.tick()
         self.live_state.stalled = list(stalls.stalled)
         self.live_state.positions = stalls.watch.positions()
