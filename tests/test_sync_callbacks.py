@@ -70,6 +70,7 @@ def test_a_stop_from_on_epoch_end_ends_after_exactly_that_epoch_on_every_rank(wo
     assert [e["epoch"] for e in h.epochs] == [0, 1] and cb.seen == [0, 1]
     assert h.steps[-1]["step"] == 2 * STEPS
     assert [r["samples"] for r in h.ranks] == [2 * 32, 2 * 32]  # every rank trained exactly two epochs
+    assert h.timings["answer_points"] == 2 and 0 < h.timings["answer_wait_s"] < h.timings["train_s"]
 
 
 class HalveOnce(Callback):
@@ -163,7 +164,7 @@ def test_fits_without_a_synchronous_hook_do_not_wait_and_the_handle_says_why_it_
             handle.set_lr(0.1)
     finally:
         h = handle.wait(timeout=120)
-    assert h.status == "completed" and only.n > 0
+    assert h.status == "completed" and only.n > 0 and "answer_points" not in h.timings  # the ranks never waited
     with pytest.raises(NbddpError, match=r"handle.save_checkpoint\(\): this fit has ended \(completed\)"):
         handle.save_checkpoint("somewhere")
 

@@ -34,6 +34,7 @@ from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import WorkerError
 
 HARD_STOP_WAIT_S = 30.0
+SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (benchmarks/epoch_round_trip.py)
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
 
 
@@ -69,6 +70,8 @@ class FitRun:
         self.thread: threading.Thread | None = None
         self._warned = False
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
+        if self.hooks.answers is not None:  # the ranks wait at each epoch end until the watcher sees the record
+            self.poll_s = SYNC_POLL_S
         self.watch_cpu_s: float | None = None
         self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
         self.end_notices: list[str] = []  # rank 0's notices at the end (FitResult.notices)
@@ -329,6 +332,8 @@ class FitRun:
             "load_s": loaded - t0,  # the kernel reading them into the model
             "total_s": loaded - self.started_at,
             **{k: worker[k] for k in ("snapshot_s", "snapshots") if k in worker},  # an elastic fit's snapshots
+            # rank 0 waiting for the synchronous callbacks (on_epoch_end): seconds, and how many points
+            **{k: worker[k] for k in ("answer_wait_s", "answer_points") if k in worker},
         }
         timings["overhead_s"] = timings["total_s"] - timings["train_s"]
         return timings

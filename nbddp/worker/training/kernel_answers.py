@@ -10,6 +10,7 @@ same step. Without such callbacks nothing here runs: no wait, no collective.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -29,12 +30,14 @@ class KernelAnswers:
         self.checkpoint: str | None = None  # asked, written at the next point where a checkpoint can resume
         self.notices: list[str] = []  # for the person, at the end (FitResult.notices)
         self.waited = 0  # points answered
+        self.wait_s = 0.0  # seconds this rank waited at them (History.timings["answer_wait_s"], rank 0's)
 
     def exchange(self, ts: Any, kind: str) -> None:
         """Every rank, right after a ``kind`` record: wait for the kernel's answer (rank 0), share it, apply it."""
         if kind not in self.kinds or ts.status == "interrupted":
             return
         BEAT.mark("callbacks")
+        t0 = time.perf_counter()
         box: list[Any] = [None]
         if self.rank == 0:
             rep = ts.reporter
@@ -49,6 +52,7 @@ class KernelAnswers:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self.group)
         self.waited += 1
+        self.wait_s += time.perf_counter() - t0
         self.apply(ts, box[0])
 
     def apply(self, ts: Any, answer: EpochAnswer) -> None:
