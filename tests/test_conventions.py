@@ -304,6 +304,39 @@ def test_threads_per_worker_follow_the_affinity_mask_and_the_cgroup_quota(tmp_pa
     assert start_options.cgroup_cpu_quota(*free) is None and start_options.usable_cpus(*free) == 8
     monkeypatch.setattr(start_options, "usable_cpus", lambda: 6)
     assert start_options.threads_per_worker(2) == 3 and start_options.threads_per_worker(8) == 1
+    from nbddp.protocol import cpus
+
+    half = _cgroup(tmp_path / "half", "0::/a/b\n", {"a/b/cpu.max": "150000 100000\n"})
+    assert cpus.cgroup_cpu_quota(*half) == 1.5 and cpus.usable_cpus(*half) == 1  # 1.5 CPUs: one full thread
+    assert cpus.cgroup_cpu_quota(*_cgroup(tmp_path / "bad", "0::/\n", {"cpu.max": "garbage\n"})) is None
+
+
+def _count_cpus_as(n):
+    """On an engine: this host's usable CPUs read as ``n`` (None: as they are again)."""
+    import torch
+
+    from nbddp.protocol import cpus
+
+    real = cpus.__dict__.setdefault("real_usable_cpus", cpus.usable_cpus)
+    cpus.usable_cpus = real if n is None else (lambda *args: n)
+    return torch.get_num_threads()
+
+
+def test_each_engine_counts_the_cpus_of_its_own_host_when_it_joins(workers):
+    """The kernel no longer decides the threads for hosts it cannot see: each engine divides its own usable CPUs
+    by the ranks on its host (here an engine told that its host has 12 CPUs runs 12 // 2 threads)."""
+    from nbddp.protocol.cpus import threads_for
+    from nbddp.session.session import get_session
+
+    timeout = get_session().options.timeout
+    nbddp.run(_count_cpus_as, 12)
+    try:
+        nbddp.start(2, timeout=timeout + 1)  # the group forms again: every engine joins and counts
+        assert nbddp.run(torch.get_num_threads) == [6, 6]
+    finally:
+        nbddp.run(_count_cpus_as, None)
+        nbddp.start(2, timeout=timeout)
+    assert nbddp.run(torch.get_num_threads) == [threads_for(2)] * 2  # this host's own count again
 
 
 # ---- EarlyStopping on the workers ----------------------------------------------------------------------------------
