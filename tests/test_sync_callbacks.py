@@ -133,6 +133,26 @@ def test_a_synchronous_hook_that_raises_is_answered_and_the_fit_stops_cleanly(wo
     assert h.errors[0]["source"] == "callback Raises.on_epoch_end"
 
 
+class WaitsForItself(Callback):
+    def on_epoch_end(self, record):
+        try:
+            self.handle.wait()
+        except NbddpError as exc:
+            self.refused = str(exc)
+        self.handle.profile(2)  # raises too: the hook fails, is answered, and the fit stops there
+
+
+def test_a_hook_cannot_wait_for_its_own_fit(workers):
+    cb = WaitsForItself()
+    with pytest.warns(nbddp.NbddpWarning, match=r"callback WaitsForItself.on_epoch_end raised"):
+        h = _fit([cb], epochs=3)
+    assert cb.refused.startswith("handle.wait() was called from one of this fit's callbacks; it waits for the fit, "
+                                 "and the fit waits for the callback")
+    assert h.status == "completed" and h.stop_reason.startswith(
+        "WaitsForItself.on_epoch_end raised NbddpError: handle.profile() was called from one of this fit's callbacks")
+    assert [e["epoch"] for e in h.epochs] == [0]
+
+
 class StopAtFirstCheck(Callback):
     def on_validation_end(self, record):
         return "stop"

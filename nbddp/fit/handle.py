@@ -30,7 +30,12 @@ class FitHandle:
 
         Kernel > Interrupt while waiting stops training at the same step on
         every rank, as in a blocking fit.
+
+        Raises:
+            NbddpError: called from one of the fit's own callbacks (the fit
+                cannot end while its hook waits for it).
         """
+        self._not_from_a_hook("wait")
         if not wait_interruptibly(self._run, timeout):
             raise TimeoutError(f"training still running after {timeout} s; call .wait() again or .stop()")
         return self._run.result()
@@ -82,6 +87,12 @@ class FitHandle:
         """
         return self._answers("save_checkpoint").save_checkpoint(path)
 
+    def _not_from_a_hook(self, method: str) -> None:
+        if hook_stop() is not None:
+            raise NbddpError(f"handle.{method}() was called from one of this fit's callbacks; it waits for the fit, "
+                             "and the fit waits for the callback. Call it from a cell; from a hook, return 'stop', "
+                             "or use handle.set_lr / handle.save_checkpoint")
+
     def _answers(self, method: str) -> Any:
         run = self._run
         answers = run.hooks.answers
@@ -103,9 +114,11 @@ class FitHandle:
         (``path``, ``ranks``, ``top_ops``, ``summary``). The fit does not stop.
 
         Raises:
-            NbddpError: the fit has ended, or it ended before any traced step.
+            NbddpError: the fit has ended, or it ended before any traced step,
+                or this is called from one of the fit's callbacks.
             ValueError: ``steps`` is not a whole number >= 1.
         """
+        self._not_from_a_hook("profile")
         run = self._run
         if run.finished:
             raise NbddpError(f"handle.profile(steps={steps!r}): this fit has ended ({self.status}); profile a running "
