@@ -108,12 +108,13 @@ class CheckpointFirstEpoch(Callback):
             self.written = self.handle.save_checkpoint(self.folder)
 
 
-def test_save_checkpoint_from_on_epoch_end_writes_a_checkpoint_that_resumes(workers, tmp_path):
+@pytest.mark.parametrize("strategy, written", [("ddp", f"step-{STEPS:08d}.pt"), ("fsdp", f"step-{STEPS:08d}")])
+def test_save_checkpoint_from_on_epoch_end_writes_a_checkpoint_that_resumes(workers, tmp_path, strategy, written):
     cb = CheckpointFirstEpoch(str(tmp_path / "asked"))
-    h = _fit([cb], epochs=2)
+    h = _fit([cb], epochs=2, strategy=strategy)
     assert h.status == "completed" and cb.written == str(tmp_path / "asked")
-    assert os.listdir(cb.written) == [f"step-{STEPS:08d}.pt"]
-    resumed = _fit(None, epochs=2, resume=cb.written)
+    assert os.listdir(cb.written) == [written]  # the fit's own checkpoint format: a file, or DCP's sharded folder
+    resumed = _fit(None, epochs=2, resume=cb.written, strategy=strategy)
     assert [e["epoch"] for e in resumed.epochs] == [1]
     assert resumed.steps[0]["step"] > STEPS and resumed.steps[-1]["step"] == 2 * STEPS
     # the resumed second epoch is the straight fit's second epoch
