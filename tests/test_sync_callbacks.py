@@ -225,3 +225,27 @@ def test_rank_0_takes_only_the_answer_to_its_own_point_and_gives_up_after_the_ti
     with open(path, "w") as f:
         f.write("{half")  # being replaced: read as "not yet"
     assert read_answer(path, 3) is None
+
+
+class EpochsSeen(Callback):
+    def __init__(self):
+        self.epochs: list[int] = []
+
+    def on_epoch_end(self, record):
+        self.epochs.append(record["epoch"])
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_an_elastic_fit_that_loses_a_rank_after_an_epoch_end_is_answered_again_and_completes(workers, tmp_path):
+    """Rank 1 dies in epoch 1; the relaunched ranks count their records from 0 again, from the last snapshot: no
+    stale answer is taken for theirs, a replayed point is answered at once, and each epoch reaches the hook once."""
+    from elastic_kit import KillAt, armed
+    from faultkit import Net, regression_data
+
+    marker, seen = armed(str(tmp_path / "kill")), EpochsSeen()
+    torch.manual_seed(0)
+    h = nbddp.dist_fit(Net(), regression_data(), batch_size=16, epochs=2, live=False, seed=3, callbacks=[seen],
+                       step_fn=KillAt([(1, 20, marker)]), max_restarts=1, snapshot_every=4)
+    assert h.status == "completed" and not os.path.exists(marker) and len(h.restarts) == 1
+    assert seen.epochs == [0, 1] and [e["epoch"] for e in h.epochs] == [0, 1]
