@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -97,6 +98,30 @@ def test_set_lr_from_on_epoch_end_sets_the_next_epochs_rate_on_every_rank(worker
         assert torch.equal(ranks[0], ranks[1])
     finally:
         nbddp.run_cell("del sync_lr_kept")
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(6, 1)
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.net(x)
+
+
+def test_set_lr_from_a_cell_is_taken_at_the_next_epoch_end_of_a_synchronous_fit(workers):
+    handle = nbddp.dist_fit(Slow(), _data(), epochs=4, batch_size=4, loss_fn=F.mse_loss, optimizer=torch.optim.SGD,
+                            lr=0.05, log_every=1, live=False, callbacks=[EpochsSeen()], block=False)
+    deadline = time.monotonic() + 60
+    while not handle.history.steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    handle.set_lr(0.01)
+    h = handle.wait(timeout=120)
+    per_epoch = [sorted({s["lr"] for s in h.steps if s["epoch"] == e}) for e in range(4)]
+    assert all(len(lrs) == 1 for lrs in per_epoch), per_epoch  # taken between epochs, on every step of one
+    assert per_epoch[0] == [0.05] and per_epoch[-1] == [0.01], per_epoch
 
 
 class CheckpointFirstEpoch(Callback):
