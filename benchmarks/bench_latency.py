@@ -21,6 +21,9 @@ Overhead of a call = its wall time in this process - the training-loop time
 measured inside the workers (torchrun_train's ``loop_s`` /
 ``hist.timings['train_s']``).
 
+``epoch_round_trip`` (``epoch_round_trip.py``): what a synchronous
+``on_epoch_end`` callback adds per epoch, the ranks waiting for the kernel.
+
 ``time_split_cost``: what the always-on time split (issue 35) adds to a
 step, in this process, and its share of this benchmark's step.
 
@@ -45,7 +48,7 @@ from pathlib import Path as _Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, torchrun_train, warm_calls  # noqa: E402
+from benchmarks import common, epoch_round_trip, torchrun_train, warm_calls  # noqa: E402
 
 NAME = "latency"
 CALLS = 3  # fits in a row per turn (1 with --quick: each torchrun or accelerate call is a new job of seconds)
@@ -233,6 +236,10 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                        f"fit's step, {cost['share_of_1ms_step']:.3%} of a 1 ms step), {cost['sync_us']:.1f} us a record")
             out["warm"] = warm_calls.measure(reps=6 if quick else 30, big_layers=2 if quick else 24)
             print_warm(out["warm"])
+            out["epoch_round_trip"] = rt = epoch_round_trip.measure(reps=2 if quick else 7, epochs=5 if quick else 20)
+            common.log(f"synchronous on_epoch_end: {rt['round_trip_ms']:.1f} ms a round trip per epoch (median of "
+                       f"{rt['reps']} paired fits of {rt['epochs']} epochs; an epoch without it "
+                       f"{rt['epoch_ms_free']:.1f} ms)")
         except Exception as exc:
             ok = False
             out["nbddp"] = f"nbddp start/first fit failed: {type(exc).__name__}: {exc}"
@@ -300,6 +307,7 @@ def print_warm(warm: dict) -> None:
 def summary_rows(res: dict) -> list[dict]:
     base = res.get("summary", {}).get("nbddp_warm", {}).get("overhead_s", {}).get("median")
     warm = warm_calls.rows(res["warm"]) if "warm" in res else []
+    warm += epoch_round_trip.rows(res["epoch_round_trip"]) if "epoch_round_trip" in res else []
     return warm + [
         {"bench": "latency", "competitor": n, "metric": "overhead s/call",
          "median": s["overhead_s"]["median"], "ratio": common.ratio(s["overhead_s"]["median"], base),

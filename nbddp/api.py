@@ -227,8 +227,12 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             runs. A logger that fails is reported and skipped; the fit goes on.
             Needs ``pip install "nbddp[loggers]"``; see ``docs/loggers.md``.
         callbacks: objects with any of ``on_fit_start(info)``,
-            ``on_record(record)``, ``on_epoch_end(record)``, ``on_fit_end(history)``,
-            called in the kernel as records arrive; a hook may stop the fit
+            ``on_record(record)``, ``on_validation_end(record)``,
+            ``on_epoch_end(record)``, ``on_fit_end(history)``, called in the
+            kernel as records arrive; ``on_epoch_end``/``on_validation_end`` are
+            synchronous (the ranks wait for them; their stop ends the fit right
+            there, ``"completed"``, and ``self.handle.set_lr``/``save_checkpoint``
+            act on every rank before the next epoch). A hook may stop the fit
             (``return "stop"`` or ``nbddp.stop_fit()``), and one that raises stops
             it cleanly (``History.stop_reason`` says why).
             ``nbddp.EarlyStopping(...)`` is one.

@@ -245,7 +245,7 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
     started = get_session().started
     fit = dict(model=_fast(), data=_data(), live=False)
     with pytest.raises(TypeError, match=r"object .* has none of the hook methods on_fit_start, on_record, "
-                                        r"on_epoch_end, on_fit_end"):
+                                        r"on_validation_end, on_epoch_end, on_fit_end"):
         nbddp.dist_fit(**fit, callbacks=[object()])
     with pytest.raises(TypeError, match=r"got the class Recorder; pass an instance: Recorder\(\)"):
         nbddp.dist_fit(**fit, callbacks=[Recorder])
@@ -255,7 +255,9 @@ def test_bad_callbacks_and_early_stopping_fail_before_any_worker_starts():
     checkpoint = type("ModelCheckpoint", (lightning_base,), {"__module__": "__main__"})
     with pytest.raises(TypeError, match=r"got a Lightning callback, ModelCheckpoint \(lightning\.pytorch\.callbacks"
                                         r"\.callback\.Callback\); .* nbddp calls on_fit_start\(info\), "
-                                        r"on_record\(record\), on_epoch_end\(record\) and on_fit_end\(history\)"):
+                                        r"on_record\(record\), on_validation_end\(record\), on_epoch_end\(record\) and "
+                                        r"on_fit_end\(history\) .* self.handle.save_checkpoint\(folder\) and "
+                                        r"self.handle.set_lr\(lr\) act on every rank before the next epoch"):
         nbddp.dist_fit(**fit, callbacks=[checkpoint()])
     keras = type("EarlyStopping", (), {"__module__": "keras.src.callbacks.early_stopping", "on_epoch_end": print})
     with pytest.raises(TypeError, match=r"got a Keras callback, EarlyStopping .* nbddp\.EarlyStopping\(\.\.\.\) "

@@ -233,6 +233,47 @@ def test_a_dataloader_keeps_its_order_sampler_and_settings(workers):
     assert kept == pytest.approx([1000 + 23.5])  # one whole batch of 24 per rank; the loader worker's init ran
 
 
+class IndexedStream(torch.utils.data.IterableDataset):
+    """Sample i of the stream is (i + offset, i); a loader worker's init may move the offset."""
+
+    def __init__(self, n: int):
+        self.n, self.offset = n, 0.0
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.tensor([float(i) + self.offset]), torch.tensor([float(i)])
+
+
+def _offset_stream_in_loader_worker(worker_id):
+    shard = torch.utils.data.get_worker_info().dataset  # nbddp's rank share of the person's stream
+    getattr(shard, "inner", shard).offset = 1000.0
+
+
+def _own_part(model, batch):
+    """How many of the batch's samples belong to another (rank, loader worker) than this one: none may."""
+    import torch.distributed as dist
+
+    x, y = batch
+    idx = y.squeeze(1).long()
+    part = (idx % 4) // 2  # 2 ranks x 2 loader workers: sample i is rank ((i % 4) // 2)'s
+    return {"loss": (model(x - 1000.0) - y).pow(2).mean(), "foreign": (part != dist.get_rank()).double().mean(),
+            "offset": (x - y).mean(), "rows": torch.tensor(float(len(idx)))}
+
+
+def test_a_dataloader_over_a_stream_keeps_its_workers_init_and_drop_last(workers):
+    loader = DataLoader(IndexedStream(72), batch_size=4, num_workers=2, drop_last=True, pin_memory=False,
+                        worker_init_fn=_offset_stream_in_loader_worker, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    h = nbddp.dist_fit(nn.Linear(1, 1), loader, step_fn=_own_part, log_every=1, live=False, epochs=1)
+    # 18 samples per (rank, loader worker): 4 whole batches each with drop_last (the loader's), 8 steps per rank
+    assert [r["samples"] for r in h.ranks] == [32, 32] and len(h.steps) == 8
+    assert all(r["foreign"] == 0 and r["offset"] == 1000.0 and r["rows"] == 4 for r in h.steps)
+    with pytest.raises(ValueError, match=r"dist_fit\(num_workers=0\) and the DataLoader's num_workers=2 disagree"):
+        nbddp.dist_fit(nn.Linear(1, 1), loader, step_fn=_own_part, num_workers=0, live=False)
+    with pytest.raises(ValueError, match=r"dist_fit\(batch_size=8\) and the DataLoader's batch_size=4 disagree"):
+        nbddp.dist_fit(nn.Linear(1, 1), loader, step_fn=_own_part, batch_size=8, live=False)
+
+
 def _batch_rows(output, target):
     return torch.tensor(float(output.shape[0]))
 
@@ -304,6 +345,39 @@ def test_threads_per_worker_follow_the_affinity_mask_and_the_cgroup_quota(tmp_pa
     assert start_options.cgroup_cpu_quota(*free) is None and start_options.usable_cpus(*free) == 8
     monkeypatch.setattr(start_options, "usable_cpus", lambda: 6)
     assert start_options.threads_per_worker(2) == 3 and start_options.threads_per_worker(8) == 1
+    from nbddp.protocol import cpus
+
+    half = _cgroup(tmp_path / "half", "0::/a/b\n", {"a/b/cpu.max": "150000 100000\n"})
+    assert cpus.cgroup_cpu_quota(*half) == 1.5 and cpus.usable_cpus(*half) == 1  # 1.5 CPUs: one full thread
+    assert cpus.cgroup_cpu_quota(*_cgroup(tmp_path / "bad", "0::/\n", {"cpu.max": "garbage\n"})) is None
+
+
+def _count_cpus_as(n):
+    """On an engine: this host's usable CPUs read as ``n`` (None: as they are again)."""
+    import torch
+
+    from nbddp.protocol import cpus
+
+    real = cpus.__dict__.setdefault("real_usable_cpus", cpus.usable_cpus)
+    cpus.usable_cpus = real if n is None else (lambda *args: n)
+    return torch.get_num_threads()
+
+
+def test_each_engine_counts_the_cpus_of_its_own_host_when_it_joins(workers):
+    """The kernel no longer decides the threads for hosts it cannot see: each engine divides its own usable CPUs
+    by the ranks on its host (here an engine told that its host has 12 CPUs runs 12 // 2 threads)."""
+    from nbddp.protocol.cpus import threads_for
+    from nbddp.session.session import get_session
+
+    timeout = get_session().options.timeout
+    nbddp.run(_count_cpus_as, 12)
+    try:
+        nbddp.start(2, timeout=timeout + 1)  # the group forms again: every engine joins and counts
+        assert nbddp.run(torch.get_num_threads) == [6, 6]
+    finally:
+        nbddp.run(_count_cpus_as, None)
+        nbddp.start(2, timeout=timeout)
+    assert nbddp.run(torch.get_num_threads) == [threads_for(2)] * 2  # this host's own count again
 
 
 # ---- EarlyStopping on the workers ----------------------------------------------------------------------------------

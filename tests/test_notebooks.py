@@ -10,6 +10,7 @@ started may be left behind.
 
 from __future__ import annotations
 
+import base64
 import os
 import runpy
 import sys
@@ -142,6 +143,11 @@ def test_notebook_runs_and_shows_its_results(name, tmp_path):
         assert found >= 0, f"{name}: expected {expected!r} (after position {pos}) in the outputs:\n{text[-4000:]}"
         pos = found + len(expected)
     assert took < MAX_SECONDS, f"{name} took {took:.0f} s"
+    for cell in [c for c in nb.cells if c.cell_type == "code" and ".plot()" in c.source
+                 and c.source.rstrip().endswith("fig")]:
+        # History.plot()'s Figure as a cell's value is an image in a plain kernel, not "<Figure size ...>"
+        shown = [o for o in cell.outputs if o.output_type == "execute_result"]
+        assert shown and base64.b64decode(shown[0].data["image/png"])[:4] == b"\x89PNG", cell.outputs
     deadline = time.monotonic() + 15
     while (left := _workers_started_in(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.2)

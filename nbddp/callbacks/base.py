@@ -2,19 +2,40 @@
 
 A callback is any object with one or more of the hooks::
 
-    on_fit_start(info)      # training began: a FitInfo (steps, model, world size, hyperparameters)
-    on_record(record)       # every record: step, epoch and validation ones (``record.kind`` says which)
-    on_epoch_end(record)    # every epoch's record (after its on_record)
-    on_fit_end(history)     # the final History (also when the fit failed: status "failed")
+    on_fit_start(info)        # training began: a FitInfo (steps, model, world size, hyperparameters, .handle)
+    on_record(record)         # every record: step, epoch and validation ones (``record.kind`` says which)
+    on_validation_end(record) # every validation check's record ("val"), after its on_record: SYNCHRONOUS
+    on_epoch_end(record)      # every epoch's record (after its on_record): SYNCHRONOUS
+    on_fit_end(history)       # the final History (also when the fit failed: status "failed")
 
-They run in the fit's watcher thread, in the order the records were made,
-while the workers train on. A hook may stop the fit by returning
-``"stop"`` or calling ``nbddp.stop_fit()``: every rank stops at the next
-sync, through the same path as the Stop button. A hook that raises is
-reported with its traceback, that callback gets no more records (only
-``on_fit_end``) and, unless it sets ``stop_on_error = False``, the fit stops
-the same clean way: the model keeps the weights of that step, and
-``History.stop_reason`` says why.
+They run in the kernel, in a thread of their own, in the order the records
+were made. ``on_epoch_end`` and ``on_validation_end`` are synchronous, as
+in Keras and Lightning: when a callback defines one, every rank waits after
+that record until the kernel's hooks have run (one round trip per epoch,
+``benchmarks/bench_latency.py``; no wait at all when no callback defines
+them). What such a hook asks lands before the next epoch (or step) on
+every rank:
+
+* returning ``"stop"`` (or ``nbddp.stop_fit()``, or raising): the fit ends
+  right there, ``status="completed"``, ``History.stop_reason`` naming the hook;
+* ``self.handle.set_lr(lr)``: every parameter group's learning rate, from
+  the next optimizer step on;
+* ``self.handle.save_checkpoint(folder)``: every rank writes the fit's
+  checkpoint there (``step-<N>.pt``) before training on; ``resume=folder``
+  continues from it.
+
+``self.handle`` (a ``Callback`` subclass) and ``info.handle`` (any callback)
+are the fit's ``FitHandle``. ``on_record`` stays asynchronous: the ranks
+train on while it runs, and a stop asked there takes the Stop button's
+path: it lands at the next reduction after the kernel saw the record (a
+fraction of a second later: ``dist_fit(log_every=...)`` steps at most, and
+more records on a fast fit), with ``status="interrupted"``.
+
+A hook that raises is reported with its traceback, that callback gets no
+more records (only ``on_fit_end``) and, unless it sets
+``stop_on_error = False``, the fit stops the same clean way: the model
+keeps the weights of that step, and ``History.stop_reason`` says why. The
+ranks waiting at a synchronous point are answered whatever a hook did.
 """
 
 from __future__ import annotations
@@ -26,7 +47,7 @@ from typing import Any, Callable
 from nbddp.protocol.errors import NbddpError
 from nbddp.protocol.notices import report
 
-HOOKS = ("on_fit_start", "on_record", "on_epoch_end", "on_fit_end")
+HOOKS = ("on_fit_start", "on_record", "on_validation_end", "on_epoch_end", "on_fit_end")
 _current = threading.local()  # the hook being called in this thread: who asked nbddp.stop_fit() to stop
 
 
@@ -35,11 +56,16 @@ class Callback:
 
     #: an exception in a hook stops the fit (True), or the fit goes on without this callback (False)
     stop_on_error = True
+    #: the running fit's ``FitHandle`` (set before ``on_fit_start``): ``set_lr``, ``save_checkpoint``, ``stop``
+    handle: Any = None
 
     def on_fit_start(self, info: Any) -> Any:
         return None
 
     def on_record(self, record: "Record") -> Any:
+        return None
+
+    def on_validation_end(self, record: "Record") -> Any:
         return None
 
     def on_epoch_end(self, record: "Record") -> Any:
@@ -70,10 +96,11 @@ def _refuse_foreign(cb: Any) -> None:
             raise TypeError(
                 f"dist_fit(callbacks=[...]) got a {framework} callback, {type(cb).__name__} ({cls.__module__}."
                 f"{cls.__qualname__}); nbddp does not run {framework}'s trainer, so it would call it with the wrong "
-                "arguments. nbddp calls on_fit_start(info), on_record(record), on_epoch_end(record) and "
-                "on_fit_end(history) in the kernel, with records of reduced values: write a class with those "
+                "arguments. nbddp calls on_fit_start(info), on_record(record), on_validation_end(record), "
+                "on_epoch_end(record) and on_fit_end(history) in the kernel, with records of reduced values: write a class with those "
                 "hooks (subclass nbddp.callbacks.Callback) that does what it did; nbddp.EarlyStopping(...) takes "
-                "the place of early stopping")
+                "the place of early stopping; in on_epoch_end, self.handle.save_checkpoint(folder) and "
+                "self.handle.set_lr(lr) act on every rank before the next epoch")
 
 
 def check_callbacks(callbacks: Any) -> list[Any]:
@@ -90,6 +117,12 @@ def check_callbacks(callbacks: Any) -> list[Any]:
                             f"{', '.join(HOOKS)}; a callback defines at least one of them (or subclasses "
                             "nbddp.callbacks.base.Callback)")
     return items
+
+
+def hook_stop() -> Callable[[str], None] | None:
+    """The stop of the hook running in this thread (None outside a hook): ``FitHandle.stop`` from a callback."""
+    current = getattr(_current, "hook", None)
+    return current[0] if current is not None else None
 
 
 def stop_fit(reason: str | None = None) -> None:

@@ -19,7 +19,10 @@ logger's ``check`` runs (its package, its directory, its store). Then:
   loggers' runs closed, ``on_fit_end``, and what the History keeps of it.
 
 None of it travels to the workers except ``best`` (plain settings: what to
-monitor, for ``restore_best``).
+monitor, for ``restore_best``) and the record kinds the ranks wait after
+when a callback defines ``on_epoch_end`` or ``on_validation_end``: each of
+those records is answered (``epoch_answers.Answers``) once its hooks ran,
+or at once when it is not handed over (a replay after a restart, a gap).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import threading
 import traceback
 from typing import Any
 
-from nbddp.callbacks.base import CallbackSet, Record, check_callbacks
+from nbddp.callbacks.base import Callback, CallbackSet, Record, check_callbacks
+from nbddp.callbacks.epoch_answers import Answers, sync_kinds
 from nbddp.callbacks.early_stopping import EarlyStopping
 from nbddp.loggers.fit_info import FitInfo, callable_name, fit_info
 from nbddp.protocol.fit_options import BestSpec
@@ -70,6 +74,7 @@ class FitHooks:
         self.finishing = False
         self.queue: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
+        self.answers: Answers | None = None  # the synchronous callbacks' answers (attach)
 
     @classmethod
     def build(cls, loggers: Any = None, callbacks: Any = None, *, val_data: Any = None, metrics: Any = None,
@@ -94,8 +99,20 @@ class FitHooks:
     def __bool__(self) -> bool:
         return bool(self.loggers) or bool(self.callbacks)
 
-    def attach(self, plan: Any) -> None:
-        """Tell the workers what each EarlyStopping monitors, and which check's weights to end with (plain settings)."""
+    def attach(self, plan: Any, session: Any = None) -> None:
+        """Tell the workers what each EarlyStopping monitors, which check's weights to end with (plain settings),
+        and after which records they wait for the synchronous callbacks."""
+        kinds = sync_kinds(self.callbacks.callbacks)
+        if kinds and session is not None:
+            rank0 = session.placements[0]
+            if getattr(rank0, "local", True):
+                self.answers = Answers(f"{session.file_prefix}-w0", kinds)
+                plan.launch = dataclasses.replace(plan.launch, answers=kinds)
+            else:
+                notify(f"nbddp: rank 0 runs on {rank0.host}, and the callbacks' answers reach it through a file on "
+                       "this machine: on_epoch_end/on_validation_end run asynchronously in this fit (the ranks "
+                       "train on; a stop lands a little later, handle.set_lr and handle.save_checkpoint are "
+                       "refused). Start the workers with rank 0 on the kernel's host to make them synchronous")
         if self.best is not None:
             plan.launch = dataclasses.replace(plan.launch, best=self.best)
         if self.stoppers:
@@ -119,19 +136,33 @@ class FitHooks:
         self.queue.put(("start", plan))
 
     def record(self, seq: int, kind: str, record: dict[str, Any]) -> None:
+        waits = self.answers is not None and self.answers.waits_after(kind)
         if seq != self.next_seq or not self.planned:  # a gap (or no plan yet): finish() hands over from here
+            if waits and (seq > self.next_seq or not self.planned):  # never handed over in time: no wait for it
+                self.answers.answer(seq)
             return
         self.next_seq += 1
         step = record.get("step", self.handed_through + 1)
         if step <= self.handed_through:
+            if waits:
+                self.answers.answer(seq)
             return  # a replayed step after a restart: the loggers have its record already (the same values)
         self.last_step = max(self.last_step, step)
-        self.queue.put(("record", (kind, record)))
+        if waits:
+            self.answers.due.add(seq)
+        self.queue.put(("record", (seq, kind, record)))
+
+    @property
+    def answering(self) -> bool:
+        """The ranks wait now for the synchronous hooks of a record (their quiet time is no stall)."""
+        return self.answers is not None and bool(self.answers.due)
 
     def relaunched(self) -> None:
         """An elastic fit starts again on new ranks: their records count from 0; replays of handed steps are skipped."""
         self.next_seq = self.flushed = 0
         self.handed_through = self.last_step
+        if self.answers is not None:  # the new ranks count their records from 0 again: no old answer is theirs
+            self.answers.close()
 
     def tick(self, step: int | None) -> None:
         """After each look at the stream: the loggers write what they buffered (once per new batch of records)."""
@@ -153,6 +184,8 @@ class FitHooks:
         """Close the runs, call ``on_fit_end``, and keep in ``history`` what happened (also after a failure)."""
         self.finishing = True
         history.stop_reason = getattr(self.run, "stop_reason", None)
+        if self.answers is not None:
+            self.answers.close()
         if self.thread is None:
             self._best(history, restored)
             return
@@ -179,21 +212,34 @@ class FitHooks:
         path = runs_file(cfg)
         saved = read_runs(path) if cfg.resume and plan.start_step > 0 else {}
         self.info = fit_info(cfg, self.run.session, plan, self.described, saved.get("run_name"))
+        self.info.handle = self.run.handle
+        for cb in self.callbacks.callbacks:
+            if isinstance(cb, Callback):
+                cb.handle = self.run.handle
         if self.loggers:
             states = self.loggers.start(self.info, saved.get("loggers", {}))
             if cfg.checkpoint_dir:
                 write_runs(path, self.info.run_name, states)
         self.callbacks.call("on_fit_start", self.info, self._stop)
 
-    def _deliver(self, item: tuple[str, dict[str, Any]]) -> None:
-        kind, record = item
-        if self.loggers:
-            self.loggers.log(kind, record)
-        if self.callbacks:
-            copy = Record(kind, record)
-            self.callbacks.call("on_record", copy, self._stop)
-            if kind == "epoch":
-                self.callbacks.call("on_epoch_end", copy, self._stop)
+    def _deliver(self, item: tuple[int, str, dict[str, Any]]) -> None:
+        seq, kind, record = item
+        waits = self.answers is not None and self.answers.waits_after(kind)
+        try:
+            if self.loggers:
+                self.loggers.log(kind, record)
+            if self.callbacks:
+                # at a point the ranks wait at, a stop is in the answer: the fit ends there, a normal end
+                stop = self.answers.stop if waits else self._stop
+                copy = Record(kind, record)
+                self.callbacks.call("on_record", copy, stop)
+                if kind == "val":
+                    self.callbacks.call("on_validation_end", copy, stop)
+                if kind == "epoch":
+                    self.callbacks.call("on_epoch_end", copy, stop)
+        finally:
+            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this
+                self.answers.answer(seq)
 
     def _best(self, history: Any, restored: dict[str, Any] | None) -> None:
         if self.stoppers:

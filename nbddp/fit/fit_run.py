@@ -18,6 +18,7 @@ from typing import Any
 from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit import compile_report
+from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.protocol.messages import FitResult, RankInfo, published
@@ -33,6 +34,7 @@ from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import WorkerError
 
 HARD_STOP_WAIT_S = 30.0
+SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (benchmarks/epoch_round_trip.py)
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
 
 
@@ -53,7 +55,8 @@ class FitRun:
         self.stop_reason: str | None = None  # who asked for the stop (History.stop_reason)
         self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
         self.hooks.bind(self)
-        self.hooks.attach(plan)  # restore_best: what the workers monitor
+        self.handle = FitHandle(self)  # what the callbacks act through (info.handle, Callback.handle)
+        self.hooks.attach(plan, session)  # restore_best: what the workers monitor; the synchronous callbacks
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -67,6 +70,8 @@ class FitRun:
         self.thread: threading.Thread | None = None
         self._warned = False
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
+        if self.hooks.answers is not None:  # the ranks wait at each epoch end until the watcher sees the record
+            self.poll_s = SYNC_POLL_S
         self.watch_cpu_s: float | None = None
         self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
         self.end_notices: list[str] = []  # rank 0's notices at the end (FitResult.notices)
@@ -168,6 +173,8 @@ class FitRun:
         self._take_records()
         self.requests.collect(self.tasks.ars)
         stalls = self.tasks.stalls
+        if self.hooks.answering:  # the ranks wait for the kernel's on_epoch_end: that is no stall
+            stalls.watch.hold()
         stalls.tick()
         self.live_state.stalled = list(stalls.stalled)
         self.live_state.positions = stalls.watch.positions()
@@ -327,6 +334,8 @@ class FitRun:
             "load_s": loaded - t0,  # the kernel reading them into the model
             "total_s": loaded - self.started_at,
             **{k: worker[k] for k in ("snapshot_s", "snapshots") if k in worker},  # an elastic fit's snapshots
+            # rank 0 waiting for the synchronous callbacks (on_epoch_end): seconds, and how many points
+            **{k: worker[k] for k in ("answer_wait_s", "answer_points") if k in worker},
         }
         timings["overhead_s"] = timings["total_s"] - timings["train_s"]
         return timings

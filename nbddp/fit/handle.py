@@ -1,4 +1,4 @@
-"""FitHandle: a fit that runs while the notebook stays usable (``block=False``)."""
+"""FitHandle: a fit that runs while the notebook stays usable (``block=False``), and what callbacks act through."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import os
 
 from typing import Any
 
+from nbddp.callbacks.base import hook_stop
 from nbddp.fit.history import History
 from nbddp.jobs.waiting import wait_interruptibly
 from nbddp.protocol.errors import NbddpError
 
 
 class FitHandle:
-    """Returned by ``dist_fit(..., block=False)``.
+    """Returned by ``dist_fit(..., block=False)``, and given to every callback
+    (``info.handle`` in ``on_fit_start``, ``self.handle`` on a ``Callback``).
 
     The training and the dashboard go on in the background; the model gets
     the trained weights when training ends (or is stopped).
@@ -30,15 +32,80 @@ class FitHandle:
 
         Kernel > Interrupt while waiting stops training at the same step on
         every rank, as in a blocking fit.
+
+        Raises:
+            NbddpError: called from one of the fit's own callbacks (the fit
+                cannot end while its hook waits for it).
         """
+        self._not_from_a_hook("wait")
         if not wait_interruptibly(self._run, timeout):
             raise TimeoutError(f"training still running after {timeout} s; call .wait() again or .stop()")
         return self._run.result()
 
     def stop(self, wait: bool = True) -> History | None:
-        """Stop every rank at the same step (as the Stop button does); return the History."""
+        """Stop every rank at the same step (as the Stop button does); return the History.
+
+        From a callback's hook it is the hook's own stop (as returning
+        ``"stop"``) and returns None at once: in ``on_epoch_end`` the fit ends
+        after that epoch with ``status="completed"``.
+        """
+        stop = hook_stop()
+        if stop is not None:
+            stop("FitHandle.stop() from a callback")
+            return None
         self._run.request_stop()
         return self.wait() if wait else None
+
+    def set_lr(self, lr: float) -> None:
+        """Set every parameter group's learning rate on every rank, from the next optimizer step on.
+
+        Taken at the fit's next synchronous point: call it from a callback's
+        ``on_epoch_end`` (or ``on_validation_end``), and the next epoch trains
+        with ``lr`` on every rank (``History.steps`` shows it). A scheduler
+        goes on from there (``StepLR`` and ``ReduceLROnPlateau`` scale the new
+        rate; a ``LambdaLR`` or ``OneCycleLR`` sets its own again at its next
+        step, as in plain PyTorch).
+
+        Raises:
+            NbddpError: the fit has ended, or no callback of it defines
+                ``on_epoch_end``/``on_validation_end`` (nothing would take it).
+            TypeError, ValueError: ``lr`` is not a finite number >= 0.
+        """
+        self._answers("set_lr").set_lr(lr)
+
+    def save_checkpoint(self, path: str) -> str:
+        """Ask every rank to write the fit's checkpoint into the folder ``path`` before it trains on.
+
+        Taken at the fit's next synchronous point (a callback's
+        ``on_epoch_end``/``on_validation_end``), through the fit's own
+        checkpoint code: ``step-<N>.pt`` in ``path`` (a sharded folder under
+        FSDP) with the optimizer, scheduler and RNG states, the newest few
+        kept; ``dist_fit(..., resume=path)`` continues from it. Returns the
+        folder, made absolute.
+
+        Raises:
+            NbddpError: the fit has ended, or has no synchronous callback.
+            TypeError, ValueError: ``path`` is not a folder path.
+        """
+        return self._answers("save_checkpoint").save_checkpoint(path)
+
+    def _not_from_a_hook(self, method: str) -> None:
+        if hook_stop() is not None:
+            raise NbddpError(f"handle.{method}() was called from one of this fit's callbacks; it waits for the fit, "
+                             "and the fit waits for the callback. Call it from a cell; from a hook, return 'stop', "
+                             "or use handle.set_lr / handle.save_checkpoint")
+
+    def _answers(self, method: str) -> Any:
+        run = self._run
+        answers = run.hooks.answers
+        if run.finished:
+            raise NbddpError(f"handle.{method}(): this fit has ended ({self.status}); nothing would take it")
+        if answers is None:
+            raise NbddpError(f"handle.{method}() is taken by the ranks at a synchronous callback point, and this "
+                             "fit has none: call it from a callback's on_epoch_end(record) (or "
+                             "on_validation_end), e.g. dist_fit(..., callbacks=[MyCallback()]) with "
+                             f"def on_epoch_end(self, record): self.handle.{method}(...)")
+        return answers
 
     def profile(self, steps: int = 10, dir: str | os.PathLike | None = None) -> dict[str, Any]:
         """Trace the next ``steps`` optimizer steps on every rank with torch.profiler while the fit goes on.
@@ -51,9 +118,11 @@ class FitHandle:
         or a new private temporary folder.
 
         Raises:
-            NbddpError: the fit has ended, or it ended before any traced step.
+            NbddpError: the fit has ended, or it ended before any traced step,
+                or this is called from one of the fit's callbacks.
             ValueError: ``steps`` is not a whole number >= 1.
         """
+        self._not_from_a_hook("profile")
         run = self._run
         if run.finished:
             raise NbddpError(f"handle.profile(steps={steps!r}): this fit has ended ({self.status}); profile a running "

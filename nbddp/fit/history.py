@@ -35,7 +35,9 @@ class History:
             kernel, the same whether ``live`` is on or off), ``return_s`` (last step to weights in the
             notebook's model; of it ``pack_s`` on rank 0 and ``load_s`` in the kernel),
             ``total_s`` (the whole call), ``overhead_s``
-            (``total_s - train_s``), ``watch_cpu_s`` (the kernel's watcher thread).
+            (``total_s - train_s``), ``watch_cpu_s`` (the kernel's watcher thread);
+            with a synchronous callback, ``answer_wait_s`` (of ``train_s``: rank 0
+            waiting for ``on_epoch_end``'s answers) and ``answer_points``.
         transfers: bytes shipped to each rank and returned by rank 0.
         world_size: how many ranks trained.
         batch_size: the per-rank batch size used.

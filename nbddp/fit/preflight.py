@@ -59,7 +59,8 @@ def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
 
         collate = None if data.collate_fn is default_collate else data.collate_fn
         if dataforms.is_stream(data.dataset):
-            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None)
+            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None,
+                            loader=dataforms.stream_loader_settings(data))
             return spec, None, data.batch_size
         settings, sampler = dataforms.loader_settings(data)
         spec = DataSpec(dataset=data.dataset, collate_fn=collate, loader=settings, sampler=sampler)
@@ -108,14 +109,17 @@ def keep_loader_settings(settings: dict[str, Any] | None, batch_size: Any, optio
     Silently preferring either would surprise someone: the loader's author
     or the caller of ``dist_fit``. ``shuffle`` defaults to True without a loader.
     """
-    if settings is None:
+    if settings is None or "shuffle" not in settings:  # no loader, or one over a stream (no order to keep)
         options["shuffle"] = True if options.get("shuffle") is None else options["shuffle"]
+    if settings is None:
         return
     if batch_size is not None and settings["batch_size"] is not None and batch_size != settings["batch_size"]:
         raise ValueError(f"dist_fit(batch_size={batch_size!r}) and the DataLoader's batch_size={settings['batch_size']} "
                          "disagree; give one of them: leave batch_size out of dist_fit to use the loader's, or build "
                          "the loader with the batch size you want (it is per rank)")
     for name in ("shuffle", "num_workers", "pin_memory"):
+        if name not in settings:
+            continue
         given, own = options.get(name), settings[name]
         if given is None:
             options[name] = own

@@ -26,6 +26,8 @@ class FitInfo:
         hparams: every option of the fit plus ``model_class``, ``params``,
             ``world_size``, ``backend``, ``strategy`` and ``precision``, as
             ``str``/``int``/``float``/``bool``/``None`` values.
+        handle: the fit's ``nbddp.fit.handle.FitHandle`` (a callback's way to act:
+            ``handle.set_lr``, ``handle.save_checkpoint``, ``handle.stop``).
     """
 
     run_name: str
@@ -43,6 +45,8 @@ class FitInfo:
     params: int
     checkpoint_dir: str | None = None
     hparams: dict[str, Any] = field(default_factory=dict)
+    #: the kernel-side ``FitHandle`` of this fit: ``set_lr``, ``save_checkpoint``, ``stop`` from a callback
+    handle: Any = field(default=None, repr=False, compare=False)
 
 
 def plain(value: Any) -> Any:

@@ -47,9 +47,11 @@ WAITING_S = 2.0  # quiet this long in a collective: shown "waiting" (for a peer)
 TICK_S = 0.25
 # where a rank is within one micro-batch; code that marks nothing (cells, calls, scripts) is behind
 # a rank waiting in a collective
-# ("compiling": Dynamo and Inductor at work inside a forward or backward, worker/training/compile_watch.py)
+# ("compiling": Dynamo and Inductor at work inside a forward or backward, worker/training/compile_watch.py;
+# "callbacks": rank 0 waiting for the kernel's on_epoch_end, worker/training/kernel_answers.py)
 PHASE_ORDER = {"setup": 0, "cell": 0, "call": 0, "script": 0, "push": 0, "data": 1, "compiling": 2, "forward": 2,
-               "backward": 3, "optimizer": 4, "collective": 5, "validation": 6, "checkpoint": 7, "finish": 8}
+               "backward": 3, "optimizer": 4, "collective": 5, "validation": 6, "checkpoint": 7, "callbacks": 7,
+               "finish": 8}
 FINISHED = (sys.maxsize, 0)
 UNSEEN = (-1, -1)
 

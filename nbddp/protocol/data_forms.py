@@ -92,6 +92,19 @@ class DataSpec:
         self.sampler = sampler  # that DataLoader's own sampler (not Random/Sequential): shared out per rank
 
 
+def stream_loader_settings(loader: Any) -> dict[str, Any]:
+    """A person's ``DataLoader`` over a stream (``IterableDataset``): the settings the workers' loaders keep.
+
+    A stream has no sampler and no order to keep; each rank's loader reads
+    only that rank's part of it (``worker/data/streams.py``), with the
+    person's batch size, loader workers, ``worker_init_fn``, generator,
+    ``drop_last``, ``pin_memory``, timeout and prefetch factor.
+    """
+    return {"batch_size": loader.batch_size, "num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+            "drop_last": loader.drop_last, "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
+            "timeout": loader.timeout, "prefetch_factor": loader.prefetch_factor}
+
+
 def loader_settings(loader: Any) -> tuple[dict[str, Any], Any]:
     """``(settings, sampler)`` of a person's map-style ``DataLoader``: what the workers' loaders keep.
 

@@ -67,6 +67,7 @@ class FitLaunch:
     keep: str | None = None  # bind the trained module to this name in every rank's %%ddp namespace
     best: Any = None  # improvement.BestSpec: keep the best check's weights and end with them (restore_best)
     stoppers: tuple[Any, ...] = ()  # every EarlyStopping's BestSpec (with patience): the workers decide the stop
+    answers: tuple[str, ...] = ()  # record kinds after which the ranks wait for the kernel's callbacks (epoch_answer)
 
 
 @dataclass(frozen=True)

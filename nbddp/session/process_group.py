@@ -22,7 +22,7 @@ from typing import Any
 from nbddp.protocol import placement as topology
 from nbddp.protocol.errors import ClusterError
 from nbddp.shipping.shm_files import shm_dir
-from nbddp.session.start_options import StartOptions, threads_per_worker
+from nbddp.session.start_options import StartOptions
 
 JOIN_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 60.0
@@ -116,7 +116,7 @@ class GroupFormer:
             backend = "nccl" if all(p.cuda_devices for p in probes) else "gloo"
         placements = topology.assign(probes, backend)
         init_method, master, port, ifnames = self._rendezvous(placements, probes, options, generation)
-        threads = options.threads or threads_per_worker(max(p.local_world_size for p in placements))
+        threads = options.threads or 0  # 0: each engine counts the CPUs of its own host (protocol/cpus.py)
         client = self.workers.client
         ars = [client[p.engine_id].apply_async(
             join_process_group, p, backend, init_method, generation, options.timeout, threads, ifnames[p.rank],

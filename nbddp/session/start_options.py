@@ -7,9 +7,12 @@ seven seconds of starting engines that then cannot form a group.
 from __future__ import annotations
 
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any
+
+from nbddp.protocol.cpus import cgroup_cpu_quota, usable_cpus
+
+__all__ = ["StartOptions", "cgroup_cpu_quota", "threads_per_worker", "usable_cpus", "validate_start"]
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl")
@@ -89,65 +92,10 @@ def validate_start(n: Any, backend: Any, timeout: Any, threads: Any, gpus: int, 
 
 
 def threads_per_worker(workers_on_host: int) -> int:
-    """CPU threads per worker: the CPUs this process may use, shared among the host's workers (torchrun uses 1)."""
+    """CPU threads per worker: the CPUs this process may use, shared among the host's workers (torchrun uses 1).
+
+    For engines this kernel starts on its own host, set in their environment
+    before torch is imported; once the ranks are known each engine counts
+    again on its own host (``protocol/cpus.py``, ``join_process_group``).
+    """
     return max(1, usable_cpus() // workers_on_host)
-
-
-def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int:
-    """The CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota.
-
-    ``os.cpu_count()`` counts the host's cores. A container (``--cpus=2``) or a
-    Slurm step (``--cpus-per-task``) allows fewer, through the affinity mask
-    or the cgroup's quota; sizing thread pools by the host's count
-    oversubscribes them. The engines inherit the kernel's limits on its host.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    quota = cgroup_cpu_quota(cgroup_root, self_cgroup)
-    if quota is not None:
-        cpus = min(cpus, max(1, int(quota)))  # 1.5 CPUs of quota: one thread that never waits for its share
-    return max(1, cpus)
-
-
-def cgroup_cpu_quota(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float | None:
-    """The cgroup's CPU quota in CPUs (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), or None when there is none.
-
-    The process's own cgroup is read first (``/proc/self/cgroup``), then the
-    root of the hierarchy (what a container sees as its own).
-    """
-    v2, v1 = "", ""
-    try:
-        with open(self_cgroup) as f:
-            for line in f.read().splitlines():
-                _, controllers, path = line.split(":", 2)
-                if controllers == "":
-                    v2 = path
-                elif "cpu" in controllers.split(","):
-                    v1 = path
-    except (OSError, ValueError):
-        pass
-    for folder in dict.fromkeys([os.path.join(cgroup_root, v2.lstrip("/")), cgroup_root]):
-        quota = _quota(os.path.join(folder, "cpu.max"), None)
-        if quota is not None:
-            return quota
-    for folder in dict.fromkeys([os.path.join(cgroup_root, "cpu", v1.lstrip("/")), os.path.join(cgroup_root, "cpu")]):
-        quota = _quota(os.path.join(folder, "cpu.cfs_quota_us"), os.path.join(folder, "cpu.cfs_period_us"))
-        if quota is not None:
-            return quota
-    return None
-
-
-def _quota(limit_file: str, period_file: str | None) -> float | None:
-    """``cpu.max`` ("max 100000" or "150000 100000"), or v1's quota and period files (-1: no limit)."""
-    try:
-        with open(limit_file) as f:
-            words = f.read().split()
-        if period_file is not None:
-            with open(period_file) as f:
-                words = words[:1] + f.read().split()[:1]
-        limit, period = words[0], int(words[1])
-        return None if limit == "max" or int(limit) <= 0 else int(limit) / period
-    except (OSError, ValueError, IndexError):
-        return None

@@ -124,8 +124,8 @@ class LoadStates(loaders.ByValue):
     so the resumed epoch hands out the batches in the uninterrupted order.
     """
 
-    def __init__(self, states: dict[int, Any], offset: int = 0):
-        self.states, self.offset = states, offset
+    def __init__(self, states: dict[int, Any], offset: int = 0, then: Callable[[int], Any] | None = None):
+        self.states, self.offset, self.then = states, offset, then
 
     def __call__(self, worker_id: int) -> None:
         info = get_worker_info()
@@ -134,6 +134,8 @@ class LoadStates(loaders.ByValue):
             info.dataset.worker_as = original
         if original in self.states:
             info.dataset.load_state_dict(self.states[original])
+        if self.then is not None:  # the person's own DataLoader(worker_init_fn=...)
+            self.then(worker_id)
 
 
 class Stream:
@@ -141,13 +143,17 @@ class Stream:
 
     def __init__(self, dataset: Any, spec: Any, cfg: Any, rank: int, world: int, device: torch.device,
                  agreement: Agreement):
-        from nbddp.worker.data.datasets import loader_kwargs
+        from nbddp.worker.data.datasets import kept_settings, loader_kwargs
 
         self.cfg, self.rank, self.agreement = cfg, rank, agreement
         self.dataset, self.split = split(dataset, rank, world)
         self.with_state = stateful(self.dataset)
         self.kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
         self.num_workers = self.kwargs["num_workers"]
+        # a person's DataLoader over the stream: its worker_init_fn, generator, timeout, prefetch_factor, drop_last
+        self.kwargs.update(kept_settings(spec, self.num_workers))
+        self.worker_init_fn = self.kwargs.pop("worker_init_fn", None)
+        self.drop_last = cfg.drop_last or bool((spec.loader or {}).get("drop_last"))
         self.batch_size = None if spec.prebatched else cfg.batch_size
         self.collate = spec.collate_fn or (default_convert if spec.prebatched else default_collate)
         self.loader = self.make_loader()
@@ -162,9 +168,14 @@ class Stream:
     def make_loader(self, states: dict[int, Any] | None = None, offset: int = 0) -> Any:
         collate = PositionCollate(self.collate, self.dataset if self.num_workers == 0 else None, self.with_state)
         ds, collate = loaders.by_value(self.dataset, collate, self.kwargs.get("multiprocessing_context"))
+        init = self.worker_init_fn
+        if states:
+            init = LoadStates(states, offset, init)
+        elif init is not None and self.kwargs.get("multiprocessing_context") not in (None, "fork"):
+            init = loaders.CallByValue(init)  # a notebook function reaches a loader worker started afresh
         return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate,
-                              drop_last=self.cfg.drop_last and self.batch_size is not None,
-                              worker_init_fn=LoadStates(states, offset) if states else None, **self.kwargs)
+                              drop_last=self.drop_last and self.batch_size is not None, worker_init_fn=init,
+                              **self.kwargs)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -230,13 +241,19 @@ def train_stream(ds: Any, spec: Any, cfg: Any, rank: int, world: int, device: to
 
 def val_stream_loader(ds: Any, spec: Any, cfg: Any, rank: int, world: int, device: torch.device) -> Any:
     """This rank's part of a validation stream, read whole at every validation (each sample once overall)."""
-    from nbddp.worker.data.datasets import loader_kwargs
+    from nbddp.worker.data.datasets import kept_settings, loader_kwargs
 
     part, _ = split(ds, rank, world)
-    kwargs = loader_kwargs(device, cfg.num_workers, cfg.pin_memory)
+    own = spec.loader or {}  # a validation DataLoader over a stream: its own batch size and settings
+    kwargs = loader_kwargs(device, own.get("num_workers", cfg.num_workers), own.get("pin_memory", cfg.pin_memory))
+    kwargs.update(kept_settings(spec, kwargs["num_workers"]))
+    method = kwargs.get("multiprocessing_context")
+    if kwargs.get("worker_init_fn") is not None and method not in (None, "fork"):
+        kwargs["worker_init_fn"] = loaders.CallByValue(kwargs["worker_init_fn"])
     collate = spec.collate_fn or (default_convert if spec.prebatched else default_collate)
-    part, collate = loaders.by_value(part, collate, kwargs.get("multiprocessing_context"))
-    return loaders.loader(part, batch_size=None if spec.prebatched else cfg.batch_size, collate_fn=collate, **kwargs)
+    part, collate = loaders.by_value(part, collate, method)
+    batch_size = None if spec.prebatched else own.get("batch_size") or cfg.batch_size
+    return loaders.loader(part, batch_size=batch_size, collate_fn=collate, **kwargs)
 
 
 def agreement(ts: Any) -> Agreement:

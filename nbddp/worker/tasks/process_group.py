@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from nbddp.protocol.cpus import threads_for
 from nbddp.protocol.messages import JoinReply
 from nbddp.protocol.placement import Placement
 from nbddp.worker.engine import torchrun
@@ -70,15 +71,17 @@ def _leave_broken_group() -> None:
 
 
 def _configure_process(placement: Placement, threads: int, ifname: str | None) -> str:
-    """Socket interface, CPU threads, allocator, CUDA device; return the allocator's setting."""
+    """Socket interface, CPU threads (``threads``, or 0: from this host's CPUs), allocator, CUDA device; return the
+    allocator's setting."""
     import torch
 
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
         os.environ["NCCL_SOCKET_IFNAME"] = ifname
-    if threads > 0:
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+    if threads <= 0:  # start(threads=None): this host's usable CPUs (affinity, cgroup quota) over its ranks
+        threads = threads_for(placement.local_world_size)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     if placement.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(placement.device))
     return tune_allocator()

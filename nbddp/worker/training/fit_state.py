@@ -61,6 +61,7 @@ class TrainState:
     stop_reason: str | None = None  # why training stopped early, when the workers decided it (History.stop_reason)
     profiler: Any = None  # profiler.StepProfiler under dist_fit(profile=...)
     asked: Any = None  # asked_profile.AskedProfiles: handle.profile's requests, during a fit
+    answers: Any = None  # kernel_answers.KernelAnswers: the synchronous callbacks' answers (on_epoch_end)
     agreement: Any = None  # streams.Agreement: which ranks still have a batch (streams, lazily)
     compiled: list[nn.Module] = field(default_factory=list)  # modules whose forward is compiled for this fit
     snapshots: Any = None  # checkpoints.snapshots.SnapshotClock in an elastic fit (dist_fit(max_restarts=...))

@@ -48,6 +48,7 @@ from nbddp.worker.training.compile_watch import COMPILES
 from nbddp.worker.training.validate import validate
 from nbddp.worker.training.profiler import StepProfiler
 from nbddp.worker.training.asked_profile import AskedProfiles
+from nbddp.worker.training.kernel_answers import KernelAnswers
 _END = object()  # the end of an epoch's batches
 
 
@@ -117,6 +118,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     timings = {"setup_s": setup_s, "train_s": time.perf_counter() - t_train, "train_start_wall": train_start_wall}
     if ts.snapshots is not None:  # of train_s: writing the elastic fit's snapshots
         timings.update(snapshot_s=ts.snapshots.total_s, snapshots=ts.snapshots.count)
+    if ts.answers.waited:  # of train_s: waiting for the kernel's synchronous callbacks
+        timings.update(answer_wait_s=ts.answers.wait_s, answer_points=ts.answers.waited)
     result = finish(ts, launch, timings)
     result.phase_s, result.profile = phase_s, trace
     return result, ts
@@ -136,6 +139,7 @@ def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_m
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
     ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix)
+    ts.answers = KernelAnswers(ts.rank, launch.answers, STATE.file_prefix, group)  # synchronous callbacks
     ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group) if cfg.snapshot_dir else None
 
 
@@ -203,6 +207,7 @@ def run_epoch(ts: TrainState) -> bool:
                 ts.asked.start(*rep.request)
         if cfg.val_every and ts.step % cfg.val_every == 0 and ts.vloader is not None and not end_of_epoch:
             validate(ts)
+            asked_checkpoint(ts, bi + 1)
         if stopped or ts.step >= ts.total_steps or ts.stop_reason is not None:  # (a val_every check's EarlyStopping)
             stopped = True
             break
@@ -297,8 +302,17 @@ def end_epoch(ts: TrainState) -> None:
     ts.epoch += 1
     if ts.schedule is not None:
         ts.schedule.after_epoch(ts.epoch, record)
+    ts.answers.exchange(ts, "epoch")  # the kernel's on_epoch_end: a stop, an LR, a checkpoint, before epoch + 1
+    asked_checkpoint(ts, 0)
     if ts.cfg.checkpoint_dir:  # with checkpoint_dir alone, a checkpoint is written at every epoch end
         save_checkpoint(ts, 0)
+
+
+def asked_checkpoint(ts: TrainState, batches_done: int) -> None:
+    """A checkpoint a synchronous callback asked for (``handle.save_checkpoint``), where the loop can resume."""
+    path = ts.answers.take_checkpoint()
+    if path is not None:
+        save_checkpoint(ts, batches_done, path)
 
 
 def write_snapshot(ts: TrainState, batches_done: int) -> None:
@@ -340,7 +354,7 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     rep.publish(force=True)
     timings["publish_s"] = rep.publish_s
     result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings, stop_reason=ts.stop_reason,
-                       notices=nan_policy.notices(ts),
+                       notices=nan_policy.notices(ts) + ts.answers.notices,
                        compile=COMPILES.report() if ts.cfg.compile is not None else None)
     if ts.best is not None:  # every rank: putting the best weights back may be collective
         result.restored = ts.best.restore(ts)

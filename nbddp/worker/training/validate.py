@@ -138,4 +138,5 @@ def validate(ts: TrainState) -> dict[str, Any]:
         ts.best.consider(ts, "val", record)
     early_stop.after_check(ts, "val", record)
     rep.status = "training"
+    ts.answers.exchange(ts, "val")  # the kernel's on_validation_end, when a callback has one
     return out

@@ -1,0 +1,92 @@
+"""The kernel's answer to a synchronous callback point: what every rank does before it trains on.
+
+A fit whose callbacks define ``on_epoch_end`` (or ``on_validation_end``)
+is synchronous at those points: after the epoch's record (or a validation
+check's), rank 0 publishes it and waits for the kernel's answer before any
+rank trains on. The engine runs its fit in its main thread and takes no
+other task meanwhile, so the answer travels, as ``handle.profile``'s
+request does, in a small owner-only file next to the session's other files
+(``<prefix>-w0-epoch-answer``), replaced atomically. Rank 0 reads it and
+broadcasts it, so every rank applies the same answer at the same step.
+
+An answer is ``{"seq": n, "stop": reason or None, "lr": float or None,
+"checkpoint": folder or None}``; ``seq`` is the record it answers (its
+index in rank 0's records), so an answer is never taken for another point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from nbddp.shipping.shm_files import shm_dir
+
+#: a kernel that has not answered in this long is gone or stuck: the workers go on without its answer, with a
+#: notice (the kernel's side answers every point, also when a hook raises; slow hooks get this much time)
+TIMEOUT_S = 600.0
+FIRST_POLL_S = 0.0005  # rank 0's first look again after a miss; doubled up to MAX_POLL_S
+MAX_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class EpochAnswer:
+    """What the kernel's callbacks asked at one synchronous point (every field ``None``: train on)."""
+
+    seq: int
+    stop: str | None = None  # the fit ends here; History.stop_reason says this
+    lr: float | None = None  # every parameter group's learning rate, from the next optimizer step on
+    checkpoint: str | None = None  # a folder: every rank writes the fit's checkpoint there before training on
+
+
+def answer_path(worker_prefix: str) -> str:
+    """The answer file of the worker whose files are named ``worker_prefix`` (rank 0's)."""
+    return os.path.join(shm_dir(), f"{worker_prefix}-epoch-answer")
+
+
+def write_answer(path: str, answer: EpochAnswer) -> None:
+    """The kernel's side: replace the answer file atomically, owner-only."""
+    tmp = f"{path}.{answer.seq}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(answer), f)
+    os.replace(tmp, path)
+
+
+def read_answer(path: str, seq: int) -> EpochAnswer | None:
+    """The answer to record ``seq`` if the file holds it now (None: not yet)."""
+    try:
+        with open(path) as f:
+            data: Any = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("seq") != seq:
+        return None
+    return EpochAnswer(**{k: data.get(k) for k in ("seq", "stop", "lr", "checkpoint")})
+
+
+def wait_answer(path: str, seq: int, timeout_s: float = TIMEOUT_S) -> EpochAnswer | None:
+    """Rank 0: poll for the answer to ``seq`` (a short backoff: it lands within ms of the kernel writing it).
+
+    Returns None after ``timeout_s`` without an answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = FIRST_POLL_S
+    while True:
+        answer = read_answer(path, seq)
+        if answer is not None:
+            return answer
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_POLL_S)
+
+
+def remove_answer(path: str) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
