@@ -91,7 +91,7 @@ def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     marker = os.path.join(folder, "kill")
     try:  # the folder goes with the measurement, whatever happens
         open(marker, "w").close()
-        spare = _warm_spare()
+        spare_warm_s = _warm_spare().warm_s  # (read now: once the fit resumed, the next spare starts)
         steps = len(data[0]) // 2 // cfg["batch_size"] * cfg["epochs"]
         kill_at = min(KILL_AT, steps * 3 // 4)  # the quick workload has 16 steps
         h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(marker, kill_at), max_restarts=1, snapshot_every=DENSE)
@@ -104,7 +104,7 @@ def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     heal = _session().supervisor.last_heal
     return {"noticing_s": event["time"] - killed_at, "replacing_s": event["replace_s"],
             **{f"heal_{k}": heal.get(k) for k in ("ping_s", "spare_s", "start_s", "group_s", "started")},
-            "spare_warm_s": spare.warm_s,
+            "spare_warm_s": spare_warm_s,
             "restoring_s": event["seconds"] - event["replace_s"], "recovery_s": event["seconds"],
             "from_death_s": event["time"] - killed_at + event["seconds"],
             "steps_lost": done - event["step_resumed_from"], "interval_steps": DENSE,
