@@ -10,9 +10,14 @@ One run measures three things on the MLP workload, 2 ranks:
   default interval;
 * **recovery time**: a fit whose rank 1 SIGKILLs itself at step ``KILL_AT``
   (writing the time first), split into *noticing* (the kill to the kernel
-  seeing the failure), *replacing* (the supervisor's heal: the new engine
-  started and the group formed again) and *restoring* (the relaunch, set-up
-  and the snapshot loaded, to the moment it is ready to train);
+  seeing the failure), *replacing* (the supervisor's heal: the survivors
+  answering a ping, the warm spare engine taken, engines started afresh,
+  if any, and the group formed again, from ``Supervisor.last_heal``) and
+  *restoring* (the relaunch, set-up and the snapshot loaded, to the moment
+  it is ready to train). The recovery fit starts once the session's spare
+  engine is warm, as it is for any fit that has trained longer than the
+  spare's warm-up (``spare_warm_s``; a rank lost before that waits for the
+  rest of it);
 * **steps lost**: ``step_lost_at - step_resumed_from``, at most the interval.
 """
 
@@ -86,6 +91,7 @@ def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     marker = os.path.join(folder, "kill")
     try:  # the folder goes with the measurement, whatever happens
         open(marker, "w").close()
+        spare_warm_s = _warm_spare().warm_s  # (read now: once the fit resumed, the next spare starts)
         steps = len(data[0]) // 2 // cfg["batch_size"] * cfg["epochs"]
         kill_at = min(KILL_AT, steps * 3 // 4)  # the quick workload has 16 steps
         h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(marker, kill_at), max_restarts=1, snapshot_every=DENSE)
@@ -95,11 +101,38 @@ def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     killed_at, done = float(killed_at), int(call) - 1  # the steps rank 1 finished before it died
     (event,) = h.restarts
+    heal = _session().supervisor.last_heal
     return {"noticing_s": event["time"] - killed_at, "replacing_s": event["replace_s"],
+            **{f"heal_{k}": heal.get(k) for k in ("ping_s", "spare_s", "start_s", "group_s", "started")},
+            "spare_warm_s": spare_warm_s,
             "restoring_s": event["seconds"] - event["replace_s"], "recovery_s": event["seconds"],
             "from_death_s": event["time"] - killed_at + event["seconds"],
             "steps_lost": done - event["step_resumed_from"], "interval_steps": DENSE,
             "status": h.status, "event": event}
+
+
+def _device() -> str:
+    """What the ranks train on: ``cpu``, or ``cuda xN`` (a snapshot is then a device-to-host copy)."""
+    if not common.cuda_available():
+        return "cpu"
+    import torch
+
+    return f"cuda x{torch.cuda.device_count()}"
+
+
+def _session() -> Any:
+    from nbddp.session.session import get_session
+
+    return get_session()
+
+
+def _warm_spare() -> Any:
+    """The session's spare engine, ready (the cost runs' elastic fits started it)."""
+    from nbddp.elastic.spare import keep_spare
+
+    spare = keep_spare(_session())
+    spare.wait()
+    return spare
 
 
 def main(quick: bool = False, reps: int | None = None) -> dict:
@@ -111,7 +144,9 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         common.log(f"skipped: {reason}")
         return {**out, "skipped": reason}
     data = common.make_data("mlp", cfg["n_samples"], seed=cfg["seed"])
-    out["nbddp_start_s"] = common.nbddp_start(2)
+    out["device"] = _device()
+    # one GPU (scripts/gpu_check.sh's machine): both ranks on it, over gloo (nccl takes one rank per GPU)
+    out["nbddp_start_s"] = common.nbddp_start(2, **({"backend": "gloo"} if out["device"] == "cuda x1" else {}))
     try:
         raw = common.alternate({
             "plain": lambda: _cost_run(data, cfg),
@@ -145,7 +180,8 @@ def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
 
 def report(out: dict[str, Any]) -> None:
     s, r = out["summary"], out["recovery"]
-    print(f"\n== elastic: snapshots and recovery on mlp ({out['cfg']['n_samples']} x {out['cfg']['epochs']} epochs) ==")
+    print(f"\n== elastic: snapshots and recovery on mlp ({out['cfg']['n_samples']} x {out['cfg']['epochs']} epochs, "
+          f"{out.get('device')}) ==")
     print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in s.items() if k != "errors"), flush=True)
     print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in r.items() if k != "event"), flush=True)
 

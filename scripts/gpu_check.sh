@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: install the carried wheels, report the environment,
-# run the requires_gpu tests, benchmarks/bench_gpu.py, the compile benchmark and the profile
-# check, and copy what they wrote into $OUT. Each timed step is capped by `timeout`: the caps
-# add up to 710 s; for a 600 s slot lower some (say BENCH_TIMEOUT=180 COMPILE_TIMEOUT=120).
+# run the requires_gpu tests, benchmarks/bench_gpu.py, the compile and elastic benchmarks and the
+# profile check, and copy what they wrote into $OUT. Each timed step is capped by `timeout`, and no
+# step may run past the whole check's budget (TOTAL_BUDGET, 470 s: under 8 minutes in all), so one
+# slow step shortens the ones after it instead of losing everything.
 #
 #   bash scripts/gpu_wheels.sh     # here, where PyPI is reachable: fills .whl/ (git-ignored)
 #   bash scripts/gpu_check.sh      # there, from the repo root, with .whl carried
@@ -17,11 +18,14 @@
 #   d. benchmarks/bench_gpu.py -> benchmarks/results/<YYYY-MM-DD>_gpu.json       -> bench.log
 #      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
 #      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
+#      then benchmarks/bench_elastic.py --quick (dist_fit(max_restarts=1) with the model on the GPU: what a
+#      snapshot costs, a device-to-host copy written to /dev/shm; then rank 1 SIGKILLed and the fit recovered,
+#      split into noticing, replacing, restoring)  -> <YYYY-MM-DD>_elastic.json, elastic.log
 #   p. scripts/profile_check.py: dist_fit(profile=...) over 3 steps, the merged trace with its CUDA kernels
 #      (NCCL ones with 2+ GPUs), the compute/communication/idle breakdown, the time split, and HTA's
 #      view of the same trace where hta imports  -> profile.json, the trace, profile.log
-#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, compile.log, profile.log, the JSONs,
-#      the merged trace and summary.txt copied into $OUT when it is set (14 files, flat)
+#   e. env.txt, install.log, pytest.log, pytest.xml, bench.log, compile.log, elastic.log, profile.log, the JSONs,
+#      the merged trace and summary.txt copied into $OUT when it is set (15 files, flat)
 #   f. a summary of what passed, failed and was skipped.
 #
 # Exit status: 0 whenever the script itself worked, even when tests fail or a
@@ -29,8 +33,8 @@
 # (or there is no python to run). Without CUDA it runs what it can on CPU and
 # says plainly which GPU parts it skipped.
 #
-# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (200 s), BENCH_TIMEOUT (240 s),
-# COMPILE_TIMEOUT (150 s), PROFILE_TIMEOUT (120 s), OUT.
+# Knobs: PYTHON (python3), SITE (/tmp/site), TEST_TIMEOUT (120 s), BENCH_TIMEOUT (110 s),
+# COMPILE_TIMEOUT (80 s), ELASTIC_TIMEOUT (60 s), PROFILE_TIMEOUT (50 s), TOTAL_BUDGET (470 s), OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 
@@ -38,20 +42,25 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
-TEST_TIMEOUT=${TEST_TIMEOUT:-200}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
-COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-150}
-PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-120}
+TEST_TIMEOUT=${TEST_TIMEOUT:-120}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-110}
+COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-80}
+ELASTIC_TIMEOUT=${ELASTIC_TIMEOUT:-60}
+PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-50}
+TOTAL_BUDGET=${TOTAL_BUDGET:-470}
 OUT=${OUT:-}
 DAY=$(date +%Y-%m-%d)
 JSON=benchmarks/results/${DAY}_gpu.json
 COMPILE_JSON=benchmarks/results/${DAY}_compile.json
+ELASTIC_JSON=benchmarks/results/${DAY}_elastic.json
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/nbddp-gpu-check.XXXXXX") || exit 2
 T0=$(date +%s)
 touch "$LOGS/.started"
 
 say() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$LOGS/summary.txt"; }
 section() { printf '\n===== %s =====\n' "$*"; }
+# cap SECONDS: the step's own limit, or what is left of TOTAL_BUDGET if that is less (at least 10 s)
+cap() { local left=$((TOTAL_BUDGET - ($(date +%s) - T0))); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 10)) || echo "$1"; }
 
 if ! command -v "$PY" >/dev/null 2>&1; then
     say "no python: '$PY' is not on PATH (set PYTHON=...)"
@@ -165,27 +174,35 @@ if ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
 elif [ ${#TEST_FILES[@]} -eq 0 ]; then
     say "tests: NOT RUN: no test file uses the requires_gpu marker"
 else
-    say "tests: ${TEST_FILES[*]} (limit ${TEST_TIMEOUT} s)"
-    timeout -k 15 "$TEST_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -q -rA -m requires_gpu \
+    say "tests: ${TEST_FILES[*]} (limit $(cap "$TEST_TIMEOUT") s)"
+    TEST_TIMEOUT=$(cap "$TEST_TIMEOUT"); timeout -k 15 "$TEST_TIMEOUT" "$PY" -m pytest -p no:cacheprovider -q -rA -m requires_gpu \
         --continue-on-collection-errors --junitxml="$LOGS/pytest.xml" "${TEST_FILES[@]}" 2>&1 | tee "$LOGS/pytest.log"
     TEST_RC=${PIPESTATUS[0]}
 fi
 
 # ---- d. the benchmark ----------------------------------------------------------
 section "d. benchmarks/bench_gpu.py"
-say "benchmark: -> $JSON (limit ${BENCH_TIMEOUT} s)"
-timeout -k 20 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_gpu.py --out "$JSON" 2>&1 | tee "$LOGS/bench.log"
+say "benchmark: -> $JSON (limit $(cap "$BENCH_TIMEOUT") s)"
+BENCH_TIMEOUT=$(cap "$BENCH_TIMEOUT"); timeout -k 20 "$BENCH_TIMEOUT" "$PY" benchmarks/bench_gpu.py --out "$JSON" 2>&1 | tee "$LOGS/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
-say "compile benchmark: -> $COMPILE_JSON (limit ${COMPILE_TIMEOUT} s)"
-timeout -k 20 "$COMPILE_TIMEOUT" "$PY" benchmarks/bench_compile.py --quick --out "$COMPILE_JSON" 2>&1 \
+say "compile benchmark: -> $COMPILE_JSON (limit $(cap "$COMPILE_TIMEOUT") s)"
+COMPILE_TIMEOUT=$(cap "$COMPILE_TIMEOUT"); timeout -k 20 "$COMPILE_TIMEOUT" "$PY" benchmarks/bench_compile.py --quick --out "$COMPILE_JSON" 2>&1 \
     | tee "$LOGS/compile.log"
 COMPILE_RC=${PIPESTATUS[0]}
+if [ "$CUDA_GPUS" -gt 0 ] 2>/dev/null; then
+    say "elastic benchmark: -> $ELASTIC_JSON (limit $(cap "$ELASTIC_TIMEOUT") s)"
+    ELASTIC_TIMEOUT=$(cap "$ELASTIC_TIMEOUT"); timeout -k 20 "$ELASTIC_TIMEOUT" "$PY" benchmarks/bench_elastic.py --quick --out "$ELASTIC_JSON" 2>&1 \
+        | tee "$LOGS/elastic.log"
+    ELASTIC_RC=${PIPESTATUS[0]}
+else  # on CPU it is the 2-core machine's own benchmark (docs/faults.md): nothing GPU-specific to learn here
+    ELASTIC_RC=skipped
+fi
 
 # ---- p. the profile step -------------------------------------------------------
 section "p. scripts/profile_check.py"
-say "profile: a merged trace of 3 steps with its breakdown (limit ${PROFILE_TIMEOUT} s)"
+say "profile: a merged trace of 3 steps with its breakdown (limit $(cap "$PROFILE_TIMEOUT") s)"
 mkdir -p -m 700 "$LOGS/profile"
-timeout -k 20 "$PROFILE_TIMEOUT" "$PY" scripts/profile_check.py --out "$LOGS/profile" 2>&1 | tee "$LOGS/profile.log"
+PROFILE_TIMEOUT=$(cap "$PROFILE_TIMEOUT"); timeout -k 20 "$PROFILE_TIMEOUT" "$PY" scripts/profile_check.py --out "$LOGS/profile" 2>&1 | tee "$LOGS/profile.log"
 PROFILE_RC=${PIPESTATUS[0]}
 
 # ---- f. summary ----------------------------------------------------------------
@@ -263,15 +280,22 @@ case "$PROFILE_RC" in
     *) say "profile: exit $PROFILE_RC (see profile.log)" ;;
 esac
 
+case "$ELASTIC_RC" in
+    skipped) say "elastic benchmark: skipped (no GPU: the CPU figures come from benchmarks/bench_elastic.py on any machine)" ;;
+    0) say "elastic benchmark: exit 0; $(grep -A2 '== elastic' "$LOGS/elastic.log" | tr '\n' ' ')" ;;
+    124|137) say "elastic benchmark: STOPPED after the ${ELASTIC_TIMEOUT} s limit (exit $ELASTIC_RC)" ;;
+    *) say "elastic benchmark: exit $ELASTIC_RC (see elastic.log)" ;;
+esac
+
 # ---- e. results into $OUT --------------------------------------------------------
 if [ -n "$OUT" ]; then
     copied=()
     if mkdir -p "$OUT"; then
-        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log "$LOGS"/compile.log \
+        for f in "$LOGS"/env.txt "$LOGS"/install.log "$LOGS"/pytest.log "$LOGS"/pytest.xml "$LOGS"/bench.log "$LOGS"/compile.log "$LOGS"/elastic.log \
                  "$LOGS"/profile.log "$LOGS"/profile/*.json; do
             [ -f "$f" ] && cp "$f" "$OUT/" && copied+=("$(basename "$f")")
         done
-        for j in "$JSON" "$COMPILE_JSON"; do
+        for j in "$JSON" "$COMPILE_JSON" "$ELASTIC_JSON"; do
             if [ -f "$j" ] && [ "$j" -nt "$LOGS/.started" ] && cp "$j" "$OUT/"; then
                 copied+=("$(basename "$j")")
             fi

@@ -12,14 +12,18 @@ import json
 import os
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import nbddp
 from elastic_kit import KillAt, KillLayer, armed
 from faultkit import Net, regression_data
+from nbddp.cluster.engines import Workers
 from nbddp.elastic.policy import check_elastic
-from nbddp.protocol.errors import RankFailure, WorkerDied, WorkerError
+from nbddp.elastic.spare import Spare
+from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerError
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.worker.checkpoints import files, snapshots
 from nbddp.shipping.shm_files import shm_dir
@@ -65,6 +69,33 @@ def test_what_is_retried():
     policy = check_elastic(1, None, [OSError])
     assert policy.retries(died) and policy.retries(flaky) and policy.retries(broken)
     assert not policy.retries(own)
+
+
+# ---------------------------------------------------------------- the warm spare engine, in the kernel
+
+
+def test_a_spare_engine_is_no_rank_nor_is_one_still_registering():
+    client = SimpleNamespace(ids=[0, 1])
+    w = Workers(None, client, owned=True, can_add_engines=True)
+    w.spare_baseline, client.ids = {0, 1}, [0, 1, 2]  # engine 2 registered while the spare starts
+    assert w.ids == [0, 1]
+    w.spare_ids.add(2)
+    w.spare_baseline = None
+    assert w.ids == [0, 1]
+    w.wait_for(2, timeout=0.1)  # counts the ranks' engines only
+    with pytest.raises(ClusterError, match="only 2 of 3 engines registered"):
+        w.wait_for(3, timeout=0.1)
+
+
+@pytest.mark.parametrize("change, allowed", [({}, True), ({"jobs": object()}, False), ({"owned": False}, False),
+                                             ({"can_add_engines": False}, False), ({"local": False}, False),
+                                             ({"closing": True}, False)])
+def test_a_spare_is_kept_only_for_engines_this_session_starts_on_its_own_host(change, allowed):
+    workers = SimpleNamespace(**{"owned": True, "can_add_engines": True, "jobs": None,
+                                 **{k: v for k, v in change.items() if k in ("jobs", "owned", "can_add_engines")}})
+    session = SimpleNamespace(workers=workers, supervisor=SimpleNamespace(closing=change.get("closing", False)),
+                              placements=[SimpleNamespace(local=True), SimpleNamespace(local=change.get("local", True))])
+    assert Spare(session).allowed() is allowed
 
 
 # ---------------------------------------------------------------- snapshots on one rank, in this process
@@ -135,7 +166,14 @@ def test_sigkill_mid_fit_the_same_call_ends_with_the_unbroken_weights(workers, u
     steps = [r["step"] for r in h.steps]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # replayed steps overwrite, never duplicate
     assert len(h.epochs) == 1 and h.epochs[0]["loss"] == pytest.approx(unbroken[0].epochs[0]["loss"], abs=1e-6)
-    assert [p.pid for p in workers.placements] != before and _snapshot_folders(workers) == []
+    after = [p.pid for p in workers.placements]
+    assert set(after) & set(before) == {before[1 - rank]} and _snapshot_folders(workers) == []
+    # the survivor raised on its own and was kept; the warm spare engine took the lost rank's place
+    assert workers.supervisor.last_heal["started"] == 0
+    spare = workers.supervisor.spare
+    spare.wait()  # the next one, started once the fit resumed
+    assert spare.engine_id is not None and spare.engine_id not in [p.engine_id for p in workers.placements]
+    assert workers.workers.pids[spare.engine_id] in workers.workers.all_pids()  # stopped with the workers
     shown = capsys.readouterr().out  # the text view says what happened (its final lines: the restart, the time split)
     assert f"rank {rank} lost at step {event['step_lost_at']} (" in shown and "; resumed from step 8" in shown
 
@@ -191,10 +229,14 @@ def _stack(marker: str) -> torch.nn.Module:
 
 @pytest.mark.faults
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["fsdp", nbddp.Pipeline(stages=2, microbatches=2)], ids=["fsdp", "pipeline"])
+@pytest.mark.parametrize("strategy", ["fsdp", nbddp.Pipeline(stages=2, microbatches=2), nbddp.TensorParallel()],
+                         ids=["fsdp", "pipeline", "tensor"])
 def test_sharded_fits_recover_with_the_unbroken_weights(workers, tmp_path, strategy):
-    """Each rank restores its own shard (or stage) from the snapshot it wrote; rank 1 dies at its 21st forward."""
-    calls = 11 if strategy == "fsdp" else 21  # a pipeline runs 2 micro-batches a step through rank 1's stage
+    """Each rank restores its own shard (or stage, or slice of each layer) from the snapshot it wrote.
+
+    Rank 1 dies in its step 11: at its 11th forward, or 21st for a pipeline (2 micro-batches a step through
+    rank 1's stage)."""
+    calls = 21 if isinstance(strategy, nbddp.Pipeline) else 11
 
     def fit(marker: str, **elastic):
         model = _stack(marker)

@@ -56,6 +56,10 @@ class Workers:
         self.controller_helpers: list[Any] = []  # psutil.Process of the controller's schedulers (owned clusters)
         self._endpoint: tuple[str, int] | None = None  # read from the connection file once it could be read
         self.jobs: SlurmJobs | None = None  # the Slurm jobs holding the engines (engines="slurm" clusters)
+        # an elastic fit's warm spare engine (nbddp/elastic/spare.py) is registered but no rank until a heal takes
+        # it; while one is being started, only the engines registered before it count (``spare_baseline``)
+        self.spare_ids: set[int] = set()
+        self.spare_baseline: set[int] | None = None
 
     # ---- construction ---------------------------------------------------
     @classmethod
@@ -152,7 +156,9 @@ class Workers:
     # ---- queries ---------------------------------------------------------
     @property
     def ids(self) -> list[int]:
-        return sorted(self.client.ids)
+        """The engines that are (or will be) ranks: every registered one but a spare."""
+        baseline = self.spare_baseline
+        return sorted(i for i in self.client.ids if i not in self.spare_ids and (baseline is None or i in baseline))
 
     def controller_endpoint(self) -> tuple[str, int | None]:
         """(host, registration port) of the controller, from its client connection file.
@@ -219,10 +225,10 @@ class Workers:
 
     def wait_for(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while len(self.client.ids) < n:
+        while len(self.ids) < n:
             if time.monotonic() > deadline:
                 raise ClusterError(
-                    f"only {len(self.client.ids)} of {n} engines registered within {timeout:.0f} s; "
+                    f"only {len(self.ids)} of {n} engines registered within {timeout:.0f} s; "
                     "the machine may be overloaded, or engines fail at start-up (see their logs in the profile's log/ folder)"
                 )
             time.sleep(0.05)

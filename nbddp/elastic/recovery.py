@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from nbddp.elastic.policy import ElasticPolicy
+from nbddp.elastic.spare import keep_spare
 from nbddp.protocol.errors import WorkerDied, WorkerError
 
 KINDS = (("step", "steps"), ("epoch", "epochs"), ("val", "validations"))
@@ -77,6 +78,7 @@ class Recovery:
         run.history = run.new_history(self.kept)
         run.live_state.restarts[-1] = (f"rank {event['rank']} lost at step {event['step_lost_at']} ({event['cause']}); "
                                        f"replaced in {event['replace_s']:.1f} s; resumed from step {start_step}")
+        keep_spare(run.session)  # the next lost rank's replacement, warming while the fit trains again
 
 
 def kept_records(history: Any, start_step: int) -> list[tuple[str, dict[str, Any]]]:

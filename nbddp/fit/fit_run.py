@@ -25,11 +25,12 @@ from nbddp.protocol.messages import FitResult, RankInfo, published
 from nbddp.protocol.notices import notify
 from nbddp.fit.preflight import FitPlan
 from nbddp.monitor.stalls import StuckStop
-from nbddp.jobs.rank_tasks import RankTasks
+from nbddp.jobs.rank_tasks import ELASTIC_GRACE_S, RankTasks
 from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.elastic import snapshot_folder
+from nbddp.elastic.spare import keep_spare
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import WorkerError
 
@@ -93,6 +94,7 @@ class FitRun:
         try:
             if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
                 self.plan.cfg.snapshot_dir = snapshot_folder.make(self.session.file_prefix)
+                keep_spare(self.session)  # a warm engine to replace a lost rank with, started in the background
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
             self.view.start(self)
@@ -115,6 +117,8 @@ class FitRun:
                                                          launch, s.sources.attach(plan.model_parcels.get(p.local), p))
                for p in s.placements}
         self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
+        if plan.elastic.enabled:  # a survivor that raises on its own is kept, not replaced
+            self.tasks.grace_s = ELASTIC_GRACE_S
 
     def relaunch(self) -> None:
         """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``)."""

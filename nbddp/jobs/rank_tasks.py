@@ -31,6 +31,10 @@ from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerE
 from nbddp.monitor.stalls import StallGuard
 
 GRACE_S = 1.5
+# an elastic fit (max_restarts) waits longer for the survivors of a lost rank to raise "connection closed" on their
+# own: one kept alive is one engine less to replace (seconds of start-up and imports), while a rank that takes
+# longer than that is stuck in a collective and is killed as before
+ELASTIC_GRACE_S = 6.0
 CONTROLLER_CHECK_S = 1.0
 PEER_FAILED = "PeerFailed"
 _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)  # gloo's "Timed out waiting ...", NCCL's watchdog "timeout"
@@ -50,6 +54,7 @@ class RankTasks:
         self.results: dict[int, Any] = {}
         self.failures: dict[int, tuple[float, BaseException]] = {}
         self.first_failure_at: float | None = None
+        self.grace_s = GRACE_S  # after the first failure, how long the other ranks may take to finish or fail
         self.finished = False
         self.stalls = StallGuard(session, self, fit=fit, stall_timeout=stall_timeout)
         self._next_check = time.monotonic() + CONTROLLER_CHECK_S
@@ -72,7 +77,7 @@ class RankTasks:
                     self.first_failure_at = time.monotonic()
         if not self.pending:
             return True
-        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > GRACE_S
+        return self.first_failure_at is not None and time.monotonic() - self.first_failure_at > self.grace_s
 
     def wait(self, on_tick: Callable[[], None] | None = None, tick_s: float = 0.05) -> dict[int, Any]:
         """Block until every rank finished (results by rank) or raise ``WorkerError``."""

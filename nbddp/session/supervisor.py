@@ -39,6 +39,10 @@ class Supervisor:
         self._again = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.spare: Any = None  # an elastic fit's warm spare engine (nbddp/elastic/spare.py), taken by a heal
+        # the last heal's phases in seconds (ping_s, spare_s, start_s, group_s) and how many engines it started
+        # afresh (started: 0 when a warm spare replaced the lost rank); bench_elastic.py reports them
+        self.last_heal: dict[str, float] = {}
 
     @property
     def healing(self) -> bool:
@@ -124,6 +128,7 @@ class Supervisor:
         s = self.session
         workers = s.workers
         want = s.world_size or (s.options.n or 2)
+        lap = _Laps()
         workers.forget_dead(killed)
         if killed:
             time.sleep(PEER_SETTLE_S)
@@ -141,17 +146,27 @@ class Supervisor:
             workers.kill(unresponsive + extra)
             workers.forget_dead(unresponsive + extra)
         self._check_cancelled()
+        lap("ping_s")
         missing = want - len(workers.ids)
-        if missing > 0:
-            workers.add_engines(missing, want)
+        to_start = missing
+        if missing > 0 and self.spare is not None and self.spare.take() is not None:
+            to_start -= 1  # the warm spare is a rank from now on
+        lap("spare_s")
+        if to_start > 0:
+            workers.add_engines(to_start, want)
+        lap("start_s", started=max(0, to_start))
         self._check_cancelled()
         s.form_group(reprobe=bool(killed or unresponsive or missing))
+        lap("group_s")
+        self.last_heal = lap.phases
 
     def wait(self, raise_error: bool) -> None:
         """Wait for a heal under way (callers must not hold the session's lock)."""
         thread = self._thread
         if thread is not None:
             thread.join()
+        if self.closing and self.spare is not None:  # a spare on its way stops at its next step
+            self.spare.wait()
         self.raise_if_failed(raise_error)
 
     def raise_if_failed(self, raise_error: bool = True) -> None:
@@ -161,3 +176,17 @@ class Supervisor:
                 f"replacing failed workers did not work: {type(error).__name__}: {error}. "
                 "Run nbddp.restart() to start a fresh set."
             ) from error
+
+
+class _Laps:
+    """A heal's phases in seconds, each from the end of the one before (``Supervisor.last_heal``)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, name: str, **counts: int) -> None:
+        now = time.monotonic()
+        self.phases[name] = now - self._last
+        self.phases.update(counts)
+        self._last = now

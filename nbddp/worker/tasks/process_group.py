@@ -10,6 +10,7 @@ the socket interface, and the allocator settings.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -57,6 +58,9 @@ def join_process_group(
 def _leave_broken_group() -> None:
     import torch.distributed as dist
 
+    if STATE.generation == -1 and STATE.failure is None and not (dist.is_available() and dist.is_initialized()):
+        return  # a fresh engine (or an elastic fit's spare): no old group, nothing of one to collect (a second or
+        # more of full collections on a loaded machine, on the path of a recovery)
     drop_failed_frames()  # a failed fit's traceback keeps its DDP module and the old group alive
     if dist.is_available() and dist.is_initialized():
         try:
@@ -65,6 +69,9 @@ def _leave_broken_group() -> None:
             pass
         forget_meshes()
     STATE.mesh_groups.clear()  # destroyed with the world group (worker/engine/device_mesh.py)
+    # the old generation's datasets go in the same collection: let go after it, the next task would find them
+    # "let go but alive" and pay a full collection of its own (1.4 s of a loaded recovery)
+    STATE.dataset_cache.clear()
     # frees the old group's gloo threads and sockets now, not at some later gc: a full collection, since what
     # referred to the old group may have been frozen with the engine's objects (worker/memory/release.py)
     drop_failed_frames(everything=True)
@@ -140,6 +147,8 @@ def forget_meshes() -> None:
     workers. The caches are per thread; tasks run on the engine's main thread,
     and so does this.
     """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing was cached, and importing DTensor to clear it costs seconds
     try:
         from torch.distributed.tensor import _redistribute, debug
     except ImportError:  # torch without DTensor: nothing is cached
