@@ -1,7 +1,8 @@
 """A sweep in flight: trials handed to groups of workers as they free up, pruned, recorded.
 
 One kernel thread (``nbddp-sweep``) runs the whole schedule, so Optuna is
-only ever called from it. Every tick (``TICK_S``) it:
+only ever called from it. Every tick (``TICK_S``), or at once when a trial's
+task returns (a done-callback wakes it), it:
 
 1. looks at each running trial's first rank: new records (the same
    published window ``dist_fit`` streams) are reported to Optuna at their
@@ -31,7 +32,7 @@ from nbddp.shipping import pickling as shipping
 from nbddp.sweeps.result import TrialRow, line
 from nbddp.sweeps.stale import Heartbeats, ask
 
-TICK_S = 0.01  # the schedule's poll: a freed group gets its next trial within about this
+TICK_S = 0.01  # the schedule's poll of the trials' records; a task's return wakes it at once
 LATE_SIGNAL_S = 0.5  # a prune signal may land after its trial ended: the group waits this long before the next
 GRACE_S = 2.0  # a trial rank failed: its group's other ranks, stuck in a collective after that long, are killed
 
@@ -79,6 +80,7 @@ class SweepRun:
         self.max_restarts = 1  # how many times a trial whose worker died is run again (sweep(max_restarts=...))
         self.heartbeats = Heartbeats(study)  # a stored study's RUNNING trials show they live (sweeps/stale.py)
         self._done = threading.Event()
+        self._wake = threading.Event()  # a trial's task returned: the schedule looks at once, not at its next tick
         self.thread = threading.Thread(target=self._run, name="nbddp-sweep", daemon=True)
 
     # ---- the work protocol (Session.running, waiting.wait_interruptibly) ----------
@@ -106,6 +108,7 @@ class SweepRun:
     def _run(self) -> None:
         try:
             while self.running or self._more() or (self.dead and not self.stopping):
+                self._wake.clear()
                 self.heartbeats.beat([run.trial for run in self.running.values()])
                 for g, run in list(self.running.items()):
                     self._watch(g, run)
@@ -114,7 +117,7 @@ class SweepRun:
                 for g in range(len(self.groups)):
                     if g not in self.running and self._more() and time.perf_counter() >= self.free_at[g]:
                         self._hand_out(g)
-                time.sleep(TICK_S)
+                self._wake.wait(TICK_S)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell
             self.error = exc
             self.stopping = True
@@ -163,6 +166,8 @@ class SweepRun:
         ars = {p.rank: s.client[p.engine_id].apply_async(
             trial_task, self.token, g, s.sources.attach(self.plan.parcels[p.local], p), cfg, self.plan.launch,
             s.sources.attach(self.plan.model_parcels.get(p.local), p), bind) for p in members}
+        for ar in ars.values():  # called on the client's IO thread: only an Event set, which cannot raise
+            ar.add_done_callback(lambda _ar: self._wake.set())
         self.running[g] = Running(trial, row, ars, [p.engine_id for p in members], cfg,
                                   walls={"ask_wall": asked_wall, "sent_wall": time.time()})
 
