@@ -10,6 +10,11 @@ so each side has one core per worker. Each side's workers are warmed by a
 * ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers;
 * ``sequential``: 8 ``dist_fit`` calls on 1 worker, one after another.
 
+The test suite's smoke run (``run_all.run(quick=True, reuse_workers=True)``)
+keeps its 2 warm workers for both sides, so that it starts none: there the
+sequential side is DDP on 2 workers, no baseline, and its row says so; the
+figures come from a run of this file.
+
 Also measured: for consecutive trials on the same worker, the time from one
 trial's end (``timings["end_wall"]``, before its weights are packed) to the
 next trial's first step (``timings["train_start_wall"]``), and its parts
@@ -106,17 +111,21 @@ def gap_parts(all_gaps: list[dict]) -> dict:
     return {name: common.median(g[name] for g in all_gaps if name in g) for name, _, _ in PARTS}
 
 
-def run_sequential(train, val, cfg: dict, lrs: list[float]) -> dict:
+def run_sequential(train, val, cfg: dict, lrs: list[float], smoke: bool = False) -> dict:
+    """The same fits one after another on 1 worker; ``smoke`` (--quick in the test suite's run, which keeps its
+    workers): on the running workers instead, so that the smoke run starts none (the figure is then no baseline)."""
     import nbddp
 
-    common.nbddp_start(1)
+    if not smoke:
+        common.nbddp_start(1)
+    workers = nbddp.status()["world_size"]
     try:
         warm_up(train)
         t0 = time.perf_counter()
         for lr in lrs:
             for width in WIDTHS:
                 nbddp.dist_fit(lambda width=width: make_mlp(width), train, val_data=val, lr=lr, live=False, **cfg)
-        return {"wall_s": time.perf_counter() - t0}
+        return {"wall_s": time.perf_counter() - t0, "workers": workers}
     finally:
         common.nbddp_stop()
 
@@ -127,12 +136,12 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     lrs = LRS[:2] if quick else LRS  # --quick: 4 trials
     reps = reps or (1 if quick else 2)
     out: dict = {"cfg": cfg, "reps": reps, "trials": len(lrs) * len(WIDTHS), "sweep": [], "sequential": []}
-    # alternate which side goes first; the first is sequential, on 1 worker: run_all runs this after scaling, whose
-    # last count is 1 worker, so that --quick starts workers once (the sweep's 2, which the next caller keeps)
+    # alternate which side goes first; the smoke run (--quick, workers kept) starts no worker: the sweep on the
+    # running 2, the sequential side on them too
+    smoke = quick and common.REUSE_WORKERS and nbddp_running() == 2
     for rep in range(reps):
-        for side in (["sequential", "sweep"] if rep % 2 == 0 else ["sweep", "sequential"]):
-            fn = run_sweep if side == "sweep" else run_sequential
-            res = fn(train, val, cfg, lrs)
+        for side in (["sweep", "sequential"] if rep % 2 == 0 else ["sequential", "sweep"]):
+            res = run_sweep(train, val, cfg, lrs) if side == "sweep" else run_sequential(train, val, cfg, lrs, smoke)
             common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s")
             out[side].append(res)
     sweep_s = common.median(r["wall_s"] for r in out["sweep"])
@@ -147,11 +156,20 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     return out
 
 
+def nbddp_running() -> int:
+    import nbddp
+
+    status = nbddp.status()
+    return status["world_size"] if status["running"] else 0
+
+
 def summary_rows(res: dict) -> list[dict]:
     s, n = res["summary"], res["trials"]
+    seq_workers = res["sequential"][0].get("workers", 1) if res["sequential"] else 1
     return [{"bench": NAME, "competitor": "nbddp.sweep (2 workers)", "metric": f"s for {n} trials",
              "median": s["sweep_s"], "ratio": s["speedup"], "ratio_of": "sequential / sweep"},
-            {"bench": NAME, "competitor": f"{n} x dist_fit (1 worker)", "metric": f"s for {n} trials",
+            {"bench": NAME, "competitor": f"{n} x dist_fit ({seq_workers} worker{'s' * (seq_workers > 1)})",
+             "metric": f"s for {n} trials",
              "median": s["sequential_s"], "ratio": 1.0, "ratio_of": "-"},
             {"bench": NAME, "competitor": "nbddp.sweep", "metric": "trial end -> next first step (s)",
              "median": s["gap_median_s"], "ratio": None, "ratio_of": "-"}]

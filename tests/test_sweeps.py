@@ -470,6 +470,10 @@ def test_a_study_that_has_its_trials_already_runs_none(workers):
                          live=False)
     assert result.trials.empty and result.best_params == {"width": 8} and result.best_value == 0.25
     assert result.best_model is None and not workers.busy
+    handle = nbddp.sweep(make_net, tensors(), space={"width": [4, 8]}, metric="loss", n_trials=2, study=study,
+                         live=False, block=False)  # block=False is a handle whatever there is to run
+    assert handle.wait().best_value == 0.25 and handle.done() and handle.trials.empty
+    assert repr(handle) == "<SweepHandle done: the study had its trials already>" and handle.stop() is not None
 
 
 def test_a_sweep_that_does_not_block_is_stopped_by_its_handle(workers):

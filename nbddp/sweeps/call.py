@@ -71,7 +71,7 @@ def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, 
     try:
         out = _sweep(model, data, space, n_trials, metric, mode, workers_per_trial, sampler, pruner, study, live,
                      fit_kwargs, block, lambda: optuna.logging.set_verbosity(verbosity))
-        handed_on = not block and not isinstance(out, SweepResult)  # the handle restores Optuna's verbosity
+        handed_on = not block  # a SweepHandle: its thread restores Optuna's verbosity when the sweep ends
         return out
     finally:
         if not handed_on:
@@ -99,7 +99,8 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
     _settle_stale(study)
     left = trials_left(study, n_trials)
     if left == 0:
-        return SweepResult(rows=[], metric=metric, mode=mode, study=study)
+        result = SweepResult(rows=[], metric=metric, mode=mode, study=study)
+        return result if block else SweepHandle(None, lambda: (restore(), result)[1])
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
     run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
     run.stall_timeout, run.max_restarts = stall_timeout, max_restarts

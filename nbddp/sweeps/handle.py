@@ -23,7 +23,7 @@ class SweepHandle:
     """Returned by ``nbddp.sweep(..., block=False)``: ``done()``, ``wait()``, ``stop()``, ``trials`` so far."""
 
     def __init__(self, run: Any, finish: Callable[[], SweepResult]):
-        self._run = run
+        self._run = run  # None: nothing to run (the study had its trials), ``finish`` returns the result
         self._finish = finish
         self._result: SweepResult | None = None
         self._error: BaseException | None = None
@@ -50,7 +50,7 @@ class SweepHandle:
         except BaseException as exc:
             if not is_interrupt(exc):
                 raise
-            self._run.request_stop()
+            self.stop(wait=False)
             self._thread.join()
         if self._thread.is_alive():
             raise TimeoutError(f"nbddp.sweep still running after {timeout} s; call .wait() again, or .stop()")
@@ -60,16 +60,21 @@ class SweepHandle:
 
     def stop(self, wait: bool = True) -> SweepResult | None:
         """No new trial; the running ones stop at their next synchronisation (as the Stop button does)."""
-        self._run.request_stop()
+        if self._run is not None:
+            self._run.request_stop()
         return self.wait() if wait else None
 
     @property
     def trials(self) -> Any:
         """The leaderboard so far, as the DataFrame ``SweepResult.trials`` will be."""
+        if self._run is None:
+            return self.wait().trials
         return SweepResult(rows=list(self._run.rows), metric=self._run.metric, mode=self._run.mode,
                            study=self._run.study).trials
 
     def __repr__(self) -> str:
+        if self._run is None:
+            return "<SweepHandle done: the study had its trials already>"
         rows = list(self._run.rows)
         state = "done" if self.done() else ("stopping" if self._run.stopping else "running")
         best = next(iter(ranked([r for r in rows if r.state == "complete" and r.value is not None], self._run.mode)),
