@@ -1,17 +1,24 @@
 """Sweeps: 8 trials with ``nbddp.sweep`` on 2 workers vs the same 8 fits one after another on 1 worker.
 
 Workload: an MLP classifier (32 inputs, hidden width from the grid) on fixed
-random data (4096 samples, 1024 with --quick), batch 64, 3 epochs (1 with
+random data (4096 samples, 512 with --quick), batch 64, 3 epochs (1 with
 --quick), validation each epoch; the 8 trials are a grid of 4 learning
-rates x 2 widths, the same for both sides. One torch thread per worker on CPU,
-so each side has one core per worker.
+rates x 2 widths (--quick: 2 x 2), the same for both sides. One torch thread per worker on CPU,
+so each side has one core per worker. Each side's workers are warmed by a
+2-step fit before the clock (``warm_up``).
 
 * ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers;
 * ``sequential``: 8 ``dist_fit`` calls on 1 worker, one after another.
 
+The test suite's smoke run (``run_all.run(quick=True, reuse_workers=True)``)
+keeps its 2 warm workers for both sides, so that it starts none: there the
+sequential side is DDP on 2 workers, no baseline, and its row says so; the
+figures come from a run of this file.
+
 Also measured: for consecutive trials on the same worker, the time from one
-trial's end (its weights packed, ``timings["end_wall"]``) to the next trial's
-first step (``timings["train_start_wall"]``), on the worker's clock.
+trial's end (``timings["end_wall"]``, before its weights are packed) to the
+next trial's first step (``timings["train_start_wall"]``), and its parts
+(``PARTS``: the worker's and the kernel's wall clocks, one host).
 Ray Tune is not compared: it is not installed here (see docs/sweeps.md).
 """
 
@@ -45,17 +52,27 @@ def data(n: int, seed: int):
     return x, (x[:, :4].argmax(1))
 
 
-def run_sweep(train, val, cfg: dict) -> dict:
+def warm_up(train) -> None:
+    """One 2-step fit before the clock, on every worker: a worker's first fit imports what training needs (torch's
+    dynamo among them: seconds, more under load), once per process, on both sides alike; the figures compare what
+    the trials cost on warm workers, which is what a notebook that has trained before has."""
+    import nbddp
+
+    nbddp.dist_fit(make_mlp, train, max_steps=2, batch_size=64, live=False)
+
+
+def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
     import optuna
 
     import nbddp
 
     common.nbddp_start(2)
     try:
-        sampler = optuna.samplers.GridSampler({"lr": LRS, "width": WIDTHS}, seed=0)
+        warm_up(train)
+        sampler = optuna.samplers.GridSampler({"lr": lrs, "width": WIDTHS}, seed=0)
         t0 = time.perf_counter()
-        result = nbddp.sweep(make_mlp, train, val_data=val, space={"lr": LRS, "width": WIDTHS}, n_trials=8,
-                             sampler=sampler, live=False, **cfg)
+        result = nbddp.sweep(make_mlp, train, val_data=val, space={"lr": lrs, "width": WIDTHS},
+                             n_trials=len(lrs) * len(WIDTHS), sampler=sampler, live=False, **cfg)
         wall = time.perf_counter() - t0
     finally:
         common.nbddp_stop()
@@ -63,55 +80,96 @@ def run_sweep(train, val, cfg: dict) -> dict:
             "best_value": result.best_value}
 
 
-def gaps(result) -> list[float]:
-    """End of one trial to the first step of the next on the same worker (the worker's clock)."""
+PARTS = (  # the gap from one trial's end to the next one's first step on the same worker, in order (History.timings)
+    ("pack_and_free", "end_wall", "returned_wall"),  # the worker packs the weights, gives memory back
+    ("to_kernel", "returned_wall", "seen_wall"),  # the result travels; the kernel's poll sees it
+    ("settle", "seen_wall", "settled_wall"),  # History, study.tell, the best weights copied
+    ("schedule", "settled_wall", "ask_wall"),  # the schedule's loop reaches the free group
+    ("ask_and_send", "ask_wall", "sent_wall"),  # study.ask, the trial's config, apply_async
+    ("to_worker", "sent_wall", "task_start_wall"),  # the task travels to the engine and starts
+    ("setup", "task_start_wall", "train_start_wall"),  # unpack, build the model and loaders, wrap, agree
+)
+
+
+def gaps(result) -> list[dict]:
+    """End of one trial to the first step of the next on the same worker, and its parts (wall clocks of one host)."""
     out = []
     for group in sorted(set(result.trials["group"])):
         numbers = sorted(result.trials[result.trials["group"] == group]["trial"])
         timings = [result.histories[n].timings for n in numbers if n in result.histories]
-        out += [b["train_start_wall"] - a["end_wall"] for a, b in zip(timings, timings[1:])]
+        for a, b in zip(timings, timings[1:]):
+            both = {**{k: a[k] for k in ("end_wall", "returned_wall", "seen_wall", "settled_wall") if k in a},
+                    **{k: b[k] for k in ("ask_wall", "sent_wall", "task_start_wall", "train_start_wall") if k in b}}
+            gap = {"total": b["train_start_wall"] - a["end_wall"]}
+            gap.update({name: both[end] - both[begin] for name, begin, end in PARTS if begin in both and end in both})
+            out.append(gap)
     return out
 
 
-def run_sequential(train, val, cfg: dict) -> dict:
+def gap_parts(all_gaps: list[dict]) -> dict:
+    """The median of each part over every gap measured."""
+    return {name: common.median(g[name] for g in all_gaps if name in g) for name, _, _ in PARTS}
+
+
+def run_sequential(train, val, cfg: dict, lrs: list[float], smoke: bool = False) -> dict:
+    """The same fits one after another on 1 worker; ``smoke`` (--quick in the test suite's run, which keeps its
+    workers): on the running workers instead, so that the smoke run starts none (the figure is then no baseline)."""
     import nbddp
 
-    common.nbddp_start(1)
+    if not smoke:
+        common.nbddp_start(1)
+    workers = nbddp.status()["world_size"]
     try:
+        warm_up(train)
         t0 = time.perf_counter()
-        for lr in LRS:
+        for lr in lrs:
             for width in WIDTHS:
                 nbddp.dist_fit(lambda width=width: make_mlp(width), train, val_data=val, lr=lr, live=False, **cfg)
-        return {"wall_s": time.perf_counter() - t0}
+        return {"wall_s": time.perf_counter() - t0, "workers": workers}
     finally:
         common.nbddp_stop()
 
 
 def main(quick: bool = False, reps: int | None = None) -> dict:
     cfg = {"epochs": 1 if quick else 3, "batch_size": 64, "seed": 0}
-    train, val = data(1024 if quick else 4096, 0), data(256, 1)
+    train, val = data(512 if quick else 4096, 0), data(128 if quick else 256, 1)
+    lrs = LRS[:2] if quick else LRS  # --quick: 4 trials
     reps = reps or (1 if quick else 2)
-    out: dict = {"cfg": cfg, "reps": reps, "sweep": [], "sequential": []}
-    for rep in range(reps):  # alternate which side goes first
+    out: dict = {"cfg": cfg, "reps": reps, "trials": len(lrs) * len(WIDTHS), "sweep": [], "sequential": []}
+    # alternate which side goes first; the smoke run (--quick, workers kept) starts no worker: the sweep on the
+    # running 2, the sequential side on them too
+    smoke = quick and common.REUSE_WORKERS and nbddp_running() == 2
+    for rep in range(reps):
         for side in (["sweep", "sequential"] if rep % 2 == 0 else ["sequential", "sweep"]):
-            fn = run_sweep if side == "sweep" else run_sequential
-            res = fn(train, val, cfg)
+            res = run_sweep(train, val, cfg, lrs) if side == "sweep" else run_sequential(train, val, cfg, lrs, smoke)
             common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s")
             out[side].append(res)
     sweep_s = common.median(r["wall_s"] for r in out["sweep"])
     seq_s = common.median(r["wall_s"] for r in out["sequential"])
     all_gaps = [g for r in out["sweep"] for g in r["gaps_s"]]
+    totals = [g["total"] for g in all_gaps]
     out["summary"] = {"sweep_s": sweep_s, "sequential_s": seq_s, "speedup": common.ratio(seq_s, sweep_s),
-                      "gap_median_s": common.median(all_gaps), "gap_max_s": max(all_gaps) if all_gaps else None}
+                      "gap_median_s": common.median(totals) if totals else None,
+                      "gap_max_s": max(totals) if totals else None,
+                      "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {}}
     common.log(f"[sweep] {out['summary']}")
     return out
 
 
+def nbddp_running() -> int:
+    import nbddp
+
+    status = nbddp.status()
+    return status["world_size"] if status["running"] else 0
+
+
 def summary_rows(res: dict) -> list[dict]:
-    s = res["summary"]
-    return [{"bench": NAME, "competitor": "nbddp.sweep (2 workers)", "metric": "s for 8 trials",
+    s, n = res["summary"], res["trials"]
+    seq_workers = res["sequential"][0].get("workers", 1) if res["sequential"] else 1
+    return [{"bench": NAME, "competitor": "nbddp.sweep (2 workers)", "metric": f"s for {n} trials",
              "median": s["sweep_s"], "ratio": s["speedup"], "ratio_of": "sequential / sweep"},
-            {"bench": NAME, "competitor": "8 x dist_fit (1 worker)", "metric": "s for 8 trials",
+            {"bench": NAME, "competitor": f"{n} x dist_fit ({seq_workers} worker{'s' * (seq_workers > 1)})",
+             "metric": f"s for {n} trials",
              "median": s["sequential_s"], "ratio": 1.0, "ratio_of": "-"},
             {"bench": NAME, "competitor": "nbddp.sweep", "metric": "trial end -> next first step (s)",
              "median": s["gap_median_s"], "ratio": None, "ratio_of": "-"}]

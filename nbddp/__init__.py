@@ -25,6 +25,7 @@ __all__ = [
     "last_history",
     "sweep",
     "SweepResult",
+    "SweepHandle",
     "predict",
     "evaluate",
     "PredictHandle",
@@ -76,6 +77,7 @@ _LAZY = {
     "last_history": "nbddp.api",
     "sweep": "nbddp.api",
     "SweepResult": "nbddp.sweeps.result",
+    "SweepHandle": "nbddp.sweeps.handle",
     "predict": "nbddp.api",
     "evaluate": "nbddp.api",
     "PredictHandle": "nbddp.inference.predict_run",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.api import (dist_fit, evaluate, export_checkpoint, last_history, predict, restart, run, start, status,
                            stop, sweep)
     from nbddp.sweeps.result import SweepResult
+    from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size

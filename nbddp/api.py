@@ -355,8 +355,12 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
 
     Args:
         model, data, **fit_kwargs: as for ``dist_fit`` (``val_data``,
-            ``metrics``, ``epochs``, ``batch_size``, ...). A trial trains with
-            DDP over its group; ``strategy``/``mesh`` are not supported.
+            ``metrics``, ``epochs``, ``batch_size``, ...). A trial trains
+            data-parallel over its group: DDP, or ``strategy="fsdp"`` /
+            ``nbddp.FSDP(...)``; ``mesh`` and model-parallel strategies are
+            refused. ``max_restarts`` (default 1): how many times a trial
+            whose worker died runs again. ``block=False`` returns a
+            ``SweepHandle`` (``.stop()``, ``.wait()``, ``.done()``, ``.trials``).
         space: name -> an Optuna distribution, ``(low, high)``, ``(low, high,
             "log")`` or a list of choices. A name is a ``dist_fit`` option
             (``nbddp.sweeps.space.SWEEPABLE``: ``lr``, ``batch_size``, ``epochs``,

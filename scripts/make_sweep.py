@@ -61,6 +61,11 @@ cells = [
     ),
     nbf.v4.new_markdown_cell("Every trial's curve, the best in red, pruned ones grey:"),
     nbf.v4.new_code_cell("result.plot()"),
+    nbf.v4.new_markdown_cell(
+        "Parallel coordinates: each completed trial is a line across its parameters and its validation loss "
+        "(Optuna's own matplotlib plot, over the study's completed trials):"
+    ),
+    nbf.v4.new_code_cell('result.plot(kind="parallel")'),
     nbf.v4.new_code_cell("%ddp stop"),
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})

@@ -71,3 +71,9 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     assert all(v > 0 for v in fsdp["samples_per_s"].values()), fsdp
     data = results["benchmarks"]["data"]["summary"]  # num_workers 0 vs 2, map-style and stream
     assert all(d["ratio_nw2_over_nw0"]["median"] > 0 and not d["errors"] for d in data.values()), data
+    from benchmarks.bench_sweep import PARTS
+
+    sweep = results["benchmarks"]["sweep"]  # 4 trials as a sweep on 2 workers against 4 fits on 1, and the gaps
+    assert sweep["summary"]["speedup"] > 0 and sweep["summary"]["gap_median_s"] is not None, sweep["summary"]
+    assert set(sweep["summary"]["gap_parts_median_s"]) == {name for name, _, _ in PARTS}
+    assert all(state == "complete" for r in sweep["sweep"] for state in r["states"])

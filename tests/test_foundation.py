@@ -19,7 +19,7 @@ from nbddp.protocol.errors import NotStartedError
 PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "push", "pull", "run_script", "stacks",
           "debug",
           "History", "FitHandle", "export_checkpoint", "FSDP", "Pipeline", "TensorParallel", "find_batch_size",
-          "scaling_report", "sweep", "SweepResult", "compile_cache", "RecompileWarning", "predict", "evaluate",
+          "scaling_report", "sweep", "SweepResult", "SweepHandle", "compile_cache", "RecompileWarning", "predict", "evaluate",
           "PredictHandle",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "SlurmError", "ShippingError",
           "WorkerError", "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__", "load_ipython_extension",

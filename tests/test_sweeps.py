@@ -89,9 +89,20 @@ def test_a_model_object_has_no_arguments_to_sweep():
         spaces.build_space({"width": [4]}, make_net(), None, {})
 
 
-def test_a_sweep_refuses_other_strategies():
-    with pytest.raises(ValueError, match=r"strategy='fsdp', mesh=None are not supported in a sweep"):
-        spaces.check_strategy({"strategy": "fsdp"})
+@pytest.mark.parametrize("options, shown", [
+    ({"mesh": {"dp": 1, "pp": 2}}, "strategy='ddp', mesh={'dp': 1, 'pp': 2}"),
+    ({"strategy": nbddp.Pipeline(stages=2)}, "mesh=None lay one model over a mesh"),
+    ({"strategy": nbddp.TensorParallel()}, "mesh=None lay one model over a mesh"),
+])
+def test_a_sweep_refuses_model_parallel_strategies(options, shown):
+    with pytest.raises(ValueError, match=r"data-parallel over its group of workers_per_trial ranks.*"
+                                         + re.escape(shown) + r".*over all 2 running workers.*strategy='fsdp'"):
+        spaces.check_strategy(options, 2)
+
+
+def test_a_sweep_takes_the_data_parallel_strategies():
+    for strategy in ("ddp", "fsdp", nbddp.DDP(find_unused_parameters=True), nbddp.FSDP()):
+        spaces.check_strategy({"strategy": strategy}, 2)  # raises nothing
 
 
 def test_a_study_that_goes_the_other_way_is_refused():
@@ -239,6 +250,18 @@ def test_the_best_model_equals_a_dist_fit_alone_with_the_best_parameters(workers
     assert result.best_value == history.epochs[-1]["val_loss"]
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", nbddp.FSDP(reshard_after_forward=False)])
+def test_a_trial_trains_sharded_over_its_group_and_equals_a_dist_fit_alone(workers, strategy):
+    """FSDP in a trial's group of two: the best weights gathered whole equal those of the same fit run alone."""
+    data = tensors()
+    result = nbddp.sweep(make_net, data, space={"lr": [0.05]}, sampler=grid(lr=[0.05]), metric="loss", n_trials=1,
+                         workers_per_trial=2, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
+    assert list(result.trials["state"]) == ["complete"]
+    history = nbddp.dist_fit(make_net, data, lr=0.05, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
+    for (name, mine), theirs in zip(result.best_model.state_dict().items(), history.model.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+
+
 def test_an_interrupted_sweep_returns_what_it_has(workers):
     from interrupts import interrupt_when
 
@@ -258,22 +281,24 @@ def test_an_interrupted_sweep_returns_what_it_has(workers):
 
 
 class DiesOnce(nn.Module):
-    """The first rank to run it dies (SIGKILL) in its first forward; every later run trains normally."""
+    """The first ``times`` runs die (SIGKILL) in their first forward; every later run trains normally."""
 
-    def __init__(self, flag: str):
+    def __init__(self, flag: str, times: int = 1):
         super().__init__()
         self.lin = nn.Linear(4, 2)
-        self.flag = flag
+        self.flag, self.times = flag, times
 
     def forward(self, x):
         import os
         import signal
 
-        try:
-            os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))  # one winner, even when both ranks start at once
-        except FileExistsError:
-            return self.lin(x)
-        os.kill(os.getpid(), signal.SIGKILL)
+        for i in range(self.times):
+            try:
+                os.close(os.open(f"{self.flag}.{i}", os.O_CREAT | os.O_EXCL))  # one winner, even if both ranks start
+            except FileExistsError:
+                continue
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
 
 
 @pytest.mark.faults
@@ -285,11 +310,45 @@ def test_a_killed_workers_trial_is_retried_and_the_sweep_goes_on(workers, tmp_pa
     rows = result.trials
     died = rows[rows["state"] == "failed"]
     assert len(died) == 1 and len(rows) == 3, rows
-    assert "WorkerDied" in died.iloc[0]["error"] and "run once more" in died.iloc[0]["error"]
+    assert "WorkerDied" in died.iloc[0]["error"] and "run again as a new trial, retry 1 of max_restarts=1" in died.iloc[0]["error"]
     done = rows[rows["state"] == "complete"]
     assert sorted(done["params_lr"]) == [0.01, 0.1] and died.iloc[0]["params_lr"] in list(done["params_lr"])
     assert workers.generation > generation  # the dead worker was replaced, and the next call runs as usual
     assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
+
+
+@pytest.mark.faults
+def test_a_dead_workers_trial_is_retried_up_to_max_restarts_and_then_says_so(workers, tmp_path):
+    """max_restarts=1 and a model whose first two runs die: one retry, then a row that says the limit is spent."""
+    flag = str(tmp_path / "died")
+    result = nbddp.sweep(lambda: DiesOnce(flag, times=2), tensors(), space={"lr": [0.01]}, metric="loss", n_trials=1,
+                         sampler=grid(lr=[0.01]), epochs=1, batch_size=16, live=False, max_restarts=1)
+    rows = result.trials
+    assert list(rows["state"]) == ["failed", "failed"] and list(rows["params_lr"]) == [0.01, 0.01], rows
+    assert "retry 1 of max_restarts=1" in rows.iloc[0]["error"]
+    last = rows.iloc[1]["error"]
+    assert last.startswith("WorkerDied") and "max_restarts=1 is spent: this trial's parameters ran 2 time(s)" in last
+    assert "nbddp.sweep(..., max_restarts=2) or more" in last
+    assert [t.user_attrs for t in result.study.trials] == [{}, {"nbddp_retry_of": 0, "nbddp_attempt": 1}]
+    workers.wait_healed()
+    assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_restarts": -1}, r"max_restarts=-1\) must be an int >= 0: how many times a trial whose worker died"),
+    ({"max_restarts": True}, r"max_restarts=True\) must be an int >= 0"),
+    ({"snapshot_every": 10}, r"snapshot_every=...\) is not supported: a trial whose worker died is run again from"),
+    ({"retry_on": [ValueError]}, r"retry_on=...\) is not supported"),
+])
+def test_a_sweeps_restart_options_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        spaces.pop_restarts(dict(kwargs))
+
+
+def test_max_restarts_defaults_to_one_retry():
+    options = {"max_restarts": 3, "lr": 0.1}
+    assert spaces.pop_restarts(options) == 3 and options == {"lr": 0.1}
+    assert spaces.pop_restarts({}) == 1
 
 
 class FailsOnRank1(nn.Module):
@@ -356,54 +415,6 @@ def test_a_trial_that_stalls_is_killed_after_stall_timeout_and_the_sweep_goes_on
     assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
 
 
-RESUME = """
-import json, sys
-import optuna, torch, torch.nn as nn
-import nbddp
-optuna.logging.set_verbosity(optuna.logging.WARNING)
-def make_net(width=8):
-    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
-g = torch.Generator().manual_seed(0)
-x = torch.randn(64, 4, generator=g)
-nbddp.start(n=2, backend="gloo")
-try:
-    study = optuna.load_study(study_name="resumed", storage=sys.argv[1])
-    grid = optuna.samplers.GridSampler({"width": [4, 8, 16]}, seed=0)
-    result = nbddp.sweep(make_net, (x, (x.sum(1) > 0).long()), space={"width": [4, 8, 16]}, metric="loss",
-                         sampler=grid, n_trials=3, study=study, epochs=1, batch_size=16, live=False)
-    print("ROWS", json.dumps([int(t) for t in result.trials["trial"]]))
-finally:
-    nbddp.stop()
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.fresh_workers
-def test_a_study_in_sqlite_resumes_in_a_new_process_and_skips_the_trials_done(workers, tmp_path):
-    """A second Python process (its own 2 workers: what a restarted kernel has) picks up the study where it stood.
-
-    It cannot be faster: the new process imports torch and starts two engines of its own (7 s on a quiet
-    machine, over a minute on a loaded one), which is what resuming after a kernel restart means; the
-    sweeps themselves are three one-epoch trials on 64 samples.
-    """
-    import subprocess
-    import sys
-
-    storage = f"sqlite:///{tmp_path / 'sweep.db'}"
-    study = optuna.create_study(study_name="resumed", storage=storage, sampler=grid(width=[4, 8, 16]))
-    first = nbddp.sweep(make_net, tensors(), space={"width": [4, 8, 16]}, metric="loss", n_trials=2, study=study,
-                        epochs=1, batch_size=16, live=False)
-    assert list(first.trials["trial"]) == [0, 1]
-    script = tmp_path / "resume.py"
-    script.write_text(RESUME)
-    out = subprocess.run([sys.executable, str(script), storage], capture_output=True, text=True, timeout=240,
-                         cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ROWS [2]" in out.stdout  # one trial left of three: the two done were skipped
-    again = optuna.load_study(study_name="resumed", storage=storage)
-    assert sorted(t.params["width"] for t in again.trials if t.state.name == "COMPLETE") == [4, 8, 16]
-
-
 def test_without_optuna_the_error_says_what_to_install(monkeypatch):
     import sys
 
@@ -427,9 +438,11 @@ class BrokenSampler(optuna.samplers.RandomSampler):
 @pytest.mark.parametrize("kwargs, error, match", [({"pruner": BrokenPruner()}, ValueError, "a pruner bug"),
                                                   ({"sampler": BrokenSampler()}, RuntimeError, "a sampler bug")])
 def test_an_error_in_the_kernels_optuna_code_ends_the_sweep_and_frees_the_workers(workers, kwargs, error, match):
+    """The pruner runs only on a validation seen while its trial runs: paced steps and a short publish interval make
+    the trial outlast its first validation's trip to the kernel (a 4-step trial could end unseen, under load)."""
     with pytest.raises(error, match=match):
-        nbddp.sweep(make_net, tensors(), val_data=tensors(32, 1), space={"lr": [0.01]}, n_trials=2, epochs=1,
-                    batch_size=16, live=False, **kwargs)
+        nbddp.sweep(make_net, tensors(), val_data=tensors(32, 1), space={"lr": [0.01]}, n_trials=2, epochs=EPOCHS,
+                    batch_size=16, live=False, step_fn=paced_step, publish_interval_s=0.02, **kwargs)
     assert not workers.busy and nbddp.run(held_groups) == [[], []]  # the trial groups were closed on every rank
 
 
@@ -457,3 +470,26 @@ def test_a_study_that_has_its_trials_already_runs_none(workers):
                          live=False)
     assert result.trials.empty and result.best_params == {"width": 8} and result.best_value == 0.25
     assert result.best_model is None and not workers.busy
+    handle = nbddp.sweep(make_net, tensors(), space={"width": [4, 8]}, metric="loss", n_trials=2, study=study,
+                         live=False, block=False)  # block=False is a handle whatever there is to run
+    assert handle.wait().best_value == 0.25 and handle.done() and handle.trials.empty
+    assert repr(handle) == "<SweepHandle done: the study had its trials already>" and handle.stop() is not None
+
+
+def test_a_sweep_that_does_not_block_is_stopped_by_its_handle(workers):
+    """block=False: the cell returns a handle at once; stop() (the Stop button's call) returns what finished."""
+    import time
+
+    handle = nbddp.sweep(make_net, tensors(), val_data=tensors(32, 1), space={"lr": (1e-3, 1e-1, "log")},
+                         n_trials=40, epochs=2, batch_size=16, live=False, block=False)
+    assert workers.busy and "SweepHandle running" in repr(handle)
+    deadline = time.monotonic() + 120
+    while "complete" not in set(handle.trials.get("state", [])) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the poll of a wait for the first completed trial
+    result = handle.stop()
+    assert handle.done() and result.status == "interrupted" and "SweepHandle done" in repr(handle)
+    assert 1 <= len(result.trials) < 40 and "complete" in set(result.trials["state"])
+    assert set(result.trials["state"]) <= {"complete", "stopped"} and result.best_value is not None
+    assert not workers.busy and nbddp.run(held_groups) == [[], []]
+    with pytest.raises(TypeError, match=r"nbddp.sweep\(block=...\) must be True or False, got 'no'"):
+        nbddp.sweep(make_net, tensors(), space={"lr": [0.1]}, n_trials=1, block="no")

@@ -58,22 +58,31 @@ def trials_left(study: Any, n_trials: int) -> int:
 
 
 def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
-              sampler: Any, pruner: Any, study: Any, live: bool | None, fit_kwargs: dict[str, Any]) -> SweepResult:
-    """See ``nbddp.sweep``."""
+              sampler: Any, pruner: Any, study: Any, live: bool | None, fit_kwargs: dict[str, Any]) -> Any:
+    """See ``nbddp.sweep``: a ``SweepResult``, or with ``block=False`` a ``SweepHandle``."""
     optuna = optuna_module()
+    block = fit_kwargs.pop("block", True)
+    if not isinstance(block, bool):
+        raise TypeError(f"nbddp.sweep(block=...) must be True or False, got {block!r}")
     verbosity = optuna.logging.get_verbosity()
     if verbosity == optuna.logging.INFO:  # Optuna's default: a line per trial, which the leaderboard says better
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+    handed_on = False
     try:
-        return _sweep(model, data, space, n_trials, metric, mode, workers_per_trial, sampler, pruner, study, live,
-                      fit_kwargs)
+        out = _sweep(model, data, space, n_trials, metric, mode, workers_per_trial, sampler, pruner, study, live,
+                     fit_kwargs, block, lambda: optuna.logging.set_verbosity(verbosity))
+        handed_on = not block  # a SweepHandle: its thread restores Optuna's verbosity when the sweep ends
+        return out
     finally:
-        optuna.logging.set_verbosity(verbosity)
+        if not handed_on:
+            optuna.logging.set_verbosity(verbosity)
 
 
 def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
-           sampler: Any, pruner: Any, study: Any, live: Any, fit_kwargs: dict[str, Any]) -> SweepResult:
+           sampler: Any, pruner: Any, study: Any, live: Any, fit_kwargs: dict[str, Any], block: bool,
+           restore: Any) -> Any:
     from nbddp.session.start_options import check_stall_timeout
+    from nbddp.sweeps.handle import SweepHandle
 
     s = get_session()
     s.ensure_started()
@@ -82,26 +91,70 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
         stall_timeout = s.options.stall_timeout
     spaces.check_run(n_trials, mode, workers_per_trial, s.world_size)
     check_live(live)
-    spaces.check_strategy(fit_kwargs)
+    spaces.check_strategy(fit_kwargs, s.world_size)
+    max_restarts = spaces.pop_restarts(fit_kwargs)
     sweep_space = spaces.build_space(space, model, fit_kwargs.get("step_fn"), fit_kwargs)
     spaces.check_metric(metric, fit_kwargs.get("val_data"), fit_kwargs.get("metrics"), fit_kwargs.get("step_fn"))
     study = make_study(study, mode, sampler, pruner)
+    _settle_stale(study)
     left = trials_left(study, n_trials)
     if left == 0:
-        return SweepResult(rows=[], metric=metric, mode=mode, study=study)
+        result = SweepResult(rows=[], metric=metric, mode=mode, study=study)
+        return result if block else SweepHandle(None, lambda: (restore(), result)[1])
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
     run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
-    run.stall_timeout = stall_timeout
+    run.stall_timeout, run.max_restarts = stall_timeout, max_restarts
+    view = SweepView(live, stop=run.request_stop)
     try:
         with s.lock:
             s.running = run
             run.thread.start()
-        _wait(run, SweepView(live))
+    except BaseException:
+        _close(s, run)
+        raise
+    if not block:
+        return SweepHandle(run, lambda: _finish(s, run, view, model, restore))
+    try:
+        _wait(run, view)
     finally:
+        view.close()
         _close(s, run)
     if run.error is not None:
         raise run.error
     return _result(run, model)
+
+
+def _finish(s: Any, run: SweepRun, view: SweepView, model: Any, restore: Any) -> SweepResult:
+    """A ``block=False`` sweep's waiting, in the handle's thread: the view drawn, then what a blocking call does."""
+    try:
+        while not run.wait_done(0.1):
+            view.tick(run)
+        view.tick(run, final=True)
+    finally:
+        view.close()
+        _close(s, run)
+        restore()
+    if run.error is not None:
+        raise run.error
+    return _result(run, model)
+
+
+def _settle_stale(study: Any) -> None:
+    """Trials a dead kernel left RUNNING: failed through Optuna's heartbeat (and retried by its callback), or,
+    without a heartbeat, named in a warning that says how to set one up (``sweeps/stale.py``)."""
+    import warnings
+
+    from nbddp.sweeps import stale
+
+    failed = stale.fail_stale(study)
+    if failed:
+        print(f"nbddp.sweep: trial(s) {failed} of study {study.study_name!r} were left RUNNING by a process that "
+              "stopped (no heartbeat for the storage's grace period): marked failed, and handed to the storage's "
+              "heartbeat_stale_trial_callback (RetryHeartbeatStaleTrialCallback runs their parameters again)",
+              flush=True)
+    message = stale.stale_warning(study)
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int, groups: list[list[int]],

@@ -118,10 +118,42 @@ class SweepResult:
             out[row.trial] = sorted({r["step"]: r[self.metric] for r in records if self.metric in r}.items())
         return out
 
-    def plot(self, figsize: tuple[float, float] = (6.0, 3.6)) -> Any:
-        """A matplotlib ``Figure``: every trial's metric curve, the best highlighted, pruned ones grey."""
-        best = self._best.number if self._best is not None else None
-        return curves_figure(self.curves(), {r.trial: r.state for r in self.rows}, best, self.metric, figsize)
+    def plot(self, kind: str = "curves", figsize: tuple[float, float] = (6.0, 3.6), params: list[str] | None = None
+             ) -> Any:
+        """A matplotlib ``Figure``.
+
+        ``kind="curves"``: every trial's metric curve, the best highlighted, pruned ones grey.
+        ``kind="parallel"``: parallel coordinates of the parameters (``params``, default all) against the metric, over
+        the study's completed trials: Optuna's own ``optuna.visualization.matplotlib.plot_parallel_coordinate``
+        (matplotlib only, no plotly). Optuna's other plots take ``result.study`` the same way.
+        """
+        if kind == "curves":
+            best = self._best.number if self._best is not None else None
+            return curves_figure(self.curves(), {r.trial: r.state for r in self.rows}, best, self.metric, figsize)
+        if kind == "parallel":
+            return self._parallel(figsize, params)
+        raise ValueError(f"SweepResult.plot(kind={kind!r}) must be 'curves' (every trial's {self.metric} by step) or "
+                         "'parallel' (parameters against the metric)")
+
+    def _parallel(self, figsize: tuple[float, float], params: list[str] | None) -> Any:
+        import warnings
+
+        import matplotlib.pyplot as plt
+        from optuna.exceptions import ExperimentalWarning
+        from optuna.trial import TrialState
+        from optuna.visualization.matplotlib import plot_parallel_coordinate
+
+        if not self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            raise ValueError("SweepResult.plot(kind='parallel') needs at least one completed trial, and this study has "
+                             f"none (states here: {sorted({r.state for r in self.rows}) or 'no trials'}); plot the "
+                             "curves with plot() instead")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)  # Optuna's matplotlib plots are marked experimental
+            ax = plot_parallel_coordinate(self.study, params=params, target_name=self.metric)
+        fig = ax.figure
+        fig.set_size_inches(*figsize)
+        plt.close(fig)  # returned, not left to pyplot: a notebook shows it once, as it does History.plot()'s
+        return fig
 
 
 def curves_figure(curves: dict[int, list[tuple[int, float]]], states: dict[int, str], best: int | None, metric: str,

@@ -1,7 +1,8 @@
 """A sweep in flight: trials handed to groups of workers as they free up, pruned, recorded.
 
 One kernel thread (``nbddp-sweep``) runs the whole schedule, so Optuna is
-only ever called from it. Every tick (``TICK_S``) it:
+only ever called from it. Every tick (``TICK_S``), or at once when a trial's
+task returns (a done-callback wakes it), it:
 
 1. looks at each running trial's first rank: new records (the same
    published window ``dist_fit`` streams) are reported to Optuna at their
@@ -29,8 +30,9 @@ from nbddp.fit.history import History
 from nbddp.protocol.messages import published
 from nbddp.shipping import pickling as shipping
 from nbddp.sweeps.result import TrialRow, line
+from nbddp.sweeps.stale import Heartbeats, ask
 
-TICK_S = 0.01  # the schedule's poll: a freed group gets its next trial within about this
+TICK_S = 0.01  # the schedule's poll of the trials' records; a task's return wakes it at once
 LATE_SIGNAL_S = 0.5  # a prune signal may land after its trial ended: the group waits this long before the next
 GRACE_S = 2.0  # a trial rank failed: its group's other ranks, stuck in a collective after that long, are killed
 
@@ -50,6 +52,7 @@ class Running:
     signalled: bool = False
     failed_at: float | None = None  # when the first of its ranks failed
     stalled: str = ""  # which rank made no progress for stall_timeout, and where it was
+    walls: dict[str, float] = field(default_factory=dict)  # the kernel's moments of this trial (History.timings)
 
 
 class SweepRun:
@@ -74,7 +77,10 @@ class SweepRun:
         self.dead: list[int] = []  # engines lost (died, or killed stuck): replaced once the running trials end
         self.reship: Any = None  # () -> a new FitPlan, after a worker was replaced
         self.stall_timeout: float | None = None  # seconds a trial's rank may make no progress before it is killed
+        self.max_restarts = 1  # how many times a trial whose worker died is run again (sweep(max_restarts=...))
+        self.heartbeats = Heartbeats(study)  # a stored study's RUNNING trials show they live (sweeps/stale.py)
         self._done = threading.Event()
+        self._wake = threading.Event()  # a trial's task returned: the schedule looks at once, not at its next tick
         self.thread = threading.Thread(target=self._run, name="nbddp-sweep", daemon=True)
 
     # ---- the work protocol (Session.running, waiting.wait_interruptibly) ----------
@@ -102,6 +108,8 @@ class SweepRun:
     def _run(self) -> None:
         try:
             while self.running or self._more() or (self.dead and not self.stopping):
+                self._wake.clear()
+                self.heartbeats.beat([run.trial for run in self.running.values()])
                 for g, run in list(self.running.items()):
                     self._watch(g, run)
                 if self.dead and not self.running and not self.stopping:
@@ -109,7 +117,7 @@ class SweepRun:
                 for g in range(len(self.groups)):
                     if g not in self.running and self._more() and time.perf_counter() >= self.free_at[g]:
                         self._hand_out(g)
-                time.sleep(TICK_S)
+                self._wake.wait(TICK_S)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell
             self.error = exc
             self.stopping = True
@@ -138,7 +146,9 @@ class SweepRun:
         from nbddp.worker.tasks.sweep import trial_task
 
         s = self.session
-        trial = self.study.ask(self.space.distributions)
+        asked_wall = time.time()
+        trial = ask(self.study, self.space.distributions)
+        self.heartbeats.start(trial)
         fit_params, bind = self.space.split(trial.params)
         row = TrialRow(trial=trial.number, params=dict(trial.params), group=g)
         self.rows.append(row)
@@ -156,7 +166,10 @@ class SweepRun:
         ars = {p.rank: s.client[p.engine_id].apply_async(
             trial_task, self.token, g, s.sources.attach(self.plan.parcels[p.local], p), cfg, self.plan.launch,
             s.sources.attach(self.plan.model_parcels.get(p.local), p), bind) for p in members}
-        self.running[g] = Running(trial, row, ars, [p.engine_id for p in members], cfg)
+        for ar in ars.values():  # called on the client's IO thread: only an Event set, which cannot raise
+            ar.add_done_callback(lambda _ar: self._wake.set())
+        self.running[g] = Running(trial, row, ars, [p.engine_id for p in members], cfg,
+                                  walls={"ask_wall": asked_wall, "sent_wall": time.time()})
 
     def _watch(self, g: int, run: Running) -> None:
         run.row.seconds = time.perf_counter() - run.started
@@ -227,19 +240,32 @@ class SweepRun:
         from nbddp.sweeps.outcome import settle
 
         self.free_at[g] = time.perf_counter() + (LATE_SIGNAL_S if run.signalled else 0.0)
+        run.walls["seen_wall"] = time.time()
         settle(self, run)
+        if run.row.trial in self.histories:
+            self.histories[run.row.trial].timings.update(run.walls, settled_wall=time.time())
         self.lines.append(line(run.row, self.metric))
         self.changed += 1
 
     def lost(self, run: Running, ranks: list[int], retry: bool) -> None:
-        """Ranks of ``run`` are gone: their engines are replaced once no trial runs; ``retry``: the trial is
-        tried once more (a worker that died), not when it raised (its peers were killed stuck)."""
+        """Ranks of ``run`` are gone: their engines are replaced once no trial runs; ``retry``: its worker died (not
+        when it raised and its peers were killed stuck), so it runs again as a new trial, up to ``max_restarts``."""
         by_rank = self.session.group.by_rank()
         self.dead += [by_rank[r].engine_id for r in ranks if r in by_rank]
-        if retry and "nbddp_retry_of" not in run.trial.user_attrs and not self.stopping:
-            self.study.enqueue_trial(dict(run.trial.params), user_attrs={"nbddp_retry_of": run.row.trial})
-            self.handed -= 1  # the retry takes this trial's place among the n_trials
-            run.row.error += "\n(its worker died: the trial is run once more, as a new trial)"
+        if not retry or self.stopping:
+            return
+        attempt = run.trial.user_attrs.get("nbddp_attempt", 0)
+        if attempt >= self.max_restarts:
+            run.row.error += (f"\n(its worker died, and max_restarts={self.max_restarts} is spent: this trial's "
+                              f"parameters ran {attempt + 1} time(s) and are not run again; pass "
+                              f"nbddp.sweep(..., max_restarts={self.max_restarts + 1}) or more to retry further)")
+            return
+        origin = run.trial.user_attrs.get("nbddp_retry_of", run.row.trial)
+        self.study.enqueue_trial(dict(run.trial.params),
+                                 user_attrs={"nbddp_retry_of": origin, "nbddp_attempt": attempt + 1})
+        self.handed -= 1  # the retry takes this trial's place among the n_trials
+        run.row.error += (f"\n(its worker died: the trial is run again as a new trial, retry {attempt + 1} of "
+                          f"max_restarts={self.max_restarts})")
 
     def _heal(self) -> None:
         """Replace the lost engines (a new process-group generation), ship again, open the trial groups again."""

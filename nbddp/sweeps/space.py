@@ -134,10 +134,37 @@ def check_metric(metric: Any, val_data: Any, metrics: Any, step_fn: Any) -> None
                          f"{sorted(reported)}; pick one of them")
 
 
-def check_strategy(options: dict[str, Any]) -> None:
-    """A trial trains with DDP in its own group; model-parallel and sharded strategies span the whole world."""
+def check_strategy(options: dict[str, Any], world: int) -> None:
+    """A trial trains data-parallel over its own group: DDP (the default, or ``nbddp.DDP(...)``) or FSDP (``"fsdp"``,
+    ``nbddp.FSDP(...)``: the model sharded over the group's ranks). Both need only the group's process group.
+
+    Model-parallel settings (``mesh``, ``nbddp.Pipeline``, ``nbddp.TensorParallel``) are refused: their stages,
+    tensor-parallel plan and data shards are laid out and checked over every running worker (``dist_fit``'s
+    world), and a trial's group is a part of it; an unknown strategy is left to ``dist_fit``'s own check.
+    """
+    from nbddp.protocol.parallel_settings import is_model_parallel
+
     strategy, mesh = options.get("strategy", "ddp"), options.get("mesh")
-    if strategy != "ddp" or mesh is not None:
-        raise ValueError(f"nbddp.sweep trains each trial with DDP over its group of workers; strategy={strategy!r}, "
-                         f"mesh={mesh!r} are not supported in a sweep. Leave strategy and mesh out (small models are "
-                         "what sweeps are for), or run that fit alone with dist_fit")
+    if mesh is not None or is_model_parallel(strategy):
+        raise ValueError(f"nbddp.sweep trains each trial data-parallel over its group of workers_per_trial ranks: "
+                         f"strategy='ddp', nbddp.DDP(...), 'fsdp' or nbddp.FSDP(...). strategy={strategy!r}, "
+                         f"mesh={mesh!r} lay one model over a mesh, which nbddp lays out and checks over all {world} "
+                         "running workers, never over a trial's group: not supported in a sweep. Shard a trial's "
+                         "model with strategy='fsdp' (and workers_per_trial > 1), or run the model-parallel fit alone "
+                         "with dist_fit")
+
+
+def pop_restarts(options: dict[str, Any]) -> int:
+    """``max_restarts`` taken out of the fit options: how many times a trial whose worker died is run again (default
+    1). A trial starts over on the replaced worker; dist_fit's in-memory snapshots (``snapshot_every``,
+    ``retry_on``) resume one long fit, which a sweep's short trials do not need, so they are refused."""
+    for name in ("snapshot_every", "retry_on"):
+        if name in options:
+            raise ValueError(f"nbddp.sweep({name}=...) is not supported: a trial whose worker died is run again from "
+                             f"its start on the replaced worker (up to max_restarts times); {name} belongs to "
+                             "dist_fit's elastic fits, which resume from snapshots. Leave it out")
+    restarts = options.pop("max_restarts", 1)
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"nbddp.sweep(max_restarts={restarts!r}) must be an int >= 0: how many times a trial whose "
+                         "worker died is run again (default 1; 0: never)")
+    return restarts

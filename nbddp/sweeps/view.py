@@ -8,6 +8,13 @@ display call comes from a background thread:
   leaderboard as an HTML table (trial, parameters, metric, epoch, state,
   time; best first) and the curves overlaid as a PNG, the best in red, the
   pruned grey;
+* beside it, with ipywidgets, a Stop button (wired as the fit dashboard's:
+  its click calls the run's ``request_stop``, the stop of Kernel >
+  Interrupt). A click reaches the kernel only while the notebook is free,
+  so it acts in a ``block=False`` sweep; in a blocking cell Kernel >
+  Interrupt is the stop (the button's tooltip says so). When the sweep
+  ends the button is replaced by nothing, so a saved notebook keeps the
+  leaderboard and curves only;
 * elsewhere (a terminal, a script), or ``live="text"``: one line per
   finished trial, then nothing more (``repr(result)`` is the whole table);
 * ``live=False``: nothing.
@@ -18,7 +25,7 @@ from __future__ import annotations
 import base64
 import html
 import time
-from typing import Any
+from typing import Any, Callable
 
 from nbddp.sweeps.result import fmt, ranked
 
@@ -46,7 +53,7 @@ def leaderboard_html(rows: list[Any], metric: str, mode: str) -> str:
 class SweepView:
     """Shows one ``SweepRun`` as the module docstring says; ``tick`` and ``finish`` from the waiting cell."""
 
-    def __init__(self, live: Any):
+    def __init__(self, live: Any, stop: Callable[[], None] | None = None):
         from nbddp.live import in_notebook_kernel
 
         self.mode = "off" if live is False else ("html" if live == "html" or (live != "text" and in_notebook_kernel())
@@ -54,6 +61,39 @@ class SweepView:
         self.handle: Any = None
         self.drawn = -1
         self.last = 0.0
+        self.stop = stop
+        self.stop_button: Any = None
+        self.button_handle: Any = None
+
+    def _show_stop(self) -> None:
+        """The Stop button under the leaderboard, in an output of its own (removed by ``close``)."""
+        try:
+            import ipywidgets as w
+        except ImportError:
+            return
+        from IPython.display import display
+
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="warning",
+                                    tooltip="Stop the sweep: no new trial, the running ones stop at their next step; "
+                                            "what finished is returned. Works while the notebook is free "
+                                            "(nbddp.sweep(..., block=False)); in a blocking cell use Kernel > Interrupt.")
+        self.stop_button.on_click(self._on_stop)
+        self.button_handle = display(self.stop_button, display_id=True)
+
+    def _on_stop(self, _button: Any = None) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping..."
+        self.stop()
+
+    def close(self) -> None:
+        """The sweep ended: the Stop button goes (its output replaced by nothing)."""
+        if self.stop_button is None:
+            return
+        from IPython.display import HTML
+
+        self.button_handle.update(HTML(""))
+        self.stop_button.close()
+        self.stop_button = None
 
     def tick(self, run: Any, final: bool = False) -> None:
         if self.mode == "text":
@@ -81,5 +121,7 @@ class SweepView:
                     f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/></div>")
         if self.handle is None:
             self.handle = display(page, display_id=True)
+            if self.stop is not None:
+                self._show_stop()
         else:
             self.handle.update(page)

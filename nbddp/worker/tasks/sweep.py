@@ -18,6 +18,7 @@ reduction, so every rank of the group stops at the same step).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -59,8 +60,14 @@ def close_groups(token: str) -> None:
 
 def trial_task(token: str, index: int, parcel: Parcel, cfg: Any, launch: FitLaunch,
                model_parcel: Parcel | None, bind: dict[str, dict[str, Any]]) -> FitResult:
-    """One trial in group ``index`` of the sweep ``token``; the group's first rank carries records and weights."""
-    return run_task(_trial, token, index, parcel, cfg, launch, model_parcel, bind)
+    """One trial in group ``index`` of the sweep ``token``; the group's first rank carries records and weights.
+
+    ``timings`` gains ``task_start_wall`` and ``returned_wall`` (this task's first and last moments on the worker):
+    with the loop's own, they split the gap between trials (``benchmarks/bench_sweep.py``)."""
+    start = time.time()
+    result = run_task(_trial, token, index, parcel, cfg, launch, model_parcel, bind)
+    result.timings.update(task_start_wall=start, returned_wall=time.time())
+    return result
 
 
 def _trial(token: str, index: int, parcel: Parcel, cfg: Any, launch: FitLaunch, model_parcel: Parcel | None,

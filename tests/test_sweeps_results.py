@@ -1,0 +1,121 @@
+"""How a sweep settles a trial and draws its results, without workers: the trial's tasks and the study are stand-ins
+or built in memory."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nbddp.sweeps.outcome import settle
+from nbddp.sweeps.result import SweepResult, TrialRow
+
+optuna = pytest.importorskip("optuna")
+
+LR = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
+WIDTH = optuna.distributions.CategoricalDistribution([4, 8])
+
+
+class Task:
+    """An ipyparallel AsyncResult that ended: its value, or the error ``get`` raises."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def get(self, timeout: float = 0) -> None:
+        raise self.error
+
+
+def interrupted_trial(stopping: bool):
+    """A trial whose only rank raised KeyboardInterrupt: the stop's SIGINT came before the trial's own handler."""
+    from ipyparallel.error import RemoteError
+
+    study = optuna.create_study()
+    trial = study.ask({"lr": LR})
+    sweep = SimpleNamespace(session=SimpleNamespace(placements=[SimpleNamespace(rank=0, pid=4242, host="here")]),
+                            study=study, stopping=stopping, sampler_done=False)
+    error = RemoteError("KeyboardInterrupt", "", "Traceback (most recent call last):\n  in loop.fit\nKeyboardInterrupt")
+    run = SimpleNamespace(row=TrialRow(trial.number, dict(trial.params)), ars={0: Task(error)}, trial=trial, stalled="")
+    return sweep, run
+
+
+def test_a_stop_signal_that_lands_before_the_trial_starts_is_a_stop_not_a_failure():
+    sweep, run = interrupted_trial(stopping=True)
+    settle(sweep, run)
+    assert run.row.state == "stopped" and run.row.error == "" and run.row.rank is None
+    assert sweep.study.trials[0].state.name == "FAIL"  # told as failed, so that a resumed study runs it again
+
+
+def test_the_same_interrupt_without_a_stop_is_the_trials_failure():
+    """A KeyboardInterrupt nobody asked for (the person's code raised it) is recorded as the rank's failure."""
+    sweep, run = interrupted_trial(stopping=False)
+    settle(sweep, run)
+    assert run.row.state == "failed" and run.row.rank == 0
+    assert run.row.error.startswith("KeyboardInterrupt: \nTraceback") and sweep.study.trials[0].state.name == "FAIL"
+
+
+def finished_study(values: dict[tuple[float, int], float | None]):
+    study = optuna.create_study()
+    for (lr, width), value in values.items():
+        state = optuna.trial.TrialState.COMPLETE if value is not None else optuna.trial.TrialState.PRUNED
+        study.add_trial(optuna.trial.create_trial(params={"lr": lr, "width": width},
+                                                  distributions={"lr": LR, "width": WIDTH}, value=value, state=state))
+    rows = [TrialRow(t.number, t.params, "complete" if t.value is not None else "pruned", t.value) for t in study.trials]
+    return SweepResult(rows=rows, metric="val_loss", mode="min", study=study)
+
+
+def test_parallel_coordinates_draw_every_parameter_against_the_metric():
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    result = finished_study({(1e-3, 4): 0.5, (1e-2, 8): 0.2, (1e-1, 4): 0.9, (1e-4, 8): None})
+    fig = result.plot(kind="parallel")
+    assert isinstance(fig, Figure) and fig not in map(plt.figure, plt.get_fignums())  # not left open in pyplot
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["val_loss", "lr", "width"]
+    assert len(ax.collections[0].get_segments()) == 3  # one line per completed trial; the pruned one is left out
+    only_lr = result.plot(kind="parallel", params=["lr"])
+    assert [t.get_text() for t in only_lr.axes[0].get_xticklabels()] == ["val_loss", "lr"]
+    assert isinstance(result.plot(), Figure)  # the curves, as before
+
+
+def test_a_plot_that_cannot_be_drawn_says_why():
+    with pytest.raises(ValueError, match=r"kind='bars'\) must be 'curves' \(every trial's val_loss by step\) or"):
+        finished_study({(1e-3, 4): 0.5}).plot(kind="bars")
+    with pytest.raises(ValueError, match=r"needs at least one completed trial.*states here: \['pruned'\]"):
+        finished_study({(1e-3, 4): None}).plot(kind="parallel")
+
+
+def test_the_live_views_stop_button_stops_the_sweep_and_goes_when_it_ends(monkeypatch):
+    import ipywidgets as w
+
+    from nbddp.sweeps.view import SweepView
+
+    shown, updates = [], []
+
+    class Handle:
+        def __init__(self, obj):
+            self.obj = obj
+
+        def update(self, obj):
+            updates.append((self.obj, obj))
+
+    monkeypatch.setattr("IPython.display.display", lambda obj, display_id=False: shown.append(obj) or Handle(obj))
+    stops = []
+    run = SimpleNamespace(rows=[TrialRow(0, {"lr": 0.1}, "running", 0.5, 1, 0.2)], curves={0: [(4, 0.5)]}, changed=1,
+                          lines=[], metric="val_loss", mode="min")
+    view = SweepView("html", stop=lambda: stops.append("stop"))
+    view.tick(run)
+    button = shown[1]
+    assert len(shown) == 2 and isinstance(button, w.Button) and button.description == "Stop"
+    assert "Kernel > Interrupt" in button.tooltip
+    button.click()  # what the browser's click does: the handler on_click registered
+    assert stops == ["stop"] and button.disabled and button.description == "Stopping..."
+    view.close()
+    assert [(before, after.data) for before, after in updates] == [(button, "")]  # a saved notebook keeps no button
+    assert view.stop_button is None
+    view.close()  # a second close (the handle's thread and a failing cell both close) does nothing
+    without = SweepView("html")
+    shown.clear()
+    without.tick(run, final=True)
+    assert len(shown) == 1  # no stop to call: no button
