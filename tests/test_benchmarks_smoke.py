@@ -71,3 +71,5 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     assert all(v > 0 for v in fsdp["samples_per_s"].values()), fsdp
     data = results["benchmarks"]["data"]["summary"]  # num_workers 0 vs 2, map-style and stream
     assert all(d["ratio_nw2_over_nw0"]["median"] > 0 and not d["errors"] for d in data.values()), data
+    predict = results["benchmarks"]["predict"]  # nbddp's side only here: its torchrun side is a full run's
+    assert predict["torchrun_skipped"] and predict["return_gbps"] > 0 and predict["n"] == 2048, predict

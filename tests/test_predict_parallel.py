@@ -49,8 +49,10 @@ def kept(name: str, strategy, precision: str = "32-true") -> nn.Module:
     return model.eval()
 
 
-def test_a_kept_pipeline_predicts_in_order_equal_to_one_process(workers):
-    """2 stages on 2 ranks; 37 samples in batches of 10 (the last one padded to 10, and cut back); 4 micro-batches."""
+def test_a_kept_pipeline_predicts_in_order_equal_to_one_process(workers, tmp_path):
+    """2 stages on 2 ranks; 37 samples in batches of 10 (the last one padded to 10, and cut back); 4 micro-batches.
+
+    Only the last stage (rank 1) holds outputs: it alone sends them, or writes a part with to=."""
     model = kept("staged", nbddp.Pipeline(stages=2, microbatches=4))
     x, y = data()
     with torch.no_grad():
@@ -59,6 +61,9 @@ def test_a_kept_pipeline_predicts_in_order_equal_to_one_process(workers):
     assert out.shape == (37, 3) and torch.allclose(out, expected, atol=1e-12)
     out, ids = nbddp.predict("staged", Stream(x, y), batch_size=4, live=False)  # one copy: the whole stream
     assert torch.equal(ids, torch.arange(37)) and torch.allclose(out, expected, atol=1e-12)
+    paths = nbddp.predict("staged", (x, y), batch_size=10, live=False, to=tmp_path / "parts")
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["part-00001.pt"]
+    assert torch.allclose(torch.load(paths[0])["value"], expected, atol=1e-12)
     from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
     f1, auroc = MulticlassF1Score(3, average="macro"), MulticlassAUROC(3)
