@@ -75,6 +75,8 @@ def test_a_kept_pipeline_predicts_in_order_equal_to_one_process(workers, tmp_pat
     assert got["loss"] == pytest.approx(F.cross_entropy(expected, y).item(), rel=1e-9)
     with pytest.raises(ValueError, match=r"a kept pipeline's stages live on different ranks.*Leave step_fn out"):
         nbddp.predict("staged", (x, y), batch_size=10, live=False, step_fn=lambda m, b: m(b[0]))
+    pulled = nbddp.pull("staged", rank=1)["staged"]  # the record of the rank's part stays on the worker
+    assert torch.allclose(pulled(model[:4](x)), expected, atol=1e-12)
     nbddp.run_cell("del staged")
 
 

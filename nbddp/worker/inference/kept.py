@@ -8,8 +8,11 @@ its mesh coordinates and groups, and a pipeline's stage modules with their
 indices. A pipeline's kept module is only a holder of this rank's stages, so
 without this record nothing could run it again.
 
-The record keeps no data and no optimizer: only references to modules and
-process groups the kept module holds anyway.
+The record keeps no data and no optimizer. What refers to modules (a
+pipeline's stage modules: a rank with several stages holds their layers in
+one holder module, not the stage modules themselves) rides on the kept
+module (``PART``), so that ``del name`` in a cell lets all of it go; the
+entry in ``STATE.kept_by`` holds no module.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class KeptParallel:
     stages: int = 0  # a pipeline's stages in all
     microbatches: int = 1
 
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """A copy of the kept module (pulled to the notebook, deep-copied) is no rank's part: the copy gets None
+        (process groups cannot be pickled, and would mean nothing elsewhere)."""
+        return type(None), ()
+
     @property
     def holds_outputs(self) -> bool:
         """Whether this rank's forward gives the model's outputs: the last stage; ``tp`` rank 0 (one per copy)."""
@@ -46,16 +54,24 @@ class KeptParallel:
         return self.mp_rank == 0
 
 
+PART = "nbddp_kept_part"  # the attribute of a kept module that holds its KeptParallel
+
+
 @dataclass
 class KeptFit:
     module_id: int  # id() of the module bound to the name: a later rebinding of the name is not this fit's
     strategy: str  # "ddp", "fsdp", "pipeline", "tensor"
     precision: str  # the fit's (``"bf16-mixed"`` ...): predict's default
-    parallel: KeptParallel | None = None
+    mp: int = 1  # ranks per model copy
+
+
+def part_of(module: nn.Module) -> KeptParallel | None:
+    """The model-parallel part a fit recorded on ``module`` (None: a whole or FSDP model)."""
+    return module.__dict__.get(PART)
 
 
 def record(strategy: Any, precision: str) -> KeptFit:
-    """What this rank keeps of a finished fit's ``strategy`` for a later ``predict``."""
+    """What this rank keeps of a finished fit's ``strategy`` for a later ``predict`` (the part goes on the module)."""
     parallel = None
     if strategy.name in ("pipeline", "tensor"):
         mesh = strategy.mesh
@@ -65,7 +81,8 @@ def record(strategy: Any, precision: str) -> KeptFit:
             parallel.stage_ids = list(strategy.stage_ids)
             parallel.stage_modules = [s.submod for s in strategy.stages]
             parallel.stages, parallel.microbatches = strategy.spec.stages, strategy.spec.microbatches
-    return KeptFit(id(strategy.module), strategy.name, precision, parallel)
+        strategy.module.__dict__[PART] = parallel  # a plain attribute: not a submodule, not in the state dict
+    return KeptFit(id(strategy.module), strategy.name, precision, parallel.mp if parallel is not None else 1)
 
 
 def describe(name: str, namespace: dict[str, Any], kept_by: dict[str, KeptFit]) -> dict[str, Any]:
@@ -83,7 +100,7 @@ def describe(name: str, namespace: dict[str, Any], kept_by: dict[str, KeptFit]) 
     fitted = kept_by.get(name)
     if fitted is not None and fitted.module_id == id(module):
         kind = "module" if fitted.strategy == "ddp" else fitted.strategy
-        return {"kind": kind, "precision": fitted.precision, "mp": fitted.parallel.mp if fitted.parallel else 1}
+        return {"kind": kind, "precision": fitted.precision, "mp": fitted.mp}
     if any(hasattr(p, "device_mesh") for p in module.parameters()):
         return {"kind": "a sharded module (DTensor parameters) that no dist_fit(keep=...) bound", "precision": "",
                 "mp": 1}

@@ -32,7 +32,7 @@ from nbddp.worker.data.batches import batch_size_of, move
 from nbddp.worker.data.datasets import materialise
 from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.engine.rank_state import STATE
-from nbddp.worker.inference.kept import KeptParallel
+from nbddp.worker.inference.kept import KeptParallel, part_of
 from nbddp.worker.inference.lockstep import lockstep
 from nbddp.worker.inference.parallel_forward import PipelineForward, tensor_forward
 from nbddp.worker.inference.shards import block, block_loader
@@ -89,7 +89,7 @@ def build_model(spec: Any, device: torch.device) -> RankModel:
         module = STATE.namespace[spec.name]
         fitted = STATE.kept_by.get(spec.name)
         fitted = fitted if fitted is not None and fitted.module_id == id(module) else None
-        part = fitted.parallel if fitted is not None else None
+        part = part_of(module) if fitted is not None else None
         modules = [module, *(part.stage_modules if part is not None else ())]
         model = RankModel(module, fitted is not None and fitted.strategy != "ddp", part,
                           [(m, m.training) for m in modules])
