@@ -8,6 +8,8 @@ float64 where equality is the point.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -153,3 +155,26 @@ def test_predict_runs_at_the_kept_models_fit_precision_unless_told(workers):
     kept("whole", "ddp")
     assert nbddp.predict("whole", (x,), batch_size=10, live=False).dtype == torch.float64
     nbddp.run_cell("del half, whole")
+
+
+def test_a_stopped_predict_on_a_collective_model_returns_nothing_and_the_next_call_works(workers, tmp_path):
+    """The stop reaches the ranks at different moments; the lockstep agreement stops both at the same batch (a rank
+    that stopped alone would leave the other waiting in a tensor-parallel all-reduce)."""
+    import time
+
+    from test_predict import Slow, both_started
+
+    model = kept("split", nbddp.TensorParallel())
+    x, _ = data()
+    pids = nbddp.run(os.getpid)
+    handle = nbddp.predict("split", (x,), batch_size=1, live=False, block=False, step_fn=Slow(str(tmp_path), 0.1))
+    deadline = time.monotonic() + 60
+    while not both_started(tmp_path)() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    handle.stop()
+    with pytest.raises(KeyboardInterrupt, match="returns nothing"):
+        handle.wait()
+    assert nbddp.run(os.getpid) == pids, "both ranks stopped cleanly: none was killed and replaced"
+    with torch.no_grad():
+        assert torch.allclose(nbddp.predict("split", (x[:5],), batch_size=2, live=False), model(x[:5]), atol=1e-10)
+    nbddp.run_cell("del split")
