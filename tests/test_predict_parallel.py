@@ -178,3 +178,28 @@ def test_a_stopped_predict_on_a_collective_model_returns_nothing_and_the_next_ca
     with torch.no_grad():
         assert torch.allclose(nbddp.predict("split", (x[:5],), batch_size=2, live=False), model(x[:5]), atol=1e-10)
     nbddp.run_cell("del split")
+
+
+class RaiseOnRank1:
+    """A step that raises on rank 1 at the batch holding sample 20, while rank 0 goes into the forward's
+    all-reduce and waits there for rank 1."""
+
+    def __call__(self, model, batch):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and bool((batch[0][:, 0] == 1000.0).any()):
+            raise ValueError("a sample out of range")
+        return model(batch[0])
+
+
+@pytest.mark.faults  # a rank fails and its peer, stuck in a collective, is replaced: out of the quick tier
+def test_a_rank_that_raises_inside_a_collective_forward_is_named_and_its_waiting_peer_replaced(workers):
+    kept("split", nbddp.TensorParallel())
+    x, _ = data()
+    x[20, 0] = 1000.0  # one copy: both ranks read the whole set; batches of 10 from 0: the one holding 20 is 20..29
+    with pytest.raises(WorkerError, match=r"rank 1.*ValueError: a sample out of range.*samples 20\.\.29") as info:
+        nbddp.predict("split", (x,), batch_size=10, live=False, step_fn=RaiseOnRank1())
+    assert info.value.rank == 1
+    workers.wait_healed()
+    assert nbddp.predict(mlp(), (x[:4],), batch_size=2, live=False).shape == (4, 3)  # the next call works
+    nbddp.run_cell("split = None\ndel split")  # a replaced rank holds nothing under it any more, the other may
