@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from benchmarks import common  # noqa: E402
 
 # scaling comes last: it ends on 1 worker, and every other benchmark works on the 2 it leaves running
-BENCHES = ["startup", "throughput", "live", "latency", "weights", "fsdp", "memory", "data", "topologies", "sweep",
+BENCHES = ["startup", "throughput", "live", "latency", "weights", "fsdp", "memory", "data", "topologies", "sweep", "predict",
            "scaling"]
 
 

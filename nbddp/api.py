@@ -406,7 +406,7 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
 
 
 def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Callable | None = None,
-            output: str = "tensor", to: Any = None, precision: str = "32-true", live: bool = True,
+            output: str = "tensor", to: Any = None, precision: str | None = None, live: bool = True,
             block: bool = True) -> Any:
     """Run ``model`` over ``data`` on every worker; the outputs come back here, in the dataset's order.
 
@@ -419,8 +419,11 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
         model: an ``nn.Module`` (shipped to every rank), a zero-argument
             function returning one (built on each rank with the same seed), or
             the name an earlier ``dist_fit(..., keep="name")`` bound the
-            trained module to on every worker (DDP, or FSDP: its shards stay
-            where they are, and every rank runs as many forwards).
+            trained module to on every worker: DDP; FSDP (its shards stay
+            where they are, and every rank runs as many forwards); a
+            pipeline, tensor-parallel or 2-D mesh fit (each model copy
+            predicts its block; the last stage's, or ``tp`` rank 0's,
+            outputs come back).
         data: a map-style ``Dataset``, a tuple of tensors, a ``DataLoader``
             over a dataset (its collate function and batch size are used), or
             a zero-argument function building one of these on each worker.
@@ -431,7 +434,8 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
             DataLoader's, else 32).
         step_fn: ``step_fn(model, batch) -> what to keep`` (logits, an argmax,
             a dict of tensors). Default: ``model(x)`` for ``(x,)``/``(x, y)``
-            batches, ``model(**batch)`` for dicts.
+            batches, ``model(**batch)`` for dicts. Not for a kept pipeline
+            (no rank holds the whole model).
         output: ``"tensor"``: tensors are concatenated into one, dicts of
             tensors into a dict of concatenated tensors, anything else is a
             list of the batches' outputs; ``"list"``: always that list.
@@ -443,6 +447,7 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
             (``index.pt``, or ``x.pt`` itself) lists them in order. Returns
             the parts' paths, in the dataset's order.
         precision: ``"32-true"``, ``"bf16-mixed"`` (autocast), ``"16-mixed"`` (CUDA).
+            Default: a kept model's fit precision, else ``"32-true"``.
         live: a progress line while it runs.
         block: ``False`` returns a ``PredictHandle`` at once (``.wait()``, ``.done()``, ``.stop()``).
 
@@ -461,13 +466,16 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
 
 
 def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Callable | None = None,
-             batch_size: int | None = None, precision: str = "32-true", live: bool = True,
-             block: bool = True) -> Any:
+             batch_size: int | None = None, step_fn: Callable | None = None, target_fn: Callable | None = None,
+             precision: str | None = None, live: bool = True, block: bool = True) -> Any:
     """Exact metric values over the whole of ``data``, computed on every worker; a dict ``name -> value``.
 
     Args:
         model, data, batch_size, precision, live, block: as for ``predict``;
-            batches are ``(x, y)`` or ``(x1, ..., y)``, run as ``model(x1, ...)``.
+            batches are ``(x, y)`` or ``(x1, ..., y)``, run as ``model(x1, ...)``,
+            or dicts, run as ``model(**batch)`` with ``batch["labels"]`` the
+            targets (Hugging Face style: an output's ``.logits`` go to the
+            metrics, its ``.loss`` is reported as ``"loss"`` without ``loss_fn``).
         metrics: ``name -> metric``: a torchmetrics ``Metric`` (or any object
             with ``update(outputs, targets)`` and ``compute()``), which syncs
             its state over the ranks itself, so F1, AUROC or precision equal
@@ -475,6 +483,10 @@ def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Call
             value per sample`` (or the batch's mean), averaged over every sample.
         loss_fn: ``loss_fn(outputs, targets)``, a batch mean, averaged over
             every sample as ``"loss"``.
+        step_fn: ``step_fn(model, batch) -> outputs`` the metrics see
+            (instead of the model on the batch's inputs).
+        target_fn: ``target_fn(batch) -> targets`` (instead of ``y`` or
+            ``batch["labels"]``).
 
     Every sample counts once (each rank evaluates its own block, no padding).
     Needs ``pip install "nbddp[metrics]"`` for torchmetrics.
@@ -482,7 +494,7 @@ def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Call
     from nbddp.inference.checks import check_metrics
 
     return _inference("nbddp.evaluate", model, data, batch_size, precision, live, block,
-                      metrics=check_metrics(metrics), loss_fn=loss_fn)
+                      metrics=check_metrics(metrics), loss_fn=loss_fn, step_fn=step_fn, target_fn=target_fn)
 
 
 def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any, live: Any, block: Any,
@@ -496,14 +508,15 @@ def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any
             raise TypeError(f"{what}({name}=...) must be True or False, got {flag!r}")
     s = get_session()
     s.ensure_started()
+    kept = None
     if isinstance(model, str):
         from nbddp.inference.checks import check_model, kept_model
 
         check_model(model, what)
-        kept_model(s, model, what)
+        kept = kept_model(s, model, what)
     with s.lock:
         s.ensure_ready()
-        plan = prepare(s, what, model, data, batch_size, precision, output, to, **callables)
+        plan = prepare(s, what, model, data, batch_size, precision, output, to, kept, **callables)
         run_ = PredictRun(s, plan, live)
         run_.launch()
     if not block:

@@ -77,3 +77,5 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     assert sweep["summary"]["speedup"] > 0 and sweep["summary"]["gap_median_s"] is not None, sweep["summary"]
     assert set(sweep["summary"]["gap_parts_median_s"]) == {name for name, _, _ in PARTS}
     assert all(state == "complete" for r in sweep["sweep"] for state in r["states"])
+    predict = results["benchmarks"]["predict"]  # nbddp's side only here: its torchrun side is a full run's
+    assert predict["torchrun_skipped"] and predict["return_gbps"] > 0 and predict["n"] == 2048, predict

@@ -72,10 +72,11 @@ def _block():
     return copy.deepcopy(T.Block()).double()
 
 
-def test_predict_and_evaluate_on_4_ranks_equal_one_process_and_a_kept_pipeline_is_refused(four):
+def test_predict_and_evaluate_on_4_ranks_equal_one_process(four):
     """Issue 32 on 4 ranks: 97 samples in blocks of 24, 24, 24, 25, in order; a kept FSDP model over 4 shards; exact F1.
 
-    A pipeline's kept stages look like any module on each rank: the name is refused, naming what predict runs.
+    Then the 2-D meshes: a kept dp=2 x pp=2 pipeline and a dp=2 x tp=2 model, each copy predicting its block
+    (48 and 49 samples), the last stage's (tp rank 0's) outputs gathered in the dataset's order.
     """
     from torchmetrics.classification import MulticlassF1Score
 
@@ -92,10 +93,17 @@ def test_predict_and_evaluate_on_4_ranks_equal_one_process_and_a_kept_pipeline_i
     f1.update(expected, y)
     got = nbddp.evaluate("sharded", (x, y), batch_size=10, live=False, metrics={"f1": MulticlassF1Score(3, average="macro")})
     assert abs(got["f1"] - float(f1.compute())) < 1e-6
-    nbddp.dist_fit(copy.deepcopy(model), (x, y), batch_size=8, epochs=1,
-                   strategy=nbddp.Pipeline(stages=2, microbatches=2), mesh={"dp": 2, "pp": 2}, keep="staged",
-                   live=False)
-    with pytest.raises(ValueError, match=r"holds a pipeline model's part on each rank on the workers: predict runs a "
-                                         r"kept DDP or FSDP model"):
-        nbddp.predict("staged", (x, y), batch_size=8, live=False)
-    nbddp.run_cell("del sharded, staged")
+    for mesh, strategy in (({"dp": 2, "pp": 2}, nbddp.Pipeline(stages=2, microbatches=2)),
+                           ({"dp": 2, "tp": 2}, nbddp.TensorParallel())):
+        trained = copy.deepcopy(model)
+        nbddp.dist_fit(trained, (x, y), batch_size=8, epochs=1, strategy=strategy, mesh=mesh, keep="meshed",
+                       live=False)
+        expected = trained.eval()(x).detach()
+        out = nbddp.predict("meshed", (x, y), batch_size=10, live=False)
+        assert out.shape == (97, 3) and torch.allclose(out, expected, atol=1e-5), mesh
+        f1 = MulticlassF1Score(3, average="macro")
+        f1.update(expected, y)
+        got = nbddp.evaluate("meshed", (x, y), batch_size=10, live=False,
+                             metrics={"f1": MulticlassF1Score(3, average="macro")})
+        assert abs(got["f1"] - float(f1.compute())) < 1e-6, mesh
+    nbddp.run_cell("del sharded, meshed")

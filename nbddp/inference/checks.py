@@ -26,6 +26,7 @@ class PredictPlan:
     what: str  # "nbddp.predict" or "nbddp.evaluate", for messages
     launch: PredictLaunch
     n: int | None  # samples, when the kernel knows
+    mp: int = 1  # ranks per model copy: the copies read blocks, every rank of a copy the same
     parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # local? -> parcel
     ship_s: float = 0.0
 
@@ -53,24 +54,47 @@ def check_model(model: Any, what: str) -> None:
                     f"got {kind}")
 
 
-def kept_model(session: Any, name: str, what: str) -> KeptModel:
+KEPT_KINDS = ("module", "fsdp", "pipeline", "tensor")
+
+
+@dataclass
+class Kept:
+    """``model="name"``: what every rank holds under it, as the workers said (``worker/inference/kept.py``)."""
+
+    model: KeptModel
+    kind: str  # "module" (a whole copy per rank), "fsdp", "pipeline", "tensor"
+    precision: str  # the fit's, or "" when no fit kept it
+    mp: int = 1  # ranks per model copy (a pipeline's stages, a tensor-parallel group)
+
+
+def kept_model(session: Any, name: str, what: str) -> Kept:
     """``model="name"``: every rank must hold a module under ``name`` that predict can run, asked before anything runs."""
     from nbddp.jobs.job import run_job
     from nbddp.worker.tasks.predict import kept_kind
 
-    kinds = run_job(session, f"{what}(model={name!r}) (looking it up)",
-                    lambda p: session.client[p.engine_id].apply_async(kept_kind, name, session.generation))
-    missing = [r for r, kind in sorted(kinds.items()) if not kind]
+    held = run_job(session, f"{what}(model={name!r}) (looking it up)",
+                   lambda p: session.client[p.engine_id].apply_async(kept_kind, name, session.generation))
+    missing = [r for r, h in sorted(held.items()) if not h["kind"]]
     if missing:
         raise ValueError(f"{what}(model={name!r}): rank(s) {', '.join(map(str, missing))} hold nothing named {name!r}. "
                          f"dist_fit(..., keep={name!r}) binds the trained module under that name on every worker; "
                          "or pass the module itself (model=model)")
-    odd = {kind for kind in kinds.values() if kind not in ("module", "fsdp")}
+    odd = {h["kind"] for h in held.values() if h["kind"] not in KEPT_KINDS}
     if odd:
-        raise ValueError(f"{what}(model={name!r}) holds {', '.join(sorted(odd))} on the workers: predict runs a kept "
-                         "DDP or FSDP model; for a pipeline's stages or a tensor-parallel model, fit with "
+        raise ValueError(f"{what}(model={name!r}) holds {', '.join(sorted(odd))} on the workers: predict runs a module "
+                         "bound there by dist_fit(keep=...) (DDP, FSDP, a pipeline, tensor parallel) or by a %%ddp "
+                         "cell; pass the notebook's model otherwise")
+    first = held[min(held)]
+    return Kept(KeptModel(name), first["kind"], first["precision"], first["mp"])
+
+
+def check_kept_step(kept: Kept | None, step_fn: Any, what: str) -> None:
+    """A pipeline's stages are on different ranks: no rank holds a whole model to hand to ``step_fn``."""
+    if kept is not None and kept.kind == "pipeline" and step_fn is not None:
+        raise ValueError(f"{what}(model={kept.model.name!r}, step_fn=...): a kept pipeline's stages live on different "
+                         "ranks, so no rank holds a whole model to call step_fn(model, batch) with. Leave step_fn out "
+                         "(the last stage's outputs come back) and apply it to them here, or fit with "
                          "return_weights=True and pass the notebook's model")
-    return KeptModel(name)
 
 
 def check_batch_size(batch_size: Any, what: str) -> int:
@@ -172,9 +196,18 @@ def ship(session: Any, plan: PredictPlan, parts: dict[str, Any]) -> PredictPlan:
 
 
 def prepare(session: Any, what: str, model: Any, data: Any, batch_size: Any, precision: Any,
-            output: str = "tensor", to: str | None = None, **callables: Callable | None) -> PredictPlan:
-    """Check everything, then pack ``model``, ``data`` and ``callables`` (``step_fn``, ``metrics``, ``loss_fn``)."""
+            output: str = "tensor", to: str | None = None, kept: Kept | None = None,
+            **callables: Callable | None) -> PredictPlan:
+    """Check everything, then pack ``model``, ``data`` and ``callables`` (``step_fn``, ``metrics``, ``loss_fn``,
+    ``target_fn``).
+
+    ``precision=None``: a kept model's fit precision (a bf16 fit predicts in
+    bf16), else full precision.
+    """
     check_model(model, what)
+    check_kept_step(kept, callables.get("step_fn"), what)
+    if precision is None:
+        precision = (kept.precision if kept is not None else "") or "32-true"
     spec, n, loader_batch_size = data_of(data, what)
     batch_size = check_batch_size(batch_size if batch_size is not None else (loader_batch_size or 32), what)
     precision = check_precision(precision, what, {p.device.split(":")[0] for p in session.placements})
@@ -184,4 +217,4 @@ def prepare(session: Any, what: str, model: Any, data: Any, batch_size: Any, pre
     task = "evaluate" if what.endswith("evaluate") else "predict"
     launch = PredictLaunch(session.generation, task, batch_size, precision, output, to)
     parts = {"model": KeptModel(model) if isinstance(model, str) else model, "data": spec, **callables}
-    return ship(session, PredictPlan(what, launch, n), parts)
+    return ship(session, PredictPlan(what, launch, n, kept.mp if kept is not None else 1), parts)

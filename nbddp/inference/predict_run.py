@@ -34,7 +34,9 @@ HARD_STOP_WAIT_S = 30.0
 class PredictRun:
     def __init__(self, session: Any, plan: PredictPlan, live: bool):
         self.session, self.plan = session, plan
-        self.progress = ProgressLine(plan.what, total_batches(plan.n, session.world_size, plan.launch.batch_size), live)
+        copies = session.world_size // plan.mp  # every rank of a model copy reads the copy's batches
+        total = total_batches(plan.n, copies, plan.launch.batch_size)
+        self.progress = ProgressLine(plan.what, total * plan.mp if total is not None else None, live)
         self.tasks: RankTasks | None = None
         self.value: Any = None
         self.error: BaseException | None = None
@@ -116,15 +118,16 @@ class PredictRun:
             self.stop_requested = True
             return None
         t0 = time.perf_counter()
+        # the ranks that hold outputs (all, or one per model copy: a pipeline's last stage, tp rank 0), in order
+        holders = [results[r] for r in sorted(results) if results[r].outputs is not None or results[r].path]
         if self.plan.launch.task == "evaluate":
-            value = shipping.unpack(results[0].values)
+            value = shipping.unpack(next(r.values for r in results.values() if r.values is not None))
         elif self.plan.launch.to:
-            value = write_index(self.plan.launch.to, [results[r] for r in sorted(results)])
+            value = write_index(self.plan.launch.to, holders)
         else:
-            parts = [shipping.unpack(results[r].outputs, copy=False) for r in sorted(results)]
+            parts = [shipping.unpack(r.outputs, copy=False) for r in holders]
             if any(r.stream for r in results.values()):  # a stream: (outputs, ids) in the order samples came
-                value = in_stream_order(parts, [stream_ids(results[r]) for r in sorted(results)],
-                                        self.plan.launch.output)
+                value = in_stream_order(parts, [stream_ids(r) for r in holders], self.plan.launch.output)
             else:
                 value = assemble(parts, self.plan.launch.output)
             value = owned(value)

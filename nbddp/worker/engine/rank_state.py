@@ -33,7 +33,7 @@ class WorkerState:
     debugger: Any = None  # the worker.debugger.RankPdb holding this rank now
     failure: Any = None  # the worker.postmortem.Failure kept for %ddp debug
     mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (worker.mesh)
-    kept_by: dict[str, tuple[int, str]] = field(default_factory=dict)  # keep= name -> (id of the module, strategy name)
+    kept_by: dict[str, Any] = field(default_factory=dict)  # keep= name -> worker.inference.kept.KeptFit
 
 
 STATE = WorkerState()

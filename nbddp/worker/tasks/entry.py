@@ -28,13 +28,14 @@ def fit_task(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel:
 
 
 def _fit(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shipping.Parcel | None) -> FitResult:
+    from nbddp.worker.inference import kept
     from nbddp.worker.training import loop
 
     with user_task(launch.generation, "fit"), stop_on_sigint():
         result, ts = loop.fit(parcel, cfg, launch, model_parcel)
     if launch.keep:
         STATE.namespace[launch.keep] = ts.strategy.module
-        STATE.kept_by[launch.keep] = (id(ts.strategy.module), ts.strategy.name)  # predict(model=name) asks
+        STATE.kept_by[launch.keep] = kept.record(ts.strategy, cfg.precision)  # predict(model=name) runs it
     del ts
     return fit_task_result(result, launch)
 

@@ -38,16 +38,18 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
         model = loop.build_model(parts["model"], device)
         outputs = Outputs(launch.output)
         try:
-            data = loop.rank_data(parts["data"], launch, device, model.sharded)
-            done = loop.run_batches(model, data, launch, parts["step_fn"], device, outputs.add)
+            data = loop.rank_data(parts["data"], launch, device, model)
+            done = loop.run_batches(model, data, launch, parts["step_fn"], device,
+                                    lambda out, batch, rows: outputs.add(out, rows))
         finally:
             loop.close_loaders()
             loop.release(model)
+        holds = model.holds_outputs  # a pipeline's first stages, tp ranks > 0: nothing to send
         del model, parts
-    result = PredictResult(STATE.placement.rank, "completed" if done else "interrupted", data.first, data.samples,
-                           data.stride, data.n is None)
+    result = PredictResult(STATE.placement.rank, "completed" if done else "interrupted", data.first,
+                           data.samples if holds else 0, data.stride, data.n is None)
     result.timings["predict_s"] = time.perf_counter() - t0
-    if done:
+    if done and holds:
         t1 = time.perf_counter()
         if launch.to:
             result.path = _write_part(launch.to, {**outputs.packed(), "first": result.first,
@@ -91,7 +93,7 @@ def _write_part(to: str, part: dict[str, Any]) -> str:
 
 
 def evaluate_task(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
-    """This rank's block through the model and the metrics; rank 0 returns the exact values over every rank."""
+    """This rank's block through the model and the metrics; one rank returns the exact values over every rank."""
     return run_task(_evaluate, parcel, launch)
 
 
@@ -107,9 +109,10 @@ def _evaluate(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
         try:
             parts = shipping.unpack(parcel)
             model = loop.build_model(parts["model"], device)
-            scores = evaluation.Scores(parts["metrics"], parts["loss_fn"], device)
-            data = loop.rank_data(parts["data"], launch, device, model.sharded)
-            done = loop.run_batches(model, data, launch, _scoring(scores), device, _ignore)
+            scores = evaluation.Scores(parts["metrics"], parts["loss_fn"], device, parts["target_fn"],
+                                       evaluation.outputs_group(model.part))
+            data = loop.rank_data(parts["data"], launch, device, model)
+            done = loop.run_batches(model, data, launch, parts["step_fn"], device, scores.add_batch)
         except Exception as exc:  # noqa: BLE001 - told to the peers first, then raised
             error = exc
         finally:
@@ -123,34 +126,20 @@ def _evaluate(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
             from nbddp.worker.data.batch_agreement import PeerFailed
 
             raise PeerFailed("another rank failed during nbddp.evaluate")
-        values = None if stopped else scores.reduced(device)
+        values = None if stopped else scores.reduced(device, model.holds_outputs)
     result = PredictResult(rank, "interrupted" if stopped else "completed", data.first, data.samples, data.stride)
-    if values is not None and rank == 0:
+    # one rank sends the values: rank 0, or under model parallelism the first copy's rank that holds the outputs
+    sends = rank == 0 if model.part is None else model.part.holds_outputs and model.part.dp_rank == 0
+    if values is not None and sends:
         result.values = shipping.pack(values, what="the metric values", local=False)
     return result
 
 
-def _scoring(scores: Any) -> Any:
-    """A ``step_fn`` that feeds the metrics and keeps nothing: outputs never leave the rank."""
-    from nbddp.worker.data.batches import batch_size_of
-    from nbddp.worker.inference.evaluation import split_batch
-
-    def step(model: Any, batch: Any) -> None:
-        inputs, targets = split_batch(batch)
-        outputs = model(*inputs)
-        scores.add(outputs, targets, batch_size_of(targets))
-
-    return step
-
-
-def _ignore(out: Any, rows: int) -> None:
-    """``evaluate`` keeps no outputs."""
-
-
-def kept_kind(name: str, generation: int) -> str:
-    """What this rank holds under ``name`` (``keep=``): ``"module"``, ``"fsdp"``, or why it cannot predict; ``""``: nothing."""
+def kept_kind(name: str, generation: int) -> dict[str, Any]:
+    """What this rank holds under ``name`` (``keep=``): its kind, the fit's precision, ranks per model copy
+    (``worker/inference/kept.py``)."""
     from nbddp.worker.engine.rank_state import check_generation
-    from nbddp.worker.inference.predict_loop import kept_kind as kind_of
+    from nbddp.worker.inference.kept import describe
 
     check_generation(generation)
-    return kind_of(name)
+    return describe(name, STATE.namespace, STATE.kept_by)
