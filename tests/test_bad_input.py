@@ -102,7 +102,7 @@ CASES = [
     # streams are data now (issue 24); one that yields nothing is an error on every rank at once, not a hang
     ("IterableDataset that yields nothing", lambda: dict(data=Stream()), WorkerError,
      r"EmptyShard: the training data yielded no sample on any rank in epoch 0", "worker"),
-    ("DataLoader over an empty IterableDataset", lambda: dict(data=DataLoader(Stream())), WorkerError,
+    ("DataLoader over an empty IterableDataset", lambda: dict(data=DataLoader(Stream(), batch_size=16)), WorkerError,
      r"the training data yielded no sample on any rank", "worker"),
     ("epochs=0", lambda: dict(epochs=0), ValueError, r"epochs=\.\.\.\) must be >= 1, got 0", "kernel"),
     ("epochs is a string", lambda: dict(epochs="3"), TypeError, r"epochs=\.\.\.\) must be an int, got str '3'", "kernel"),
