@@ -60,11 +60,11 @@ cells = [
     ),
     nbf.v4.new_code_cell(
         "import os\n"
-        "from matplotlib.figure import Figure\n"
+        "import matplotlib.pyplot as plt\n"
         "\n"
         "def draw(confusion, title):\n"
-        "    fig = Figure(figsize=(4, 4))\n"
-        "    ax = fig.subplots()\n"
+        "    fig, ax = plt.subplots(figsize=(4, 4))\n"
+        "    plt.close(fig)  # shown once, as the cell's value (an image), not again at the end of the cell\n"
         "    ax.imshow(confusion, cmap='Blues')\n"
         "    ax.set(xlabel='predicted', ylabel='true', title=title, xticks=range(10), yticks=range(10))\n"
         "    return fig\n"

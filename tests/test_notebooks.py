@@ -148,6 +148,10 @@ def test_notebook_runs_and_shows_its_results(name, tmp_path):
         # History.plot()'s Figure as a cell's value is an image in a plain kernel, not "<Figure size ...>"
         shown = [o for o in cell.outputs if o.output_type == "execute_result"]
         assert shown and base64.b64decode(shown[0].data["image/png"])[:4] == b"\x89PNG", cell.outputs
+    for cell in [c for c in nb.cells if c.cell_type == "code"]:  # no figure of any cell shows as its repr text
+        for out in [o for o in cell.outputs if o.output_type in ("execute_result", "display_data")]:
+            if out.data.get("text/plain", "").startswith("<Figure size"):
+                assert "image/png" in out.data, (name, cell.source[-200:], out.data.keys())
     deadline = time.monotonic() + 15
     while (left := _workers_started_in(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.2)
