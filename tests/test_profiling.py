@@ -283,6 +283,7 @@ def test_traces_merge_into_one_lane_per_rank_on_one_clock(tmp_path):
     assert sorted(e["ts"] for e in same_host if e["pid"] == 0 and "ts" in e) == \
         sorted(e["ts"] for e in same_host if e["pid"] == 1 and "ts" in e)
     fig = timeline_figure(path)
+    assert fig._repr_png_()[:4] == b"\x89PNG"  # an image as a cell's value in a plain kernel, no pyplot needed
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
     assert "forward and other operators" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     summary = profile_summary(path, {0: t0}, expected=2)

@@ -76,7 +76,8 @@ def test_parallel_coordinates_draw_every_parameter_against_the_metric():
     assert len(ax.collections[0].get_segments()) == 3  # one line per completed trial; the pruned one is left out
     only_lr = result.plot(kind="parallel", params=["lr"])
     assert [t.get_text() for t in only_lr.axes[0].get_xticklabels()] == ["val_loss", "lr"]
-    assert isinstance(result.plot(), Figure)  # the curves, as before
+    curves = result.plot()  # the curves, as before: an image as a cell's value in a plain kernel, no pyplot needed
+    assert isinstance(curves, Figure) and curves._repr_png_()[:4] == b"\x89PNG"
 
 
 def test_a_plot_that_cannot_be_drawn_says_why():

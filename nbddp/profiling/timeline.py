@@ -23,15 +23,16 @@ def kind_of(name: str) -> str:
 
 
 def timeline_figure(path: str, figsize: tuple[float, float] = (9.0, 2.6)) -> Any:
-    """A matplotlib ``Figure`` of the trace at ``path`` (``History.profile["path"]``), time in ms."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """A matplotlib ``Figure`` of the trace at ``path`` (``History.profile["path"]``), time in ms.
+
+    An image as a cell's value in any kernel, as ``History.plot()``'s is (``live.plot.shown_figure``).
+    """
+    from nbddp.live.plot import shown_figure
 
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     ranks = sorted({e["pid"] for e in events if isinstance(e.get("pid"), int)})
-    fig = Figure(figsize=figsize, dpi=100)
-    FigureCanvasAgg(fig)
+    fig = shown_figure(figsize)
     ax = fig.add_subplot(1, 1, 1)
     colours = {kind: colour for kind, colour, _ in KINDS}
     drawn: set[str] = set()

@@ -158,12 +158,13 @@ class SweepResult:
 
 def curves_figure(curves: dict[int, list[tuple[int, float]]], states: dict[int, str], best: int | None, metric: str,
                   figsize: tuple[float, float] = (6.0, 3.6)) -> Any:
-    """Every trial's curve overlaid: the best in red and thick, pruned trials grey (``Figure`` + Agg, thread-safe)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Every trial's curve overlaid: the best in red and thick, pruned trials grey (``Figure`` + Agg, thread-safe).
 
-    fig = Figure(figsize=figsize, dpi=100)
-    FigureCanvasAgg(fig)
+    An image as a cell's value in any kernel, as ``History.plot()``'s is (``live.plot.shown_figure``).
+    """
+    from nbddp.live.plot import shown_figure
+
+    fig = shown_figure(figsize)
     ax = fig.add_subplot(1, 1, 1)
     for trial, points in curves.items():
         if not points:
