@@ -166,7 +166,7 @@ def main(quick: bool = False) -> dict:
     out["eager"] = one_fit(size, False, world)
     out["first"] = one_fit(size, True, world)
     out["second"] = one_fit(size, True, world)
-    # gpu_check.sh's --quick run on CUDA keeps to eager against compiled: its time is capped at 150 s
+    # gpu_check.sh's --quick run on CUDA keeps to eager against compiled: its time is capped at 90 s (COMPILE_TIMEOUT)
     extras = world > 1 and not (quick and common.cuda_count())
     if extras:
         from nbddp.protocol.compile_settings import session_cache_dir
