@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerError
+from nbddp.protocol.messages import published
 from nbddp.monitor.stalls import StallGuard
 
 GRACE_S = 1.5
@@ -133,6 +134,7 @@ class RankTasks:
         ranked = []
         died: dict[int, tuple[str, str]] = {}
         for rank, (at, exc) in self.failures.items():
+            at = _raised_at(self.ars[rank], at)
             p = placements[rank]
             failure, dead = classify(rank, exc, p)
             if dead:
@@ -173,6 +175,17 @@ class RankTasks:
         if not stacks:
             return ""
         return "the ranks' last stacks:\n" + "\n".join(f"[rank {r}]\n{stacks[r].rstrip()}" for r in sorted(stacks))
+
+
+def _raised_at(ar: Any, finished: float) -> float:
+    """When the rank raised, as it published before its reply (read now: the reply may overtake it), else ``finished``.
+
+    The task's end as the engine reports it comes after ipyparallel formatted
+    the traceback, which on a loaded machine reordered ranks that raised half
+    a second apart.
+    """
+    raised = published(ar, "raised")
+    return float(raised) if isinstance(raised, (int, float)) and not isinstance(raised, bool) else finished
 
 
 def _finished_at(ar: Any) -> float:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks",
-                "profile": "nbddp-profile"}
+                "profile": "nbddp-profile", "raised": "nbddp-raised"}
 
 
 def published(ar: Any, kind: str) -> Any:

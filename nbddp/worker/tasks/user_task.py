@@ -15,13 +15,15 @@ rank's next fit; a debugger line still open when the task ends is closed.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 from nbddp.worker.debugging import rank_pdb as debugger
 from nbddp.worker.tasks import module_reload as freshness
 from nbddp.worker.debugging import postmortem
 from nbddp.worker.engine import torchrun
-from nbddp.worker.engine.heartbeat import monitoring
+from nbddp.protocol.messages import PUBLISH_KEYS
+from nbddp.worker.engine.heartbeat import engine_publisher, monitoring
 from nbddp.worker.engine.rank_state import check_generation, exit_on_sigterm
 
 
@@ -36,8 +38,25 @@ def user_task(generation: int | None, phase: str = "call", trains: bool | None =
         with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm():
             yield
     except BaseException as exc:
+        publish_raised_at(time.time())
         postmortem.keep(exc)
         raise
     finally:
         debugger.end_of_task()
         freshness.note_imported()
+
+
+def publish_raised_at(when: float) -> None:
+    """Tell the kernel when this rank raised (wall clock), before ipyparallel formats the traceback.
+
+    When several ranks fail, the headline is the one that failed first; the
+    task's end as the engine reports it comes after the traceback is
+    formatted and the reply sent, which on a loaded machine can reorder ranks
+    that raised half a second apart.
+    """
+    publish = engine_publisher()
+    if publish is not None:
+        try:
+            publish({PUBLISH_KEYS["raised"]: when})
+        except Exception:  # noqa: BLE001 - only an ordering hint: the task's own end time is the fallback
+            pass
