@@ -99,20 +99,21 @@ class FitHooks:
     def __bool__(self) -> bool:
         return bool(self.loggers) or bool(self.callbacks)
 
-    def attach(self, plan: Any, session: Any = None) -> None:
+    def attach(self, plan: Any, session: Any = None, link: Any = None) -> None:
         """Tell the workers what each EarlyStopping monitors, which check's weights to end with (plain settings),
-        and after which records they wait for the synchronous callbacks."""
+        and after which records they wait for the synchronous callbacks (``link``: how rank 0 is reached,
+        ``fit/rank0_store.Rank0Link``)."""
         kinds = sync_kinds(self.callbacks.callbacks)
         if kinds and session is not None:
-            rank0 = session.placements[0]
-            if getattr(rank0, "local", True):
-                self.answers = Answers(f"{session.file_prefix}-w0", kinds)
+            if link is None or link.reachable:
+                self.answers = Answers(f"{session.file_prefix}-w0", kinds, link)
                 plan.launch = dataclasses.replace(plan.launch, answers=kinds)
             else:
-                notify(f"nbddp: rank 0 runs on {rank0.host}, and the callbacks' answers reach it through a file on "
-                       "this machine: on_epoch_end/on_validation_end run asynchronously in this fit (the ranks "
-                       "train on; a stop lands a little later, handle.set_lr and handle.save_checkpoint are "
-                       "refused). Start the workers with rank 0 on the kernel's host to make them synchronous")
+                notify(f"nbddp: rank 0 runs on {session.placements[0].host}, and the callbacks' answers could not "
+                       f"reach it: {link.reason}. on_epoch_end/on_validation_end run asynchronously in this fit (the "
+                       "ranks train on; a stop lands a little later, handle.set_lr and handle.save_checkpoint are "
+                       "refused). Check that this machine can reach rank 0's host on the group's port (a "
+                       "firewall?), or start the workers with rank 0 on the kernel's host")
         if self.best is not None:
             plan.launch = dataclasses.replace(plan.launch, best=self.best)
         if self.stoppers:
