@@ -99,21 +99,25 @@ def test_profile_requests_counter_newest_taken_once(master):
     assert store_channel.newest_request(store, "otherfit", seen=0) == {"id": 1, "steps": 9}
 
 
-def _session(port: int, local: bool = False, generation: int = 0):
-    group = SimpleNamespace(master_addr="127.0.0.1", master_port=port, generation=generation)
+def _session(port: int, local: bool = False, generation: int = 0, tcp: bool = True):
+    init = f"tcp://127.0.0.1:{port}" if tcp else f"file:///dev/shm/nbddp-test-{os.getpid()}-pg-{generation}"
+    group = SimpleNamespace(master_addr="127.0.0.1", master_port=port, generation=generation, init_method=init)
     return SimpleNamespace(placements=[SimpleNamespace(rank=0, host="far-away", local=local)], group=group,
                            generation=generation, file_prefix=f"nbddp-test-{os.getpid()}-link")
 
 
-def test_the_link_is_the_file_when_rank_0_is_here_and_the_store_when_it_is_not(master):
+def test_the_link_is_the_file_on_one_host_and_the_store_across_hosts(master):
     from nbddp.fit.rank0_store import Rank0Link
 
     _, port = master
-    here = Rank0Link.open(_session(port, local=True))
-    assert not here.remote and here.reachable and here.channel == ""
-    there = Rank0Link.open(_session(port))
-    assert there.remote and there.reachable and len(there.channel) == 16
-    assert there.answer_key(7) == f"nbddp/{there.channel}/g0/answer/7"
+    one_host = Rank0Link.open(_session(port, local=True, tcp=False))  # a FileStore: never opened by the kernel
+    assert not one_host.remote and one_host.reachable and one_host.channel == ""
+    for local in (True, False):  # across hosts the store is used, with rank 0 on this host or not (it is faster)
+        there = Rank0Link.open(_session(port, local=local))
+        assert there.remote and there.reachable and len(there.channel) == 16
+        assert there.answer_key(7) == f"nbddp/{there.channel}/g0/answer/7"
+    unreachable_but_here = Rank0Link.open(_session(_closed_port(), local=True), timeout_s=1.0)
+    assert not unreachable_but_here.remote and unreachable_but_here.reachable  # the file still reaches rank 0
     gone = Rank0Link.open(_session(_closed_port()), timeout_s=1.0)
     assert not gone.remote and not gone.reachable and "did not answer within 1 s" in gone.reason
 
@@ -170,7 +174,7 @@ def test_unreachable_store_hooks_go_asynchronous_and_profile_is_refused_saying_w
 def test_profile_requests_go_through_the_store_and_go_when_the_fit_ends(master):
     from nbddp.fit.rank0_store import Rank0Link
     from nbddp.profiling.requests import ProfileRequests
-    from nbddp.worker.training.asked_profile import AskedProfiles
+    from nbddp.worker.training.asked_profile import LOOK_EVERY_S, AskedProfiles
 
     store, port = master
     session = _session(port)
@@ -184,8 +188,10 @@ def test_profile_requests_go_through_the_store_and_go_when_the_fit_ends(master):
         assert rank0.pending() == (0.0, 0.0)
         first = requests.ask(4)
         assert requests.path == ""  # no file
+        assert rank0.pending() == (0.0, 0.0)  # looked less than LOOK_EVERY_S ago: no round trip at every step
+        rank0.looked -= LOOK_EVERY_S
         assert rank0.pending() == (float(first), 4.0)
-        rank0.seen = first
+        rank0.seen, rank0.looked = first, rank0.looked - LOOK_EVERY_S
         assert rank0.pending() == (0.0, 0.0)
         requests.ask(2)  # never taken: the fit ends first
         requests.close()

@@ -9,8 +9,8 @@ hooks of that record run, a stop (a hook returning ``"stop"``,
 whatever the hooks did, so the ranks never wait for an answer that never
 comes.
 
-The answer goes in rank 0's answer file when rank 0 is on this host, or
-under a key of rank 0's torch store when it is not (``link``:
+The answer goes in rank 0's answer file on one host, or under a key of
+the group's torch store when the ranks met at a TCPStore (``link``:
 ``fit/rank0_store.Rank0Link``).
 """
 

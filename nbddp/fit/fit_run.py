@@ -58,7 +58,7 @@ class FitRun:
         self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
         self.hooks.bind(self)
         self.handle = FitHandle(self)  # what the callbacks act through (info.handle, Callback.handle)
-        self.link = Rank0Link.open(session)  # rank 0's file here, or its torch store when it runs on another host
+        self.link = Rank0Link.open(session)  # rank 0's file on one host, the group's TCPStore across hosts
         if self.link.remote:
             plan.launch = dataclasses.replace(plan.launch, channel=self.link.channel)
         self.hooks.attach(plan, session, self.link)  # restore_best: what the workers monitor; the synchronous callbacks

@@ -9,10 +9,10 @@ and traces the same steps (``worker/training/report.py``). Each rank
 publishes its trace when its steps are done; the kernel's watcher collects
 them (``collect``), merges them into one file, and the waiting call returns.
 
-When rank 0 runs on another host (SSH, MPI, Slurm), the request goes under
+When the ranks met at a TCPStore (across hosts: SSH, MPI, Slurm), it goes under
 a key of rank 0's torch store instead (``protocol/store_channel.py``: the
 request's key, then a counter rank 0 reads with one non-blocking round
-trip a record). Only if that store could not be reached when the fit
+trip, at most every 50 ms). Only if that store could not be reached when the fit
 started is ``handle.profile`` refused, saying why; ``dist_fit(profile=...)``
 traces from the start instead.
 """

@@ -1,14 +1,14 @@
-"""The kernel's answers and profile requests through torch.distributed's own store, for a rank 0 on another host.
+"""The kernel's answers and profile requests through torch.distributed's own store, across hosts.
 
 On one host the kernel hands rank 0 a synchronous callback's answer
 (``epoch_answer.py``) or ``handle.profile``'s request (``profile_spec.py``)
 in a small owner-only file in ``/dev/shm``. A rank 0 on another host (SSH,
 MPI, Slurm: there the kernel is on the login node) cannot see that file,
-but every rank already meets at the ``TCPStore`` rank 0 listens on
-(``tcp://master:port``, ``session/process_group.py``). The kernel connects
-to it as one more client (``KernelStore``) and sets a key; rank 0 waits on
-the same key in its default group's store (``rank_store``): a blocking
-wait, no polling.
+but across hosts every rank already meets at the ``TCPStore`` rank 0
+listens on (``tcp://master:port``, ``session/process_group.py``). The kernel
+connects to it as one more client (``KernelStore``) and sets a key; rank 0
+waits on the same key in its default group's store (``rank_store``): a
+blocking wait, no polling (``fit/rank0_store.py`` says when each is used).
 
 Keys name the fit (a token the kernel draws per fit, in
 ``FitLaunch.channel``), the group's generation and the point (the record's

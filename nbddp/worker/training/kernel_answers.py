@@ -7,7 +7,7 @@ file (``protocol/epoch_answer.py``); the answer is then broadcast, so every
 rank stops, sets the learning rate, or writes the asked checkpoint at the
 same step. Without such callbacks nothing here runs: no wait, no collective.
 
-When rank 0 runs on another host than the kernel, the answer comes under a
+When the group met at a TCPStore (across hosts), the answer comes under a
 key of the group's own torch store instead (``FitLaunch.channel`` names the
 fit; ``protocol/store_channel.py``): rank 0 blocks on that key, takes the
 answer and deletes the key.
@@ -31,7 +31,7 @@ class KernelAnswers:
     def __init__(self, rank: int, kinds: tuple[str, ...], prefix: str, group: Any = None,
                  timeout_s: float = TIMEOUT_S, channel: str = "", generation: int = 0):
         self.rank, self.kinds, self.group, self.timeout_s = rank, kinds, group, timeout_s
-        self.channel, self.generation = channel, generation  # channel: rank 0 on another host, the store's keys
+        self.channel, self.generation = channel, generation  # channel: the fit's token in the store's keys
         self.path = answer_path(prefix) if prefix and kinds and not channel else ""
         self.kinds = kinds if self.path or channel else ()
         self.checkpoint: str | None = None  # asked, written at the next point where a checkpoint can resume
