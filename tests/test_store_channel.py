@@ -120,6 +120,9 @@ def test_the_link_is_the_file_on_one_host_and_the_store_across_hosts(master):
     assert not unreachable_but_here.remote and unreachable_but_here.reachable  # the file still reaches rank 0
     gone = Rank0Link.open(_session(_closed_port()), timeout_s=1.0)
     assert not gone.remote and not gone.reachable and "did not answer within 1 s" in gone.reason
+    there.close()  # the fit ended: the client goes, and nothing reconnects
+    with pytest.raises(OSError, match=r"this fit has ended: its link to rank 0's store is closed"):
+        there.store()
 
 
 def test_answers_go_through_the_store_and_rank_0_takes_them(master):

@@ -249,6 +249,7 @@ class FitRun:
             if self.tasks is not None:  # a trace published in the fit's last moments, then no more requests
                 self.requests.collect(self.tasks.ars)
             self.requests.close()
+            self.link.close()  # the kernel's client of rank 0's store, if any: the fit needs it no more
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()

@@ -30,11 +30,12 @@ class Rank0Link:
     def __init__(self, session: Any, channel: str = "", reason: str = "", timeout_s: float = CONNECT_TIMEOUT_S):
         self.session, self.channel, self.reason, self.timeout_s = session, channel, reason, timeout_s
         self._store: KernelStore | None = None
+        self.closed = False
 
     @classmethod
     def open(cls, session: Any, timeout_s: float = CONNECT_TIMEOUT_S) -> "Rank0Link":
         """A client of the group's TCPStore; the file on one host (``reason`` set when neither reaches rank 0)."""
-        group = session.group
+        group = getattr(session, "group", None)
         if group is None or not str(getattr(group, "init_method", "")).startswith("tcp://"):
             return cls(session)
         link = cls(session, channel=secrets.token_hex(8), timeout_s=timeout_s)
@@ -60,8 +61,10 @@ class Rank0Link:
         """The client of the current group's store (a new one after the group re-formed: an elastic relaunch).
 
         Raises:
-            OSError: the store did not answer within the connect timeout.
+            OSError: the store did not answer within the connect timeout, or the fit ended (``close``).
         """
+        if self.closed:
+            raise OSError("this fit has ended: its link to rank 0's store is closed")
         group = self.session.group
         store = self._store
         if store is None or (store.host, store.port, store.generation) != (group.master_addr, group.master_port,
@@ -69,6 +72,11 @@ class Rank0Link:
             store = self._store = KernelStore(group.master_addr, group.master_port, group.generation,
                                                    self.timeout_s)
         return store
+
+    def close(self) -> None:
+        """The fit ended: let go of the client (its connection closes); a later ``store()`` raises."""
+        self._store = None
+        self.closed = True
 
     def answer_key(self, seq: int) -> str:
         return store_channel.answer_key(self.channel, self.session.generation, seq)
