@@ -202,3 +202,25 @@ def test_profile_requests_go_through_the_store_and_go_when_the_fit_ends(master):
         assert not store.check([store_channel.request_key(link.channel, first + 1)])
     finally:
         store_channel.rank_store = rank0_store
+
+
+def test_a_record_handed_before_a_relaunch_is_not_answered_into_the_new_launch(master):
+    """The new ranks count their records from 0 again: a late answer to the old launch's record 1 must not be
+    taken as the answer to the new launch's record 1."""
+    from nbddp.callbacks.epoch_answers import Answers
+    from nbddp.fit.rank0_store import Rank0Link
+
+    store, port = master
+    session = _session(port, generation=1)
+    link = Rank0Link.open(session)
+    answers = Answers("unused-prefix", ("epoch",), link)
+    handed = answers.launch  # record 1 handed to the hooks in this launch
+    answers.due.add(1)
+    session.generation = session.group.generation = 2  # the group re-formed; the fit is relaunched on it
+    answers.close()
+    answers.stop("a hook of the old launch")
+    answers.answer(1, handed)  # its hooks finish only now
+    assert not store.check([link.answer_key(1)])  # nothing written for the new launch's record 1
+    answers.answer(1, answers.launch)  # the new launch's own record 1
+    assert store_channel.wait_value(store, link.answer_key(1), timeout_s=5)["seq"] == 1
+    answers.close()

@@ -58,6 +58,7 @@ class Answers:
         self.checkpoint: str | None = None
         self.due: set[int] = set()  # records the ranks wait on, handed to the hooks and not answered yet
         self.answered = 0
+        self.launch = 0  # counts close(): a record handed to the hooks before an elastic relaunch is not answered
         remove_answer(self.path)  # a previous fit's answer is never read as this one's
 
     def waits_after(self, kind: str) -> bool:
@@ -90,9 +91,16 @@ class Answers:
             self.checkpoint = folder
         return folder
 
-    def answer(self, seq: int) -> None:
-        """Write the answer to record ``seq`` (what was asked since the last answer), and forget it."""
+    def answer(self, seq: int, launch: int | None = None) -> None:
+        """Write the answer to record ``seq`` (what was asked since the last answer), and forget it.
+
+        ``launch``: the launch the record was handed to the hooks in; if the ranks were relaunched (or the fit
+        ended) since, nobody waits for it, and the new ranks, who count their records from 0 again, must not
+        take it for theirs: it is not written.
+        """
         with self.lock:
+            if launch is not None and launch != self.launch:
+                return
             answer = EpochAnswer(seq=seq, stop=self.stop_reason, lr=self.lr, checkpoint=self.checkpoint)
             self.lr = self.checkpoint = None
             if self.link is None:
@@ -115,6 +123,7 @@ class Answers:
 
     def close(self) -> None:
         with self.lock:
+            self.launch += 1
             self.due.clear()
             if self.link is not None and self.last_key:
                 try:

@@ -151,7 +151,7 @@ class FitHooks:
         self.last_step = max(self.last_step, step)
         if waits:
             self.answers.due.add(seq)
-        self.queue.put(("record", (seq, kind, record)))
+        self.queue.put(("record", (seq, kind, record, self.answers.launch if waits else None)))
 
     @property
     def answering(self) -> bool:
@@ -223,8 +223,8 @@ class FitHooks:
                 write_runs(path, self.info.run_name, states)
         self.callbacks.call("on_fit_start", self.info, self._stop)
 
-    def _deliver(self, item: tuple[int, str, dict[str, Any]]) -> None:
-        seq, kind, record = item
+    def _deliver(self, item: tuple[int, str, dict[str, Any], int | None]) -> None:
+        seq, kind, record, launch = item
         waits = self.answers is not None and self.answers.waits_after(kind)
         try:
             if self.loggers:
@@ -239,8 +239,8 @@ class FitHooks:
                 if kind == "epoch":
                     self.callbacks.call("on_epoch_end", copy, stop)
         finally:
-            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this
-                self.answers.answer(seq)
+            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this (unless relaunched since)
+                self.answers.answer(seq, launch)
 
     def _best(self, history: Any, restored: dict[str, Any] | None) -> None:
         if self.stoppers:
