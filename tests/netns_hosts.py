@@ -78,14 +78,22 @@ _REGISTERED = re.compile(r"Completed registration with id (\d+)")
 # Runs first in every fake-host process (after ``ip netns exec``): moves the
 # process into a new UTS namespace, sets the fake host name there, then execs
 # the real command. The unshare is checked before ``sethostname``: setting the
-# name without it would rename the real machine.
+# name without it would rename the real machine. With ``_PRIVATE_SHM`` set
+# (``fake_hosts(private_shm=True)``) the process also gets a mount namespace of
+# its own, made a slave of the real one (nothing propagates back), with a
+# fresh tmpfs on /dev/shm: a host that does not share the kernel's /dev/shm.
+_PRIVATE_SHM = "NETNS_HOSTS_PRIVATE_SHM"
 _TRAMPOLINE = """\
 import ctypes, os, socket, sys
-CLONE_NEWUTS = 0x04000000
+CLONE_NEWUTS, CLONE_NEWNS, MS_REC, MS_SLAVE = 0x04000000, 0x00020000, 0x4000, 0x80000
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.unshare(CLONE_NEWUTS) != 0:
     sys.exit("netns_hosts: unshare(CLONE_NEWUTS) failed: "
              + os.strerror(ctypes.get_errno()))
+if os.environ.pop("NETNS_HOSTS_PRIVATE_SHM", "") == "1":
+    if (libc.unshare(CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0
+            or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, b"mode=1777") != 0):
+        sys.exit("netns_hosts: a private /dev/shm failed: " + os.strerror(ctypes.get_errno()))
 if os.readlink("/proc/self/ns/uts") == sys.argv[2]:
     sys.exit("netns_hosts: still in the root UTS namespace, not renaming")
 socket.sethostname(sys.argv[1])
@@ -281,6 +289,7 @@ def fake_hosts(
     engine_hosts: Sequence[int] | None = None,
     engine_env: Mapping[str, str] | None = None,
     start_timeout: float = 60.0,
+    private_shm: bool = False,
 ) -> Iterator[FakeCluster]:
     """Start a controller and engines on ``n_hosts`` fake hosts.
 
@@ -297,6 +306,9 @@ def fake_hosts(
         start_timeout: seconds to wait for the controller's connection files,
             then again for every engine to be registered with the controller
             (a Client connecting then sees them all in ``ids`` at once).
+        private_shm: give every engine a /dev/shm of its own (a fresh tmpfs in
+            a mount namespace of its own), as on a real other machine: nbddp
+            then sees the engines as not sharing the kernel's file system.
 
     Yields:
         The running :class:`FakeCluster`. On exit, even after an error, every
@@ -325,6 +337,8 @@ def fake_hosts(
         procs: list[subprocess.Popen[bytes]] = []
         stack.callback(_stop_processes, cluster, procs)
         controller = _start_controller(cluster, procs, start_timeout)
+        if private_shm:
+            engine_env = {**(engine_env or {}), _PRIVATE_SHM: "1"}
         _start_engines(
             cluster, procs, controller, hosts_with_engines, engines_per_host, engine_env,
             start_timeout,

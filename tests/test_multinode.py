@@ -161,6 +161,96 @@ def test_dist_fit_across_fake_hosts_equals_one_machine(workers, tmp_path: Path) 
     print(f"\nnetns: attach+group {out['start_s']:.2f} s, dist_fit {out['fit_s']:.2f} s")
 
 
+# The notebook on host 0 again, with rank 0 on host 1: a synchronous callback and handle.profile reach rank 0
+# through the group's TCPStore (protocol/store_channel.py). argv[1]: the folder for the profile's trace.
+_SYNC_NOTEBOOK = _BUILD + r"""
+import glob, json, os, sys, warnings
+import nbddp
+from nbddp.callbacks.base import Callback
+from nbddp.session.session import get_session
+from nbddp.shipping.shm_files import shm_dir
+
+info = json.loads(os.environ["NBDDP_FAKE_HOSTS"])
+out = {"status": nbddp.start(n=2, backend="gloo", profile=info["profile_dir"], cluster_id=info["cluster_id"])}
+
+
+class LowerThenStop(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_epoch_end(self, record):
+        self.seen.append(record["epoch"])
+        if record["epoch"] == 0:
+            self.handle.set_lr(0.01)
+        return "stop" if record["epoch"] == 1 else None
+
+
+cb = LowerThenStop()
+model, data = build()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    h = nbddp.dist_fit(model, data, **{**FIT, "log_every": 1}, callbacks=[cb])
+out["notices"] = [str(w.message) for w in caught]
+out["fit"] = dict(status=h.status, stop_reason=h.stop_reason, epochs=[e["epoch"] for e in h.epochs], seen=cb.seen,
+                  lrs={str(e): sorted({s["lr"] for s in h.steps if s["epoch"] == e}) for e in range(3)},
+                  samples=[r["samples"] for r in h.ranks], answer_points=h.timings.get("answer_points"),
+                  answer_wait_s=h.timings.get("answer_wait_s"))
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(16000, 8, generator=g)
+handle = nbddp.dist_fit(torch.nn.Linear(8, 1), (x, x.sum(1, keepdim=True)), epochs=1, batch_size=4, lr=0.01,
+                        optimizer=torch.optim.SGD, live=False, block=False, log_every=1)
+try:
+    profile = handle.profile(steps=3, dir=sys.argv[1])
+    out["running_after_profile"] = not handle.done()
+finally:
+    out["profiled_fit"] = handle.stop().status
+out["profile"] = dict(ranks=profile["ranks"], path=profile["path"],
+                      steps=[profile["breakdown"][r]["steps"] for r in profile["ranks"]])
+session = get_session()
+out["rank0_local"] = session.placements[0].local  # False: the answers went through the store, not a file
+prefix = session.file_prefix
+out["shm_files"] = sorted(glob.glob(os.path.join(shm_dir(), glob.escape(prefix) + "*answer*"))
+                          + glob.glob(os.path.join(shm_dir(), glob.escape(prefix) + "*request*")))
+nbddp.stop()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@needs_netns
+@pytest.mark.netns
+@pytest.mark.slow
+def test_synchronous_callbacks_and_profile_reach_rank_0_on_another_host(tmp_path: Path) -> None:
+    """No rank on the kernel's host (Slurm's login node): the answers and the profile request cross hosts.
+
+    It cannot be faster: it builds the namespaced network and starts a controller, two engines and a
+    client process in it, then runs two fits over the veth pairs.
+    """
+    traces = tmp_path / "traces"
+    with fake_hosts(n_hosts=3, engines_per_host=1, profile_dir=tmp_path / "profile", engine_hosts=[1, 2],
+                    private_shm=True) as cluster:  # no engine sees the kernel's /dev/shm: no file can reach rank 0
+        done = cluster.run_in_host(0, _SYNC_NOTEBOOK, args=[os.fspath(traces)], timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    [line] = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    out = json.loads(line.removeprefix("RESULT "))
+    assert out["status"]["master"].startswith("tcp://") and cluster.hosts[0].hostname not in out["status"]["hosts"]
+    assert out["rank0_local"] is False
+
+    fit = out["fit"]
+    assert not [n for n in out["notices"] if "asynchronously" in n or "rank 0 runs on" in n], out["notices"]
+    assert fit["status"] == "completed" and fit["stop_reason"] == "LowerThenStop.on_epoch_end returned 'stop'"
+    assert fit["epochs"] == [0, 1] and fit["seen"] == [0, 1]  # stopped right there: epoch 2 of 3 never trained
+    assert fit["samples"] == [2 * 96, 2 * 96]  # both ranks trained exactly two epochs of 96 samples each
+    assert fit["lrs"] == {"0": [0.05], "1": [0.01], "2": []}  # set_lr taken by every rank from epoch 1 on
+    assert fit["answer_points"] == 2 and fit["answer_wait_s"] > 0  # the ranks waited: the hooks were synchronous
+
+    assert out["running_after_profile"] is True and out["profiled_fit"] == "interrupted"
+    assert out["profile"]["ranks"] == [0, 1] and out["profile"]["steps"] == [3, 3]
+    assert Path(out["profile"]["path"]).parent == traces and Path(out["profile"]["path"]).is_file()
+    assert out["shm_files"] == []  # nothing went through /dev/shm
+    print(f"\nnetns: rank 0's wait per synchronous point {fit['answer_wait_s'] / fit['answer_points'] * 1e3:.1f} ms")
+
+
 # ---- attaching: how profile= is resolved (no processes needed) -----------------------------
 # Workers.attach is what nbddp.start(profile=..., cluster_id=...) calls; called directly here so
 # that the suite's running workers (which make start() refuse a second cluster) do not matter.

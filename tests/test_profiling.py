@@ -396,11 +396,11 @@ def test_the_scaling_report_says_where_the_lost_efficiency_went():
 # handle.profile: the request, the traces as they arrive
 
 
-def _requests(local: bool = True):
+def _requests():
     from nbddp.profiling.requests import ProfileRequests
 
     session = SimpleNamespace(file_prefix=f"nbddp-test-{os.getpid()}-req",
-                              placements=[SimpleNamespace(rank=0, host="far-away", local=local)])
+                              placements=[SimpleNamespace(rank=0, host="far-away", local=True)])
     return ProfileRequests(session)
 
 
@@ -431,12 +431,6 @@ def test_a_request_is_an_owner_only_file_that_goes_when_the_traces_are_in():
 def test_a_request_needs_a_whole_number_of_steps(steps, match):
     with pytest.raises(ValueError, match=match):
         _requests().ask(steps)
-
-
-def test_a_request_needs_rank_0_on_this_machine():
-    with pytest.raises(RuntimeError, match=r"rank 0 runs on far-away; profile that fit from its start with "
-                                           r"dist_fit\(\.\.\., profile=True\)"):
-        _requests(local=False).ask(3)
 
 
 def test_a_running_fit_traces_10_steps_on_request_and_goes_on(workers, tmp_path):

@@ -8,6 +8,10 @@ hooks of that record run, a stop (a hook returning ``"stop"``,
 ``save_checkpoint`` are collected here; then ``answer`` writes them, always,
 whatever the hooks did, so the ranks never wait for an answer that never
 comes.
+
+The answer goes in rank 0's answer file on one host, or under a key of
+the group's torch store when the ranks met at a TCPStore (``link``:
+``fit/rank0_store.Rank0Link``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+from dataclasses import asdict
 from typing import Any
 
 from nbddp.callbacks.base import Callback
 from nbddp.protocol.epoch_answer import EpochAnswer, answer_path, remove_answer, write_answer
+from nbddp.protocol.notices import notify
 
 #: the hook behind each record kind the ranks can wait after
 HOOK_OF_KIND = {"epoch": "on_epoch_end", "val": "on_validation_end"}
@@ -41,8 +47,10 @@ def sync_kinds(callbacks: list[Any]) -> tuple[str, ...]:
 class Answers:
     """What the synchronous hooks of one fit ask, and the answers written for rank 0."""
 
-    def __init__(self, worker_prefix: str, kinds: tuple[str, ...]):
-        self.path = answer_path(worker_prefix)
+    def __init__(self, worker_prefix: str, kinds: tuple[str, ...], link: Any = None):
+        self.link = link if link is not None and link.remote else None  # rank 0's store, else the file
+        self.path = "" if self.link is not None else answer_path(worker_prefix)
+        self.last_key = ""  # the store key of the last answer (removed at close if rank 0 never took it)
         self.kinds = kinds
         self.lock = threading.Lock()
         self.stop_reason: str | None = None
@@ -50,6 +58,7 @@ class Answers:
         self.checkpoint: str | None = None
         self.due: set[int] = set()  # records the ranks wait on, handed to the hooks and not answered yet
         self.answered = 0
+        self.launch = 0  # counts close(): a record handed to the hooks before an elastic relaunch is not answered
         remove_answer(self.path)  # a previous fit's answer is never read as this one's
 
     def waits_after(self, kind: str) -> bool:
@@ -82,16 +91,44 @@ class Answers:
             self.checkpoint = folder
         return folder
 
-    def answer(self, seq: int) -> None:
-        """Write the answer to record ``seq`` (what was asked since the last answer), and forget it."""
+    def answer(self, seq: int, launch: int | None = None) -> None:
+        """Write the answer to record ``seq`` (what was asked since the last answer), and forget it.
+
+        ``launch``: the launch the record was handed to the hooks in; if the ranks were relaunched (or the fit
+        ended) since, nobody waits for it, and the new ranks, who count their records from 0 again, must not
+        take it for theirs: it is not written.
+        """
         with self.lock:
+            if launch is not None and launch != self.launch:
+                return
             answer = EpochAnswer(seq=seq, stop=self.stop_reason, lr=self.lr, checkpoint=self.checkpoint)
             self.lr = self.checkpoint = None
-            write_answer(self.path, answer)
+            if self.link is None:
+                write_answer(self.path, answer)
+            else:
+                self._send(answer)
             self.due.discard(seq)
             self.answered += 1
 
+    def _send(self, answer: EpochAnswer) -> None:
+        """Set the answer's key in rank 0's store (rank 0 waits on it, takes it and deletes it)."""
+        key = self.link.answer_key(answer.seq)
+        try:
+            self.link.store().set(key, asdict(answer))
+        except Exception as e:  # noqa: BLE001 - the store went with its group: no rank waits any more
+            notify(f"nbddp: the answer to the callbacks' point {answer.seq} could not reach rank 0's store "
+                   f"({type(e).__name__}: {e}); rank 0 trains on without it after its timeout")
+            return
+        self.last_key = key
+
     def close(self) -> None:
         with self.lock:
+            self.launch += 1
             self.due.clear()
+            if self.link is not None and self.last_key:
+                try:
+                    self.link.store().delete(self.last_key)
+                except OSError:  # the group's store is gone, and its keys with it
+                    pass
+                self.last_key = ""
             remove_answer(self.path)

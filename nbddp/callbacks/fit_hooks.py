@@ -99,20 +99,21 @@ class FitHooks:
     def __bool__(self) -> bool:
         return bool(self.loggers) or bool(self.callbacks)
 
-    def attach(self, plan: Any, session: Any = None) -> None:
+    def attach(self, plan: Any, session: Any = None, link: Any = None) -> None:
         """Tell the workers what each EarlyStopping monitors, which check's weights to end with (plain settings),
-        and after which records they wait for the synchronous callbacks."""
+        and after which records they wait for the synchronous callbacks (``link``: how rank 0 is reached,
+        ``fit/rank0_store.Rank0Link``)."""
         kinds = sync_kinds(self.callbacks.callbacks)
         if kinds and session is not None:
-            rank0 = session.placements[0]
-            if getattr(rank0, "local", True):
-                self.answers = Answers(f"{session.file_prefix}-w0", kinds)
+            if link is None or link.reachable:
+                self.answers = Answers(f"{session.file_prefix}-w0", kinds, link)
                 plan.launch = dataclasses.replace(plan.launch, answers=kinds)
             else:
-                notify(f"nbddp: rank 0 runs on {rank0.host}, and the callbacks' answers reach it through a file on "
-                       "this machine: on_epoch_end/on_validation_end run asynchronously in this fit (the ranks "
-                       "train on; a stop lands a little later, handle.set_lr and handle.save_checkpoint are "
-                       "refused). Start the workers with rank 0 on the kernel's host to make them synchronous")
+                notify(f"nbddp: rank 0 runs on {session.placements[0].host}, and the callbacks' answers could not "
+                       f"reach it: {link.reason}. on_epoch_end/on_validation_end run asynchronously in this fit (the "
+                       "ranks train on; a stop lands a little later, handle.set_lr and handle.save_checkpoint are "
+                       "refused). Check that this machine can reach rank 0's host on the group's port (a "
+                       "firewall?), or start the workers with rank 0 on the kernel's host")
         if self.best is not None:
             plan.launch = dataclasses.replace(plan.launch, best=self.best)
         if self.stoppers:
@@ -150,7 +151,7 @@ class FitHooks:
         self.last_step = max(self.last_step, step)
         if waits:
             self.answers.due.add(seq)
-        self.queue.put(("record", (seq, kind, record)))
+        self.queue.put(("record", (seq, kind, record, self.answers.launch if waits else None)))
 
     @property
     def answering(self) -> bool:
@@ -222,8 +223,8 @@ class FitHooks:
                 write_runs(path, self.info.run_name, states)
         self.callbacks.call("on_fit_start", self.info, self._stop)
 
-    def _deliver(self, item: tuple[int, str, dict[str, Any]]) -> None:
-        seq, kind, record = item
+    def _deliver(self, item: tuple[int, str, dict[str, Any], int | None]) -> None:
+        seq, kind, record, launch = item
         waits = self.answers is not None and self.answers.waits_after(kind)
         try:
             if self.loggers:
@@ -238,8 +239,8 @@ class FitHooks:
                 if kind == "epoch":
                     self.callbacks.call("on_epoch_end", copy, stop)
         finally:
-            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this
-                self.answers.answer(seq)
+            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this (unless relaunched since)
+                self.answers.answer(seq, launch)
 
     def _best(self, history: Any, restored: dict[str, Any] | None) -> None:
         if self.stoppers:

@@ -29,6 +29,7 @@ from nbddp.jobs.rank_tasks import ELASTIC_GRACE_S, RankTasks
 from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
+from nbddp.fit.rank0_store import Rank0Link
 from nbddp.elastic import snapshot_folder
 from nbddp.elastic.spare import keep_spare
 from nbddp.elastic.recovery import Recovery
@@ -57,7 +58,10 @@ class FitRun:
         self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
         self.hooks.bind(self)
         self.handle = FitHandle(self)  # what the callbacks act through (info.handle, Callback.handle)
-        self.hooks.attach(plan, session)  # restore_best: what the workers monitor; the synchronous callbacks
+        self.link = Rank0Link.open(session)  # rank 0's file on one host, the group's TCPStore across hosts
+        if self.link.remote:
+            plan.launch = dataclasses.replace(plan.launch, channel=self.link.channel)
+        self.hooks.attach(plan, session, self.link)  # restore_best: what the workers monitor; the synchronous callbacks
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -76,7 +80,7 @@ class FitRun:
         self.watch_cpu_s: float | None = None
         self.noticed = False  # the workers' notices (FitPlanInfo.notices) were raised in the calling cell
         self.end_notices: list[str] = []  # rank 0's notices at the end (FitResult.notices)
-        self.requests = ProfileRequests(session)  # handle.profile(steps): asked while the fit runs
+        self.requests = ProfileRequests(session, self.link)  # handle.profile(steps): asked while the fit runs
 
     # ---- the work protocol (Session.running) -----------------------------------
     @property
@@ -245,6 +249,7 @@ class FitRun:
             if self.tasks is not None:  # a trace published in the fit's last moments, then no more requests
                 self.requests.collect(self.tasks.ars)
             self.requests.close()
+            self.link.close()  # the kernel's client of rank 0's store, if any: the fit needs it no more
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()

@@ -9,8 +9,12 @@ and traces the same steps (``worker/training/report.py``). Each rank
 publishes its trace when its steps are done; the kernel's watcher collects
 them (``collect``), merges them into one file, and the waiting call returns.
 
-Rank 0 must run on the kernel's machine to see the file; for a fit whose rank
-0 runs elsewhere, ``dist_fit(profile=...)`` traces from the start instead.
+When the ranks met at a TCPStore (across hosts: SSH, MPI, Slurm), it goes under
+a key of rank 0's torch store instead (``protocol/store_channel.py``: the
+request's key, then a counter rank 0 reads with one non-blocking round
+trip, at most every 50 ms). Only if that store could not be reached when the fit
+started is ``handle.profile`` refused, saying why; ``dist_fit(profile=...)``
+traces from the start instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import threading
 from typing import Any
 
 from nbddp.profiling.trace_merge import profile_summary, write_trace
+from nbddp.protocol import store_channel
 from nbddp.protocol.messages import published
 from nbddp.protocol.profile_spec import request_path
 
@@ -28,8 +33,10 @@ from nbddp.protocol.profile_spec import request_path
 class ProfileRequests:
     """The profiles asked of one running fit: the request file, and the traces as the ranks publish them."""
 
-    def __init__(self, session: Any):
+    def __init__(self, session: Any, link: Any = None):
         self.session = session
+        self.link = link  # fit/rank0_store.Rank0Link: the file (None, or not remote) or rank 0's store
+        self.keys: list[str] = []  # the store keys this fit set (removed when it ends)
         self.path = ""  # set by the first request: rank 0's files are named "<session prefix>-w0"
         self.asked = 0
         self.results: dict[int, dict[str, Any]] = {}
@@ -41,18 +48,25 @@ class ProfileRequests:
         """Write the request (atomically, 0600); return its id. Its trace will go into ``folder``."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"handle.profile(steps=...) must be a whole number of steps >= 1, got {steps!r}")
-        rank0 = self.session.placements[0]
-        if not getattr(rank0, "local", True):
-            raise RuntimeError(f"handle.profile() asks rank 0 through a file on this machine, but rank 0 runs on "
-                               f"{rank0.host}; profile that fit from its start with dist_fit(..., profile=True) instead")
+        link = self.link
+        if link is not None and not link.reachable:
+            raise RuntimeError(f"handle.profile() could not reach rank 0 on {self.session.placements[0].host}: "
+                               f"{link.reason}. Check that this machine can reach that host on the group's port, or "
+                               "profile the fit from its start with dist_fit(..., profile=True)")
         with self.arrived:
-            self.path = request_path(f"{self.session.file_prefix}-w0")
             self.asked += 1
             self.folders[self.asked] = folder
+            request = {"id": self.asked, "steps": steps}
+            if link is not None and link.remote:
+                link.store().ask(link.channel, self.asked, request)
+                self.keys = [*(self.keys or [store_channel.asked_key(link.channel)]),
+                             store_channel.request_key(link.channel, self.asked)]
+                return self.asked
+            self.path = request_path(f"{self.session.file_prefix}-w0")
             tmp = f"{self.path}.{self.asked}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump({"id": self.asked, "steps": steps}, f)
+                json.dump(request, f)
             os.replace(tmp, self.path)
             return self.asked
 
@@ -85,6 +99,14 @@ class ProfileRequests:
         with self.arrived:
             self.closed = True
             self._remove()
+            if self.keys:  # the counter, and a request rank 0 never took (the fit ended first)
+                try:
+                    store = self.link.store()
+                    for key in self.keys:
+                        store.delete(key)
+                except OSError:  # the group's store is gone, and its keys with it
+                    pass
+                self.keys = []
             self.arrived.notify_all()
 
     def _remove(self) -> None:

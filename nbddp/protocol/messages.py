@@ -68,6 +68,7 @@ class FitLaunch:
     best: Any = None  # improvement.BestSpec: keep the best check's weights and end with them (restore_best)
     stoppers: tuple[Any, ...] = ()  # every EarlyStopping's BestSpec (with patience): the workers decide the stop
     answers: tuple[str, ...] = ()  # record kinds after which the ranks wait for the kernel's callbacks (epoch_answer)
+    channel: str = ""  # a group across hosts: the fit's token in the store keys of answers/requests (store_channel)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ After such a record rank 0 publishes it at once and waits for the answer
 file (``protocol/epoch_answer.py``); the answer is then broadcast, so every
 rank stops, sets the learning rate, or writes the asked checkpoint at the
 same step. Without such callbacks nothing here runs: no wait, no collective.
+
+When the group met at a TCPStore (across hosts), the answer comes under a
+key of the group's own torch store instead (``FitLaunch.channel`` names the
+fit; ``protocol/store_channel.py``): rank 0 blocks on that key, takes the
+answer and deletes the key.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nbddp.protocol import store_channel
 from nbddp.protocol.epoch_answer import TIMEOUT_S, EpochAnswer, answer_path, wait_answer
 from nbddp.worker.engine.heartbeat import BEAT
 
@@ -23,10 +29,11 @@ class KernelAnswers:
     """This rank's side of the synchronous callback points of one fit."""
 
     def __init__(self, rank: int, kinds: tuple[str, ...], prefix: str, group: Any = None,
-                 timeout_s: float = TIMEOUT_S):
+                 timeout_s: float = TIMEOUT_S, channel: str = "", generation: int = 0):
         self.rank, self.kinds, self.group, self.timeout_s = rank, kinds, group, timeout_s
-        self.path = answer_path(prefix) if prefix and kinds else ""
-        self.kinds = kinds if self.path else ()
+        self.channel, self.generation = channel, generation  # channel: the fit's token in the store's keys
+        self.path = answer_path(prefix) if prefix and kinds and not channel else ""
+        self.kinds = kinds if self.path or channel else ()
         self.checkpoint: str | None = None  # asked, written at the next point where a checkpoint can resume
         self.notices: list[str] = []  # for the person, at the end (FitResult.notices)
         self.waited = 0  # points answered
@@ -43,7 +50,7 @@ class KernelAnswers:
             rep = ts.reporter
             seq = len(rep.records) - 1
             rep.publish(force=True)  # the kernel sees the record now, not at the next publish interval
-            box[0] = wait_answer(self.path, seq, self.timeout_s)
+            box[0] = self.wait(seq)
             if box[0] is None:
                 self.notices.append(f"nbddp: the kernel did not answer the callbacks' {kind} point at step {ts.step} "
                                     f"within {self.timeout_s:.0f} s; the workers trained on without its answer (was "
@@ -54,6 +61,16 @@ class KernelAnswers:
         self.waited += 1
         self.wait_s += time.perf_counter() - t0
         self.apply(ts, box[0])
+
+    def wait(self, seq: int) -> EpochAnswer | None:
+        """Rank 0: the kernel's answer to record ``seq`` (its file, or its key in the group's store)."""
+        if not self.channel:
+            return wait_answer(self.path, seq, self.timeout_s)
+        key = store_channel.answer_key(self.channel, self.generation, seq)
+        value = store_channel.wait_value(store_channel.rank_store(), key, self.timeout_s)
+        if value is None or value.get("seq") != seq:
+            return None
+        return EpochAnswer(**{k: value.get(k) for k in ("seq", "stop", "lr", "checkpoint")})
 
     def apply(self, ts: Any, answer: EpochAnswer) -> None:
         """What the answer asks, on this rank: the same on every rank."""

@@ -138,8 +138,9 @@ def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_m
     if ts.restored is not None:
         ts.reporter.epoch_loss, ts.reporter.epoch_n = ts.restored.get("epoch_sums", (0.0, 0.0))
     ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
-    ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix)
-    ts.answers = KernelAnswers(ts.rank, launch.answers, STATE.file_prefix, group)  # synchronous callbacks
+    ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix, launch.channel)
+    ts.answers = KernelAnswers(ts.rank, launch.answers, STATE.file_prefix, group,  # synchronous callbacks
+                               channel=launch.channel, generation=launch.generation)
     ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group) if cfg.snapshot_dir else None
 
 
