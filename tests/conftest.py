@@ -252,6 +252,25 @@ def _suite_session():
 
 
 @pytest.fixture
+def gpu_workers(_suite_session):
+    """One worker per visible GPU with NCCL, stopped afterwards (the CPU ``workers`` fixture restarts its own)."""
+    import torch
+
+    import nbddp
+    from nbddp.session.session import get_session
+
+    s = get_session()
+    if s.started and s.backend != "nccl":
+        nbddp.stop()
+    try:
+        if not s.started:
+            nbddp.start(n=torch.cuda.device_count(), backend="nccl")
+        yield s
+    finally:
+        nbddp.stop()
+
+
+@pytest.fixture
 def workers(_suite_session):
     """The suite's shared 2 CPU workers (started or healed as needed)."""
     import nbddp

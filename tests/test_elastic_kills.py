@@ -132,33 +132,22 @@ def test_the_punisher_a_random_rank_killed_every_20_to_30_s_and_the_fit_ends_wit
 @pytest.mark.requires_gpu
 @pytest.mark.faults
 @pytest.mark.timeout(300)
-def test_a_cuda_fit_that_loses_its_rank_recovers_from_its_snapshot_with_the_unbroken_weights(_suite_session, tmp_path):
+def test_a_cuda_fit_that_loses_its_rank_recovers_from_its_snapshot_with_the_unbroken_weights(gpu_workers, tmp_path):
     """One rank per GPU (nccl): the model lives on CUDA, each snapshot is a device-to-host copy into /dev/shm.
 
     Rank 0 is SIGKILLed at step 7 (on one GPU, the whole group): the warm spare engine takes its place and the
     fit resumes from step 4 on the GPU. scripts/gpu_check.sh runs it.
     """
-    from nbddp.session.session import get_session
+    def fit(step_fn, **elastic):
+        torch.manual_seed(0)
+        model = Net().to("cuda:0")
+        h = nbddp.dist_fit(model, regression_data(), batch_size=16, max_steps=12, epochs=2, live=False, seed=3,
+                           step_fn=step_fn, **elastic)
+        return h, _weights(model)
 
-    s = get_session()
-    if s.started and s.backend != "nccl":
-        nbddp.stop()
-    try:
-        if not s.started:
-            nbddp.start(n=torch.cuda.device_count(), backend="nccl")
-
-        def fit(step_fn, **elastic):
-            torch.manual_seed(0)
-            model = Net().to("cuda:0")
-            h = nbddp.dist_fit(model, regression_data(), batch_size=16, max_steps=12, epochs=2, live=False, seed=3,
-                               step_fn=step_fn, **elastic)
-            return h, _weights(model)
-
-        _, want = fit(KillAt())
-        h, got = fit(KillAt([(0, 7, armed(str(tmp_path / "kill")))]), max_restarts=1, snapshot_every=4)
-        assert h.status == "completed" and [e["step_resumed_from"] for e in h.restarts] == [4]
-        assert {str(v.device) for v in got.values()} == {"cuda:0"}
-        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6  # a resume's tolerance
-        assert _no_snapshots_left(s)
-    finally:
-        nbddp.stop()
+    _, want = fit(KillAt())
+    h, got = fit(KillAt([(0, 7, armed(str(tmp_path / "kill")))]), max_restarts=1, snapshot_every=4)
+    assert h.status == "completed" and [e["step_resumed_from"] for e in h.restarts] == [4]
+    assert {str(v.device) for v in got.values()} == {"cuda:0"}
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6  # a resume's tolerance
+    assert _no_snapshots_left(gpu_workers)

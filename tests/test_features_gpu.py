@@ -11,20 +11,6 @@ import nbddp
 pytestmark = pytest.mark.requires_gpu
 
 
-@pytest.fixture
-def gpu_workers(_suite_session):
-    """One worker per visible GPU with NCCL (the CPU `workers` fixture restarts its own afterwards)."""
-    from nbddp.session.session import get_session
-
-    s = get_session()
-    if s.started and s.backend != "nccl":
-        nbddp.stop()
-    if not s.started:
-        nbddp.start(n=torch.cuda.device_count(), backend="nccl")
-    yield s
-    nbddp.stop()
-
-
 def _data(n: int = 512):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 16, generator=g)

@@ -128,27 +128,18 @@ def test_wheel_list_is_pinned_and_unique():
 
 
 @pytest.mark.requires_gpu
-def test_model_living_on_cuda_comes_back_to_its_device(_suite_session):
+def test_model_living_on_cuda_comes_back_to_its_device(gpu_workers):
     import nbddp
-    from nbddp.session.session import get_session
 
-    s = get_session()
-    if s.started and s.backend != "nccl":
-        nbddp.stop()
-    try:
-        if not s.started:
-            nbddp.start(n=torch.cuda.device_count(), backend="nccl")
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to("cuda:0")
-        before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        g = torch.Generator().manual_seed(1)
-        data = (torch.randn(256, 3, 16, 16, generator=g), torch.randint(0, 10, (256,), generator=g))
-        history = nbddp.dist_fit(model, data, max_steps=4, batch_size=16, loss_fn=F.cross_entropy,
-                                 optimizer=torch.optim.SGD, lr=0.1, precision="bf16", live=False)
-        after = model.state_dict()
-        assert {str(v.device) for v in after.values()} == {"cuda:0"}
-        assert any(not torch.equal(before[k], after[k].cpu()) for k in before if after[k].is_floating_point())
-        assert history.timings["ship_s"] >= 0 and history.timings["return_s"] >= 0
-    finally:
-        nbddp.stop()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to("cuda:0")
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(256, 3, 16, 16, generator=g), torch.randint(0, 10, (256,), generator=g))
+    history = nbddp.dist_fit(model, data, max_steps=4, batch_size=16, loss_fn=F.cross_entropy,
+                             optimizer=torch.optim.SGD, lr=0.1, precision="bf16", live=False)
+    after = model.state_dict()
+    assert {str(v.device) for v in after.values()} == {"cuda:0"}
+    assert any(not torch.equal(before[k], after[k].cpu()) for k in before if after[k].is_floating_point())
+    assert history.timings["ship_s"] >= 0 and history.timings["return_s"] >= 0

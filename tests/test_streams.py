@@ -533,26 +533,16 @@ class Squares(torch.utils.data.Dataset):
 
 
 @pytest.mark.requires_gpu
-def test_loader_workers_come_from_a_forkserver_once_cuda_is_up_and_notebook_classes_reach_them(_suite_session,
+def test_loader_workers_come_from_a_forkserver_once_cuda_is_up_and_notebook_classes_reach_them(gpu_workers,
                                                                                                tmp_path):
     """On GPU workers CUDA is initialised before the loaders start: forking the engine then would break."""
-    from nbddp.session.session import get_session
+    h = nbddp.dist_fit(linear(), Stream(97), epochs=2, num_workers=2, step_fn=recorder(str(tmp_path)), **FIT)
+    assert h.status == "completed" and h.steps[-1]["step"] > 0
 
-    s = get_session()
-    if s.started and s.backend != "nccl":
-        nbddp.stop()
-    if not s.started:
-        nbddp.start(n=torch.cuda.device_count(), backend="nccl")
-    try:
-        h = nbddp.dist_fit(linear(), Stream(97), epochs=2, num_workers=2, step_fn=recorder(str(tmp_path)), **FIT)
-        assert h.status == "completed" and h.steps[-1]["step"] > 0
+    def method():
+        from nbddp.worker.data import loaders
+        return loaders.start_method()
 
-        def method():
-            from nbddp.worker.data import loaders
-            return loaders.start_method()
-
-        assert set(nbddp.run(method)) == {"forkserver"}
-        h = nbddp.dist_fit(linear(), Squares(), epochs=2, num_workers=2, loss_fn=F.mse_loss, **FIT)
-        assert h.epochs[-1]["loss"] < h.epochs[0]["loss"]
-    finally:
-        nbddp.stop()
+    assert set(nbddp.run(method)) == {"forkserver"}
+    h = nbddp.dist_fit(linear(), Squares(), epochs=2, num_workers=2, loss_fn=F.mse_loss, **FIT)
+    assert h.epochs[-1]["loss"] < h.epochs[0]["loss"]
