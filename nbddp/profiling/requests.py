@@ -19,7 +19,6 @@ traces from the start instead.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from typing import Any
@@ -28,6 +27,7 @@ from nbddp.profiling.trace_merge import profile_summary, write_trace
 from nbddp.protocol import store_channel
 from nbddp.protocol.messages import published
 from nbddp.protocol.profile_spec import request_path
+from nbddp.shipping.shm_files import write_note
 
 
 class ProfileRequests:
@@ -63,11 +63,7 @@ class ProfileRequests:
                              store_channel.request_key(link.channel, self.asked)]
                 return self.asked
             self.path = request_path(f"{self.session.file_prefix}-w0")
-            tmp = f"{self.path}.{self.asked}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(request, f)
-            os.replace(tmp, self.path)
+            write_note(self.path, request)
             return self.asked
 
     def collect(self, ars: dict[int, Any]) -> None:

@@ -16,13 +16,10 @@ index in rank 0's records), so an answer is never taken for another point.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
-
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.shipping.shm_files import read_note, shm_dir, write_note
 
 #: a kernel that has not answered in this long is gone or stuck: the workers go on without its answer, with a
 #: notice (the kernel's side answers every point, also when a hook raises; slow hooks get this much time)
@@ -48,20 +45,12 @@ def answer_path(worker_prefix: str) -> str:
 
 def write_answer(path: str, answer: EpochAnswer) -> None:
     """The kernel's side: replace the answer file atomically, owner-only."""
-    tmp = f"{path}.{answer.seq}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(answer), f)
-    os.replace(tmp, path)
+    write_note(path, asdict(answer))
 
 
 def read_answer(path: str, seq: int) -> EpochAnswer | None:
     """The answer to record ``seq`` if the file holds it now (None: not yet)."""
-    try:
-        with open(path) as f:
-            data: Any = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    data = read_note(path)
     if not isinstance(data, dict) or data.get("seq") != seq:
         return None
     return EpochAnswer(**{k: data.get(k) for k in ("seq", "stop", "lr", "checkpoint")})

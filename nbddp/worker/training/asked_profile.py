@@ -12,7 +12,6 @@ hosts), the request comes through the group's torch store instead
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from nbddp.protocol import store_channel
 from nbddp.protocol.messages import PUBLISH_KEYS
 from nbddp.protocol.profile_spec import ProfileSpec, request_path
+from nbddp.shipping.shm_files import read_note
 from nbddp.worker.engine.heartbeat import engine_publisher
 from nbddp.worker.training.profiler import StepProfiler
 
@@ -48,10 +48,8 @@ class AskedProfiles:
             self.looked = now
             asked = store_channel.newest_request(store_channel.rank_store(), self.channel, self.seen)
             return (float(asked["id"]), float(asked["steps"])) if asked else (0.0, 0.0)
-        try:
-            with open(self.path) as f:
-                request = json.load(f)
-        except (FileNotFoundError, ValueError):  # none, or being replaced
+        request = read_note(self.path)
+        if request is None:  # none, or being replaced
             return 0.0, 0.0
         return (float(request["id"]), float(request["steps"])) if request["id"] > self.seen else (0.0, 0.0)
 
