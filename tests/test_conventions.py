@@ -331,18 +331,19 @@ def _cgroup(tmp_path, cgroup_line: str, files: dict[str, str]) -> tuple[str, str
 def test_threads_per_worker_follow_the_affinity_mask_and_the_cgroup_quota(tmp_path, monkeypatch):
     import os
 
+    from nbddp.protocol import cpus
     from nbddp.session import start_options
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     v2 = _cgroup(tmp_path / "v2", "0::/job\n", {"job/cpu.max": "300000 100000\n"})
-    assert start_options.cgroup_cpu_quota(*v2) == 3.0
-    assert start_options.usable_cpus(*v2) == 3  # the quota is the tighter limit
+    assert cpus.cgroup_cpu_quota(*v2) == 3.0
+    assert cpus.usable_cpus(*v2) == 3  # the quota is the tighter limit
     v1 = _cgroup(tmp_path / "v1", "4:cpu,cpuacct:/slurm/step\n", {"cpu/slurm/step/cpu.cfs_quota_us": "1200000",
                                                                    "cpu/slurm/step/cpu.cfs_period_us": "100000"})
-    assert start_options.usable_cpus(*v1) == 8  # 12 CPUs of quota: the affinity mask's 8 is tighter
+    assert cpus.usable_cpus(*v1) == 8  # 12 CPUs of quota: the affinity mask's 8 is tighter
     free = _cgroup(tmp_path / "free", "0::/\n", {"cpu.max": "max 100000\n"})
-    assert start_options.cgroup_cpu_quota(*free) is None and start_options.usable_cpus(*free) == 8
+    assert cpus.cgroup_cpu_quota(*free) is None and cpus.usable_cpus(*free) == 8
     monkeypatch.setattr(start_options, "usable_cpus", lambda: 6)
     assert start_options.threads_per_worker(2) == 3 and start_options.threads_per_worker(8) == 1
     from nbddp.protocol import cpus

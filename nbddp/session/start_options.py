@@ -10,9 +10,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from nbddp.protocol.cpus import cgroup_cpu_quota, usable_cpus
+from nbddp.protocol.cpus import usable_cpus
 
-__all__ = ["StartOptions", "cgroup_cpu_quota", "threads_per_worker", "usable_cpus", "validate_start"]
+__all__ = ["StartOptions", "threads_per_worker", "validate_start"]
 
 DEFAULT_PG_TIMEOUT_S = 300.0
 BACKENDS = ("gloo", "nccl")
