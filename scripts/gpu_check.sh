@@ -129,9 +129,9 @@ if n:
         except Exception as exc:
             free[f"cuda:{i}"] = f"? ({type(exc).__name__})"
     print("memory:", free)
-dists = {"zmq": "pyzmq", "IPython": "ipython", "pytest_timeout": "pytest-timeout"}
+dists = {"zmq": "pyzmq", "IPython": "ipython", "pytest_timeout": "pytest-timeout", "hta": "holistictraceanalysis"}
 for mod in ("ipyparallel", "zmq", "ipykernel", "ipywidgets", "jupyter_client", "IPython", "tornado", "traitlets",
-            "pytest", "pytest_timeout", "cloudpickle", "psutil", "numpy", "matplotlib", "nbddp"):
+            "pytest", "pytest_timeout", "cloudpickle", "psutil", "numpy", "matplotlib", "pandas", "hta", "nbddp"):
     try:
         m = importlib.import_module(mod)
     except Exception as exc:
