@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nbddp.profiling.hta_analysis import hta_analyses, hta_lines
+from nbddp.profiling.timeline import timeline_figure
 from nbddp.profiling.trace_merge import profile_summary, rank_traces_of, write_trace
 from nbddp.protocol.profile_spec import ProfileSpec
 from nbddp.worker.training.profiler import StepProfiler
@@ -153,3 +154,23 @@ def test_an_hta_failure_is_reported_and_never_fails_the_profile(tmp_path, monkey
     profile = profile_summary(path, {0: t, 1: t}, expected=2)
     assert "HTA not used: HTA 9.9 failed on rank 0: IndexError" in profile["summary"]
     assert set(profile["breakdown"]) == {0, 1}
+
+
+def test_the_timeline_shows_each_ranks_breakdown_as_a_stacked_bar_beside_its_lane(tmp_path):
+    slow = gpu_trace(step_us=150)  # rank 1: the same kernels in longer steps, so more idle
+    path = write_trace({0: gpu_trace(), 1: slow}, str(tmp_path))
+    profile = profile_summary(path, {0: gpu_trace(), 1: slow}, expected=2)
+    fig = timeline_figure(path)
+    assert fig._repr_png_()[:4] == b"\x89PNG"
+    lanes, bars = fig.axes
+    assert [t.get_text() for t in lanes.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["compute", "communication", "memory", "idle"]
+    widths = [p.get_width() for p in bars.patches]
+    for lane, rank in enumerate((0, 1)):
+        b = profile["breakdown"][rank]
+        assert widths[lane * 4:lane * 4 + 4] == pytest.approx([b["compute_share"], b["communication_share"],
+                                                               b["memory_share"], b["idle_share"]])
+        assert sum(widths[lane * 4:lane * 4 + 4]) == pytest.approx(1)
+        assert [p.get_y() + p.get_height() / 2 for p in bars.patches[lane * 4:lane * 4 + 4]] == \
+            pytest.approx([lane * 2 + 0.9] * 4)  # beside the rank's lane
+    assert widths[7] > widths[3]  # rank 1 idles more
