@@ -129,9 +129,9 @@ if n:
         except Exception as exc:
             free[f"cuda:{i}"] = f"? ({type(exc).__name__})"
     print("memory:", free)
-dists = {"zmq": "pyzmq", "IPython": "ipython", "pytest_timeout": "pytest-timeout"}
+dists = {"zmq": "pyzmq", "IPython": "ipython", "pytest_timeout": "pytest-timeout", "hta": "holistictraceanalysis"}
 for mod in ("ipyparallel", "zmq", "ipykernel", "ipywidgets", "jupyter_client", "IPython", "tornado", "traitlets",
-            "pytest", "pytest_timeout", "cloudpickle", "psutil", "numpy", "matplotlib", "nbddp"):
+            "pytest", "pytest_timeout", "cloudpickle", "psutil", "numpy", "matplotlib", "pandas", "hta", "nbddp"):
     try:
         m = importlib.import_module(mod)
     except Exception as exc:
@@ -275,7 +275,7 @@ case "$COMPILE_RC" in
     *) say "compile benchmark: exit $COMPILE_RC (see compile.log)" ;;
 esac
 case "$PROFILE_RC" in
-    0) say "profile: exit 0; $(grep -E '^(rank [0-9]+ over|GPU kernels|time split)' "$LOGS/profile.log" | tr '\n' ' ')" ;;
+    0) say "profile: exit 0; $(grep -E '^(rank [0-9]+ over|GPU kernels|time split|HTA)' "$LOGS/profile.log" | tr '\n' ' ')" ;;
     124|137) say "profile: STOPPED after the ${PROFILE_TIMEOUT} s limit (exit $PROFILE_RC)" ;;
     *) say "profile: exit $PROFILE_RC (see profile.log)" ;;
 esac

@@ -17,6 +17,15 @@
 # scikit-learn is left out on purpose: no requires_gpu test needs it
 # (grep -rn requires_gpu tests), and it would bring scipy (~35 MB).
 #
+# pandas and Holistic Trace Analysis (holistictraceanalysis, with plotly,
+# narwhals and pydot) are carried so that History.time_split() and
+# History.profile["hta"] work there (gpu_check.sh's profile step). HTA declares
+# jupyterlab (and pytest) as requirements but imports jupyterlab nowhere: it is
+# in NOT_CARRIED, left out of the closure check, as it would bring jupyter_server
+# and its tree. pandas 3.1 wants numpy>=2.0.2, which the GPU machine's numpy is
+# taken to be (unchecked here: ALREADY_THERE is not versioned); with an older
+# numpy the profile summary says HTA could not be imported, and why.
+#
 # Idempotent: .whl/MANIFEST records the pinned set; a second run with the same
 # list and all files present downloads nothing.
 #
@@ -70,12 +79,20 @@ pluggy==1.7.0
 iniconfig==2.3.1
 # tiny and pure Python: jupyter_client 8.10 wants typing-extensions>=4.13, newer than torch asks for
 typing-extensions==4.16.0
+# History.time_split() and History.profile["hta"] (HTA's analyses of the ranks' GPU traces)
+pandas==3.1.1
+holistictraceanalysis==0.5.0
+plotly==7.1.0
+narwhals==2.29.0
+pydot==4.0.1
 EOF
 )
 # END PACKAGES
 
 # On the GPU machine already (as torch / matplotlib / transformers dependencies): required, not downloaded.
-ALREADY_THERE="torch numpy matplotlib cloudpickle psutil packaging python-dateutil six tzdata tqdm"
+ALREADY_THERE="torch numpy matplotlib cloudpickle psutil packaging python-dateutil six tzdata tqdm networkx pyparsing"
+# Declared by a carried package but never imported by what nbddp uses of it: neither downloaded nor required.
+NOT_CARRIED="jupyterlab"
 
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64)
@@ -154,7 +171,7 @@ for f in "$DEST"/*.whl; do
 done
 
 # the closure, checked from the wheels' METADATA for Linux / CPython 3.12 without extras
-"$PY" - "$DEST" "$ALREADY_THERE" <<'EOF'
+"$PY" - "$DEST" "$ALREADY_THERE" "$NOT_CARRIED" <<'EOF'
 import os, re, sys, zipfile
 try:
     from packaging.markers import Marker
@@ -165,7 +182,7 @@ except ImportError:  # pip vendors packaging
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.version import Version
 
-dest, already = sys.argv[1], set(sys.argv[2].split())
+dest, already, skipped = sys.argv[1], set(sys.argv[2].split()), set(sys.argv[3].split())
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 env = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
        "implementation_version": "3.12.3", "platform_python_implementation": "CPython", "os_name": "posix",
@@ -189,6 +206,8 @@ for who, req in reqs:
     if req.marker is not None and not req.marker.evaluate(env):
         continue
     n = norm(req.name)
+    if n in {norm(a) for a in skipped}:
+        continue
     if n in have:
         if req.specifier and not req.specifier.contains(have[n][0], prereleases=True):
             bad.append(f"{who} needs {req}, the wheel is {have[n][1]}")

@@ -4,8 +4,9 @@ On the GPU machine it shows what the CPU suite cannot: CUDA kernels in every
 rank's lane, NCCL kernels (with 2 GPUs or more) and the breakdown read from
 the kernels (``nbddp.profiling.trace_analysis``). With one GPU it starts 2
 ranks sharing it under gloo, so that there is communication to see. Where
-Holistic Trace Analysis (``hta``) imports, its temporal breakdown and its
-communication/computation overlap of the same traces are printed next to
+Holistic Trace Analysis (``hta``) imports, the profile's summary carries its
+temporal breakdown, overlap and idle time by cause of the same traces
+(``History.profile["hta"]``, ``nbddp.profiling.hta_analysis``) next to
 nbddp's. Without CUDA it runs the same on 2 CPU workers and says so.
 
     python scripts/profile_check.py [--out DIR] [--steps 3]   # DIR gets the trace and profile.json
@@ -55,33 +56,6 @@ def profiled_fit(steps: int, folder: str) -> Any:
                           profile={"wait": 1, "warmup": 1, "active": steps, "dir": folder})
 
 
-def hta_view(path: str) -> dict[str, Any]:
-    """HTA's temporal breakdown and overlap of the merged trace, split back into a file per rank."""
-    try:
-        from hta.trace_analysis import TraceAnalysis
-    except ImportError as exc:
-        return {"skipped": f"hta is not importable ({exc}): pip install holistictraceanalysis to compare"}
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    ranks = sorted({e["pid"] for e in events if isinstance(e.get("pid"), int)})
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="nbddp-hta-") as folder:
-        for r in ranks:
-            with open(os.path.join(folder, f"rank{r}.json"), "w") as f:
-                json.dump({"traceEvents": [e for e in events if e.get("pid") == r],
-                           "distributedInfo": {"rank": r, "world_size": len(ranks)}, "deviceProperties": []}, f)
-        try:
-            analysis = TraceAnalysis(trace_dir=folder)
-        except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        for name in ("get_temporal_breakdown", "get_comm_comp_overlap"):
-            try:
-                out[name] = getattr(analysis, name)(visualize=False).to_dict(orient="records")
-            except Exception as exc:  # HTA reads GPU kernels only: on CPU traces it fails
-                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
-
-
 def kernel_counts(path: str) -> dict[int, dict[str, int]]:
     """Per rank: GPU kernels, of which NCCL ones, in the merged trace."""
     with open(path) as f:
@@ -120,8 +94,7 @@ def main() -> int:
     print(history.profile["summary"])
     kernels = kernel_counts(history.profile["path"]) if history.profile["path"] else {}
     print("GPU kernels per rank:", kernels or "none (a CPU trace)")
-    hta = hta_view(history.profile["path"]) if history.profile["path"] else {"skipped": "no trace"}
-    print("HTA:", json.dumps(hta, default=str)[:2000])
+    hta = history.profile["hta"]  # HTA's figures where it imports and the ranks ran GPU kernels, else why not
     result = {"where": where, "status": history.status, "time_split": splits,
               "time_split_summary": sentence, "trace": history.profile["path"],
               "breakdown": history.profile["breakdown"], "kernels": kernels, "hta": hta, "wall_s": time.time() - t0}

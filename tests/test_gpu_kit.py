@@ -109,22 +109,70 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_wheel_list_is_pinned_and_unique():
+def _wheel_list() -> tuple[list[str], list[str], list[str]]:
+    """gpu_wheels.sh's pinned specs, its ALREADY_THERE and its NOT_CARRIED names."""
     text = open(os.path.join(SCRIPTS, "gpu_wheels.sh")).read()
     block = text.split("# BEGIN PACKAGES", 1)[1].split("# END PACKAGES", 1)[0]
     lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
     specs = [line for line in lines if line and line not in ("EOF", ")") and not line.startswith("PACKAGES=")]
+    there = re.search(r'^ALREADY_THERE="([^"]*)"', text, re.M).group(1).split()
+    skipped = re.search(r'^NOT_CARRIED="([^"]*)"', text, re.M).group(1).split()
+    return specs, there, skipped
+
+
+def test_wheel_list_is_pinned_and_unique():
+    specs, there, skipped = _wheel_list()
     assert len(specs) > 10
     bad = [s for s in specs if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[0-9][0-9A-Za-z.+!-]*", s)]
     assert not bad, f"every line must be name==version: {bad}"
     names = [_norm(s.split("==")[0]) for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     assert not dupes, f"one version of each package: {dupes} appear twice"
-    for needed in ("ipyparallel", "ipykernel", "ipywidgets", "pyzmq", "jupyter-client", "pytest", "pytest-timeout"):
+    for needed in ("ipyparallel", "ipykernel", "ipywidgets", "pyzmq", "jupyter-client", "pytest", "pytest-timeout",
+                   "pandas", "holistictraceanalysis", "plotly", "pydot"):  # History.time_split(), profile["hta"]
         assert needed in names
-    there = re.search(r'^ALREADY_THERE="([^"]*)"', text, re.M).group(1).split()
     assert not {_norm(n) for n in there} & set(names), "a package is both downloaded and expected on the GPU machine"
+    assert not {_norm(n) for n in skipped} & (set(names) | {_norm(n) for n in there})
     assert "torch" in there
+
+
+def test_each_carried_package_installed_here_has_its_requirements_carried_or_there():
+    """The closure gpu_wheels.sh checks from the wheels it downloads, checked here from this venv's metadata
+    (no network) for the listed packages installed at their pinned version: a new requirement fails here first."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    specs, there, skipped = _wheel_list()
+    pins = {_norm(s.split("==")[0]): s.split("==")[1] for s in specs}
+    covered = set(pins) | {_norm(n) for n in there} | {_norm(n) for n in skipped}
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+    checked, missing = [], []
+    for name, version in pins.items():
+        try:
+            if metadata.version(name) != version:
+                continue
+        except metadata.PackageNotFoundError:
+            continue
+        checked.append(name)
+        for line in metadata.requires(name) or []:
+            req = Requirement(line)
+            if (req.marker is None or req.marker.evaluate(env)) and _norm(req.name) not in covered:
+                missing.append(f"{req} (needed by {name})")
+    assert len(checked) > 10 and not missing, f"add to gpu_wheels.sh (or ALREADY_THERE): {missing}"
+
+
+def test_what_is_not_carried_is_never_imported_by_the_package_that_declares_it():
+    """HTA declares jupyterlab but imports it nowhere; gpu_wheels.sh leaves it out (NOT_CARRIED) on that ground."""
+    hta = pytest.importorskip("hta")
+    _, _, skipped = _wheel_list()
+    assert skipped == ["jupyterlab"]
+    root = os.path.dirname(hta.__file__)
+    importing = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".py")
+                 and re.search(r"^\s*(import|from)\s+jupyterlab\b", open(os.path.join(d, f)).read(), re.M)]
+    assert not importing
 
 
 @pytest.mark.requires_gpu

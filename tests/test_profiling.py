@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -419,8 +420,8 @@ def test_a_request_is_an_owner_only_file_that_goes_when_the_traces_are_in():
         requests.collect(ars)
         result = requests.wait(first, timeout=0.01)
         assert result["ranks"] == [0, 1] and not os.path.exists(requests.path)
-        os.remove(result["path"])
-        os.rmdir(os.path.dirname(result["path"]))
+        assert sorted(os.listdir(result["rank_traces"])) == ["rank-0.json", "rank-1.json"]  # as HTA reads them
+        shutil.rmtree(os.path.dirname(result["path"]))
     finally:
         requests.close()
     assert requests.wait(first + 1, timeout=None) is None  # the fit ended: a waiting call returns

@@ -113,7 +113,8 @@ class FitHandle:
         Every rank starts at the same step (the request rides in the next
         record's reduction); the call returns once every rank's trace is in,
         merged into one Chrome/Perfetto file: a dict like ``History.profile``
-        (``path``, ``ranks``, ``top_ops``, ``breakdown``, ``summary``). The fit
+        (``path``, ``ranks``, ``top_ops``, ``breakdown``, ``hta``, ``rank_traces``,
+        ``summary``). The fit
         does not stop. The file goes into ``dir`` (made owner-only if missing),
         or a new private temporary folder.
 

@@ -79,7 +79,8 @@ class ProfileRequests:
                 self.results[self.asked] = profile_summary(write_trace(got, self.folders.get(self.asked)), got,
                                                             len(ars))
             else:
-                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {}, "breakdown": {},
+                self.results[self.asked] = {"path": None, "ranks": [], "top_ops": {}, "breakdown": {}, "hta": None,
+                                            "rank_traces": None,
                                             "summary": "no trace: the fit ended before a traced step"}
             self._remove()
             self.arrived.notify_all()

@@ -29,6 +29,8 @@ from nbddp.protocol.profile_spec import ProfileSpec
 
 CLOCK_MARK = "nbddp::clock"
 TOP_OPS = 10
+# the export's own clock and name: they no longer hold once the kernel moves the events onto rank 0's clock
+DROPPED_META = ("traceEvents", "traceName", "baseTimeNanoseconds")
 
 
 class StepProfiler:
@@ -41,6 +43,7 @@ class StepProfiler:
         self.spec, self.agreed_us = spec, agreed_us
         self.walls: list[float] = []  # wall time (µs) of every step's clock mark
         self.events: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {}  # the export's top level (deviceProperties, distributedInfo): HTA reads it
         self.offsets: list[float] = []  # wall µs minus profiler µs, one per traced step
         self.top: list[dict[str, Any]] = []
         self.steps = 0
@@ -70,7 +73,7 @@ class StepProfiler:
         if not self.events:
             return None
         return {"events": self.events, "clock_us": statistics.median(self.offsets) if self.offsets else 0.0,
-                "agreed_us": self.agreed_us, "host": socket.gethostname(), "top": self.top, "steps": self.steps}
+                "agreed_us": self.agreed_us, "host": socket.gethostname(), "top": self.top, "steps": self.steps, "meta": self.meta}
 
     def _ready(self, prof: Any) -> None:
         """One cycle of the schedule is traced: keep its events, its clock offsets and its top operators."""
@@ -79,9 +82,11 @@ class StepProfiler:
         try:
             prof.export_chrome_trace(path)
             with open(path) as f:
-                events = json.load(f)["traceEvents"]
+                doc = json.load(f)
         finally:
             os.remove(path)
+        events = doc["traceEvents"]
+        self.meta = {k: v for k, v in doc.items() if k not in DROPPED_META}
         marks = sorted((e for e in events if e.get("name") == CLOCK_MARK and e.get("ph") == "X"),
                        key=lambda e: e["ts"])
         walls = self.walls[len(self.walls) - len(marks):] if marks else []
