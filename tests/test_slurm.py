@@ -260,22 +260,29 @@ def left_on_nodes():
 """
 
 
-def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready) -> tuple:
-    """A blocking elastic fit (live text view) whose job loses node n2 once ``ready()``; n2 comes back once the
-    new job shows PENDING in the live view. Returns (the cell's reply, the lost job's id)."""
-    job = _running_job(kernel)
+def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: str | None = None,
+                          fault=None) -> tuple:
+    """A blocking elastic fit (live text view) whose job is lost once ``ready(mark)``: by ``fault(job)``, or by
+    node n2 going down, which comes back once the new job shows PENDING in the live view.
+
+    Returns (the cell's reply, the lost job's id).
+    """
+    job = job or _running_job(kernel)
     mark = slurm.root / f"fit-{name}"
     mark.unlink(missing_ok=True)
     events: dict[str, float] = {}
 
     def drive(so_far) -> None:
-        if "down" not in events and ready(mark):
-            events["down"] = time.monotonic()
+        if "lost" not in events and ready(mark):
+            events["lost"] = time.monotonic()
+            if fault is not None:
+                fault(job)
+                return
             slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=nbddp-test")  # the job: NODE_FAIL
             # and drained, so that it does not come back on its own (ReturnToService) before the test sees the new
             # job wait for it
             slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=nbddp-test")
-        elif "down" in events and "resume" not in events and "; new Slurm job " in so_far.text \
+        elif fault is None and "lost" in events and "resume" not in events and "; new Slurm job " in so_far.text \
                 and "PENDING" in so_far.text.rsplit("lost at step", 1)[-1]:
             events["resume"] = time.monotonic()
             slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
@@ -293,8 +300,9 @@ except nbddp.SlurmError as e:
 print("LEFT", json.dumps(nbddp.run(left_on_nodes)))
 """, timeout=360, on_output=drive)
     finally:
-        slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
-    assert "down" in events and "resume" in events, (events, reply.text[-6000:])
+        if fault is None:
+            slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
+    assert "lost" in events and ("resume" in events or fault is not None), (events, reply.text[-6000:])
     slurm.wait_for(lambda: slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout.strip() in ("idle", "mix", "alloc"),
                    30, "n2 to be back")
     TIMES[f"lost job: {name}"] = reply.seconds
@@ -334,6 +342,7 @@ def test_a_lost_job_is_resubmitted_and_the_fit_goes_on_from_checkpoint_dir(slurm
     assert (event["job"], event["cause"], event["resumed_from"]) == (job, "NODE_FAIL", "checkpoint_dir"), event
     assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
     assert event["step_resumed_from"] % 2 == 0 and event["step_lost_at"] >= event["step_resumed_from"], event
+    TIMES.update({"lost job: new job ready (replace_s)": event["replace_s"], "lost job: to resumed": event["seconds"]})
     shown = reply.text.split(f"Slurm job {job} lost at step", 1)[1]
     assert f"new Slurm job {event['new_job']}: PENDING" in shown, shown[:2000]
     assert f"resumed from step {event['step_resumed_from']} (checkpoint_dir)" in shown, shown[-2000:]
@@ -367,6 +376,55 @@ def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, ke
     assert all(not files for _, files in left), left
     (new,) = [j["id"] for j in _nbddp_jobs(slurm)]
     assert new != job
+
+
+REQUEUE_TEMPLATE = """#!/bin/bash
+#SBATCH --job-name=nbddp-own-{cluster_id}
+#SBATCH --export=ALL
+#SBATCH --requeue
+#SBATCH --output={output_file}
+#SBATCH --nodes={n}
+#SBATCH --ntasks={n}
+#SBATCH --ntasks-per-node=1
+srun {program_and_args}
+"""
+
+
+@pytest.mark.slow
+def test_a_requeued_job_is_cancelled_and_the_fit_goes_on_in_a_new_one(slurm, kernel):
+    """A job of the person's own ipyparallel Slurm cluster, whose template lets Slurm requeue it: an administrator's
+    `scontrol requeue` mid-fit puts it back in the queue under the same id; the fit cancels it and goes on in a new
+    job, as for NODE_FAIL, recording REQUEUED. It cannot be faster: a job is requeued, cancelled and another
+    started, after the lost engines' ten missed heartbeats."""
+    import torch
+
+    _ok(kernel.run("nbddp.stop()"))
+    start = _ok(kernel.run(f"""
+import ipyparallel as ipp
+from traitlets.config import Config
+c = Config()
+c.SlurmEngineSetLauncher.batch_template = {REQUEUE_TEMPLATE!r}
+nbddp.start(cluster=ipp.Cluster(engines="slurm", n=2, controller_ip={slurm.login.address!r}, config=c))
+print("JOB", json.dumps(nbddp.status()["slurm"][-1]["job"]))
+"""))
+    job = json.loads(start.text.split("JOB ", 1)[1].splitlines()[0])
+    ckpt = slurm.root / "ckpt-requeued"
+    try:
+        reply, _ = _lose_the_job_mid_fit(slurm, kernel, "requeued", f"checkpoint_dir={str(ckpt)!r}, checkpoint_every=2",
+                                         lambda mark: list(ckpt.glob("step-*.pt")), job=job,
+                                         fault=lambda j: slurm.run("scontrol", "requeue", j))
+        assert "RESTARTS " in reply.text, reply.text[-3000:]
+        (event,) = json.loads(reply.text.split("RESTARTS ", 1)[1].splitlines()[0])
+        assert (event["job"], event["cause"], event["resumed_from"]) == (job, "REQUEUED", "checkpoint_dir"), event
+        assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
+        remote, local = torch.load(str(slurm.root / "fit-requeued.pt")), _unbroken_weights(8)
+        for key in local:
+            torch.testing.assert_close(remote[key], local[key], rtol=1e-5, atol=1e-6, msg=f"parameter {key}")
+        states = {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}
+        assert states[job] == "CANCELLED" and [j["id"] for j in _nbddp_jobs(slurm)] == [event["new_job"]], states
+    finally:
+        _ok(kernel.run("nbddp.stop()"))
+    assert _nbddp_jobs(slurm) == []
 
 
 def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str],

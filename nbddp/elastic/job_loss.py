@@ -213,9 +213,13 @@ def _forget_lost_engines(session: Any) -> None:
     from nbddp.worker.tasks.entry import ping
 
     workers = session.workers
-    asked = {eid: workers.client[eid].apply_async(ping) for eid in workers.ids}
-    deadline = time.monotonic() + 5.0
-    lost = []
+    asked, lost = {}, []
+    for eid in workers.ids:
+        try:
+            asked[eid] = workers.client[eid].apply_async(ping)
+        except Exception:  # noqa: BLE001 - unregistered meanwhile
+            continue
+    deadline = time.monotonic() + 5.0  # every engine was asked at once: one bound for all the answers
     for eid, ar in asked.items():
         try:
             ar.get(timeout=max(0.1, deadline - time.monotonic()))
