@@ -371,6 +371,7 @@ def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, ke
     assert {f"{h1}: none" in message, f"{h2}: none" in message} == {True, False}, message
     assert "the fit has no checkpoint_dir" in message, message
     assert "dist_fit(checkpoint_dir=...) on a file system every node mounts" in message, message
+    assert "this elastic fit runs in a Slurm job over 2 nodes without checkpoint_dir" in reply.text  # said at launch
     left = json.loads(reply.text.split("LEFT ", 1)[1].splitlines()[0])  # the new job's workers work, and clean up
     assert sorted(h for h, _ in left) == sorted(n.hostname for n in slurm.nodes.values()), left
     assert all(not files for _, files in left), left

@@ -209,3 +209,16 @@ def test_the_end_of_a_fit_removes_its_snapshot_folder_on_the_other_hosts(tmp_pat
     assert not folder.exists() and asked == [("remove_folder", str(folder))] * 2
     session.workers.job_problem = lambda: JobState("42", "NODE_FAIL")  # its engines are gone with the job
     assert snapshot_folder.remove(str(folder), session) == []
+
+
+def test_an_elastic_fit_over_several_nodes_without_checkpoint_dir_is_told_what_a_lost_job_would_cost():
+    from nbddp.protocol.notices import NbddpWarning
+
+    two = [SimpleNamespace(host="n1"), SimpleNamespace(host="n2")]
+    session = SimpleNamespace(workers=SimpleNamespace(jobs=object()), placements=two)
+    with pytest.warns(NbddpWarning, match="Slurm job over 2 nodes without checkpoint_dir.*Pass checkpoint_dir= on a "
+                                          "file system the nodes share"):
+        assert job_loss.advise(session, None)
+    assert job_loss.advise(session, "/shared/runs") is None  # it will survive
+    assert job_loss.advise(SimpleNamespace(workers=SimpleNamespace(jobs=None), placements=two), None) is None  # no Slurm
+    assert job_loss.advise(SimpleNamespace(workers=session.workers, placements=two[:1]), None) is None  # one node

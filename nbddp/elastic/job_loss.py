@@ -23,6 +23,7 @@ from typing import Any
 from nbddp.cluster.slurm.queue import GONE, WAITING_STATES, cancel
 from nbddp.cluster.slurm.watch import fmt_clock
 from nbddp.protocol.errors import ClusterError, SlurmError
+from nbddp.protocol.notices import notify
 
 # A job's end that a new job may well not meet again: retried with max_restarts
 RETRIED = {
@@ -53,6 +54,26 @@ def cause(state: str) -> str:
 def retried(state: str) -> bool:
     """Whether an elastic fit goes on in a new job after its job ended in ``state`` (``squeue``'s word)."""
     return cause(state) in RETRIED
+
+
+def advise(session: Any, checkpoint_dir: str | None) -> str | None:
+    """At an elastic fit's launch on a Slurm job over several nodes without ``checkpoint_dir``: say, once, that a
+    lost job could not be resumed (the ``/dev/shm`` snapshots are on the lost job's nodes, rank 0's alone).
+
+    Returns the notice given, or None.
+    """
+    workers = session.workers
+    if workers is None or workers.jobs is None or checkpoint_dir:
+        return None
+    hosts = sorted({p.host for p in session.placements})
+    if len(hosts) < 2:
+        return None
+    text = (f"nbddp: this elastic fit runs in a Slurm job over {len(hosts)} nodes without checkpoint_dir: its snapshots "
+            "are in each node's /dev/shm (a replicated model's in rank 0's alone), so if the job is lost (NODE_FAIL, "
+            "a preemption, the time limit) the new job has nothing every rank can resume from, and the fit ends. "
+            "Pass checkpoint_dir= on a file system the nodes share (with checkpoint_every=N to lose at most N steps).")
+    notify(text, stacklevel=5)  # notify, advise, FitRun.launch, dist_fit, the cell
+    return text
 
 
 def should_retry(recovery: Any, run: Any, exc: SlurmError) -> bool:

@@ -30,7 +30,7 @@ from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
-from nbddp.elastic import snapshot_folder
+from nbddp.elastic import job_loss, snapshot_folder
 from nbddp.elastic.spare import keep_spare
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import SlurmError, WorkerError
@@ -99,6 +99,7 @@ class FitRun:
             if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
                 self.plan.cfg.snapshot_dir = snapshot_folder.make(self.session.file_prefix)
                 keep_spare(self.session)  # a warm engine to replace a lost rank with, started in the background
+                job_loss.advise(self.session, self.plan.cfg.checkpoint_dir)  # on Slurm: what survives a lost job
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
             self.view.start(self)
