@@ -245,6 +245,189 @@ def test_a_node_going_down_mid_fit_names_node_fail(slurm, kernel):
     slurm.wait_for(lambda: "idle" in slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout, 30, "n2 to be back")
 
 
+LOSS_STEP = r"""
+def slow_step(model, batch):
+    import time
+    with open(MARK, "a") as f:
+        f.write("step\n")
+    time.sleep(0.3)
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+def left_on_nodes():
+    import glob, socket
+    return socket.gethostname(), sorted(glob.glob("/dev/shm/nbddp-*-snap-*"))
+"""
+
+
+def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: str | None = None,
+                          fault=None) -> tuple:
+    """A blocking elastic fit (live text view) whose job is lost once ``ready(mark)``: by ``fault(job)``, or by
+    node n2 going down, which comes back once the new job shows PENDING in the live view.
+
+    Returns (the cell's reply, the lost job's id).
+    """
+    job = job or _running_job(kernel)
+    mark = slurm.root / f"fit-{name}"
+    mark.unlink(missing_ok=True)
+    events: dict[str, float] = {}
+
+    def drive(so_far) -> None:
+        if "lost" not in events and ready(mark):
+            events["lost"] = time.monotonic()
+            if fault is not None:
+                fault(job)
+                return
+            slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=nbddp-test")  # the job: NODE_FAIL
+            # and drained, so that it does not come back on its own (ReturnToService) before the test sees the new
+            # job wait for it
+            slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=nbddp-test")
+        elif fault is None and "lost" in events and "resume" not in events and "; new Slurm job " in so_far.text \
+                and "PENDING" in so_far.text.rsplit("lost at step", 1)[-1]:
+            events["resume"] = time.monotonic()
+            slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
+
+    try:
+        reply = kernel.run(f"MARK = {str(mark)!r}\n" + LOSS_STEP + f"""
+model, data = build()
+try:
+    h = nbddp.dist_fit(model, data, **{{**FIT, "epochs": 8, "live": "text"}}, step_fn=slow_step, max_restarts=1,
+                       {fit_args})
+    torch.save(model.state_dict(), MARK + ".pt")
+    print("RESTARTS", json.dumps(h.restarts))
+except nbddp.SlurmError as e:
+    print("FAILED", json.dumps([e.job_id, e.state, str(e)]))
+print("LEFT", json.dumps(nbddp.run(left_on_nodes)))
+""", timeout=360, on_output=drive)
+    finally:
+        if fault is None:
+            slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
+    assert "lost" in events and ("resume" in events or fault is not None), (events, reply.text[-6000:])
+    slurm.wait_for(lambda: slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout.strip() in ("idle", "mix", "alloc"),
+                   30, "n2 to be back")
+    TIMES[f"lost job: {name}"] = reply.seconds
+    return _ok(reply), job
+
+
+def _unbroken_weights(epochs: int) -> dict:
+    """The one-process reference on the same global batch (see test_start_and_a_fit_equal_to_one_machine)."""
+    import torch
+
+    ns: dict = {}
+    exec(BUILD, ns)  # noqa: S102 - our own constant, shared with the kernel
+    model, (x, y) = ns["build"]()
+    opt = torch.optim.SGD(model.parameters(), lr=ns["FIT"]["lr"])
+    step = 2 * ns["FIT"]["batch_size"]
+    for _ in range(epochs):
+        for i in range(0, len(x), step):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[i:i + step]), y[i:i + step]).backward()
+            opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.slow
+def test_a_lost_job_is_resubmitted_and_the_fit_goes_on_from_checkpoint_dir(slurm, kernel):
+    """NODE_FAIL mid-fit with max_restarts=1 and checkpoint_dir on the shared folder: a new job, shown PENDING
+    in the live view until the node is back, then the same fit from the newest checkpoint, with the unbroken
+    run's weights. It cannot be faster: the lost job's engines are unregistered after ten missed heartbeats
+    (10 s), and a second job is submitted, waits and starts its engines (about a minute here in all)."""
+    import torch
+
+    ckpt = slurm.root / "ckpt-lost-job"
+    reply, job = _lose_the_job_mid_fit(slurm, kernel, "lost-job", f"checkpoint_dir={str(ckpt)!r}, checkpoint_every=2",
+                                       lambda mark: list(ckpt.glob("step-*.pt")))
+    assert "RESTARTS " in reply.text, reply.text[-3000:]
+    (event,) = json.loads(reply.text.split("RESTARTS ", 1)[1].splitlines()[0])
+    assert (event["job"], event["cause"], event["resumed_from"]) == (job, "NODE_FAIL", "checkpoint_dir"), event
+    assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
+    assert event["step_resumed_from"] % 2 == 0 and event["step_lost_at"] >= event["step_resumed_from"], event
+    TIMES.update({"lost job: new job ready (replace_s)": event["replace_s"], "lost job: to resumed": event["seconds"]})
+    shown = reply.text.split(f"Slurm job {job} lost at step", 1)[1]
+    assert f"new Slurm job {event['new_job']}: PENDING" in shown, shown[:2000]
+    assert f"resumed from step {event['step_resumed_from']} (checkpoint_dir)" in shown, shown[-2000:]
+    remote, local = torch.load(str(slurm.root / "fit-lost-job.pt")), _unbroken_weights(8)
+    for key in local:
+        torch.testing.assert_close(remote[key], local[key], rtol=1e-5, atol=1e-6, msg=f"parameter {key}")
+    left = json.loads(reply.text.split("LEFT ", 1)[1].splitlines()[0])
+    assert sorted(h for h, _ in left) == sorted(n.hostname for n in slurm.nodes.values()), left
+    assert all(not files for _, files in left), left
+    assert [j["id"] for j in _nbddp_jobs(slurm)] == [event["new_job"]]
+
+
+@pytest.mark.slow
+def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, kernel):
+    """Without checkpoint_dir, the snapshots lived in /dev/shm (rank 0's node only): the new job cannot resume
+    for every rank, and the error says so, naming checkpoint_dir. It cannot be faster, for the same reasons as
+    the test above: the lost job's engines must be unregistered, and a second job started."""
+    reply, job = _lose_the_job_mid_fit(slurm, kernel, "nothing-left", "snapshot_every=2",
+                                       lambda mark: mark.exists() and len(mark.read_text().split()) >= 8)
+    assert "FAILED " in reply.text, reply.text[-3000:]
+    job_id, state, message = json.loads(reply.text.split("FAILED ", 1)[1].splitlines()[0])
+    assert (job_id, state) == (job, "NODE_FAIL"), message
+    assert "none of the fit's state survived where every rank of the new job can read it" in message, message
+    h1, h2 = slurm.nodes["n1"].hostname, slurm.nodes["n2"].hostname  # rank 0's node holds them, the other none
+    assert {f"{h1}: step" in message, f"{h2}: step" in message} == {True, False}, message
+    assert {f"{h1}: none" in message, f"{h2}: none" in message} == {True, False}, message
+    assert "the fit has no checkpoint_dir" in message, message
+    assert "dist_fit(checkpoint_dir=...) on a file system every node mounts" in message, message
+    assert "this elastic fit runs in a Slurm job over 2 nodes without checkpoint_dir" in reply.text  # said at launch
+    left = json.loads(reply.text.split("LEFT ", 1)[1].splitlines()[0])  # the new job's workers work, and clean up
+    assert sorted(h for h, _ in left) == sorted(n.hostname for n in slurm.nodes.values()), left
+    assert all(not files for _, files in left), left
+    (new,) = [j["id"] for j in _nbddp_jobs(slurm)]
+    assert new != job
+
+
+REQUEUE_TEMPLATE = """#!/bin/bash
+#SBATCH --job-name=nbddp-own-{cluster_id}
+#SBATCH --export=ALL
+#SBATCH --requeue
+#SBATCH --output={output_file}
+#SBATCH --nodes={n}
+#SBATCH --ntasks={n}
+#SBATCH --ntasks-per-node=1
+srun {program_and_args}
+"""
+
+
+@pytest.mark.slow
+def test_a_requeued_job_is_cancelled_and_the_fit_goes_on_in_a_new_one(slurm, kernel):
+    """A job of the person's own ipyparallel Slurm cluster, whose template lets Slurm requeue it: an administrator's
+    `scontrol requeue` mid-fit puts it back in the queue under the same id; the fit cancels it and goes on in a new
+    job, as for NODE_FAIL, recording REQUEUED. It cannot be faster: a job is requeued, cancelled and another
+    started, after the lost engines' ten missed heartbeats."""
+    import torch
+
+    _ok(kernel.run("nbddp.stop()"))
+    start = _ok(kernel.run(f"""
+import ipyparallel as ipp
+from traitlets.config import Config
+c = Config()
+c.SlurmEngineSetLauncher.batch_template = {REQUEUE_TEMPLATE!r}
+nbddp.start(cluster=ipp.Cluster(engines="slurm", n=2, controller_ip={slurm.login.address!r}, config=c))
+print("JOB", json.dumps(nbddp.status()["slurm"][-1]["job"]))
+"""))
+    job = json.loads(start.text.split("JOB ", 1)[1].splitlines()[0])
+    ckpt = slurm.root / "ckpt-requeued"
+    try:
+        reply, _ = _lose_the_job_mid_fit(slurm, kernel, "requeued", f"checkpoint_dir={str(ckpt)!r}, checkpoint_every=2",
+                                         lambda mark: list(ckpt.glob("step-*.pt")), job=job,
+                                         fault=lambda j: slurm.run("scontrol", "requeue", j))
+        assert "RESTARTS " in reply.text, reply.text[-3000:]
+        (event,) = json.loads(reply.text.split("RESTARTS ", 1)[1].splitlines()[0])
+        assert (event["job"], event["cause"], event["resumed_from"]) == (job, "REQUEUED", "checkpoint_dir"), event
+        assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
+        remote, local = torch.load(str(slurm.root / "fit-requeued.pt")), _unbroken_weights(8)
+        for key in local:
+            torch.testing.assert_close(remote[key], local[key], rtol=1e-5, atol=1e-6, msg=f"parameter {key}")
+        states = {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}
+        assert states[job] == "CANCELLED" and [j["id"] for j in _nbddp_jobs(slurm)] == [event["new_job"]], states
+    finally:
+        _ok(kernel.run("nbddp.stop()"))
+    assert _nbddp_jobs(slurm) == []
+
+
 def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str],
                 ends_later: bool = False) -> tuple[str, float]:
     """Run a long fit, do ``fault()`` once it trains; the SlurmError's message, and how long it took to come.

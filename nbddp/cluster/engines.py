@@ -295,8 +295,13 @@ class Workers:
         if engine_ids:
             self.client.send_signal(signum, targets=engine_ids, block=False)
 
-    def add_engines(self, count: int, total: int, timeout: float = START_TIMEOUT_S) -> None:
-        """Start ``count`` more engines and wait until ``total`` are registered."""
+    def add_engines(self, count: int, total: int, timeout: float = START_TIMEOUT_S,
+                    wait: dict[str, Any] | None = None) -> None:
+        """Start ``count`` more engines and wait until ``total`` are registered.
+
+        ``wait``: ``wait_started``'s ``queue_timeout`` and ``show`` for a Slurm job (default: a queue bounded
+        by ``timeout``, nothing shown; an elastic fit's new job after a lost one passes the person's own).
+        """
         if not self.can_add_engines:
             raise ClusterError(
                 f"{count} engine(s) of this attached cluster died and nbddp cannot start engines there. "
@@ -305,7 +310,8 @@ class Workers:
             )
         self.cluster.start_engines_sync(count, environment=dict(self.engine_env))
         self.reaper.update(self.all_pids(), self.job_ids())
-        self.wait_started(total, timeout, queue_timeout=timeout)  # (a heal must not wait for a queue forever)
+        # (a heal must not wait for a queue forever, unless asked to)
+        self.wait_started(total, timeout, **(wait if wait is not None else {"queue_timeout": timeout}))
 
     def forget_dead(self, engine_ids: list[int], timeout: float = 10.0) -> None:
         """Wait until the controller has unregistered ``engine_ids``."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nbddp.elastic import job_loss
 from nbddp.elastic.policy import ElasticPolicy
 from nbddp.elastic.spare import keep_spare
-from nbddp.protocol.errors import WorkerDied, WorkerError
+from nbddp.protocol.errors import SlurmError, WorkerDied, WorkerError
 
 KINDS = (("step", "steps"), ("epoch", "epochs"), ("val", "validations"))
 
@@ -29,10 +30,12 @@ class Recovery:
         self.policy = policy
         self.restarts: list[dict[str, Any]] = []  # History.restarts: the same list
         self.kept: list[tuple[str, dict[str, Any]]] = []  # records of the steps before the last resume
-        self._pending: tuple[dict[str, Any], float] | None = None  # a relaunch not yet resumed
+        self.pending: tuple[dict[str, Any], float] | None = None  # a relaunch not yet resumed
 
-    def should_retry(self, run: Any, exc: WorkerError) -> bool:
+    def should_retry(self, run: Any, exc: WorkerError | SlurmError) -> bool:
         """Whether the fit goes on after ``exc``; when it does not, the error says why."""
+        if isinstance(exc, SlurmError):  # the job holding every rank was lost
+            return job_loss.should_retry(self, run, exc)
         if not self.policy.enabled or run.stop_requested or run.hard_stopped:
             return False
         if not self.policy.retries(exc):
@@ -46,11 +49,14 @@ class Recovery:
             return False
         return True
 
-    def relaunch(self, run: Any, exc: WorkerError) -> None:
+    def relaunch(self, run: Any, exc: WorkerError | SlurmError) -> None:
         """Wait for the supervisor's heal, then launch the same fit again from the newest snapshot."""
         noticed = time.monotonic()
         # the ranks' last heartbeats, read once more as the failure was built (they come about once a second)
         steps = [p.get("step") or 0 for p in run.tasks.stalls.watch.positions() + run.live_state.positions]
+        if isinstance(exc, SlurmError):
+            job_loss.relaunch(self, run, exc, steps + [run.history.last_step])
+            return
         cause = exc.how if isinstance(exc, WorkerDied) else f"{exc.exc_type}: {exc.message}"
         event = {"rank": exc.rank, "cause": cause,
                  "step_lost_at": max(steps + [run.history.last_step]), "step_resumed_from": None,
@@ -62,22 +68,23 @@ class Recovery:
         run.view.update(run)
         run.session.wait_healed(raise_error=True)
         event["replace_s"] = round(time.monotonic() - noticed, 3)
-        self._pending = (event, noticed)
+        self.pending = (event, noticed)
         run.relaunch()
 
     def resumed(self, run: Any, start_step: int) -> None:
         """The relaunched rank 0 restored its state at ``start_step``: keep the records up to it, say so."""
-        if self._pending is None:
+        if self.pending is None:
             return
-        event, noticed = self._pending
-        self._pending = None
+        event, noticed = self.pending
+        self.pending = None
         event["step_resumed_from"] = start_step
         event["step_lost_at"] = max(event["step_lost_at"], start_step)  # the snapshot's step was reached
         event["seconds"] = round(time.monotonic() - noticed, 3)
         self.kept = kept_records(run.history, start_step)
         run.history = run.new_history(self.kept)
         run.live_state.restarts[-1] = (f"rank {event['rank']} lost at step {event['step_lost_at']} ({event['cause']}); "
-                                       f"replaced in {event['replace_s']:.1f} s; resumed from step {start_step}")
+                                       f"replaced in {event['replace_s']:.1f} s; resumed from step {start_step}"
+                                       if "job" not in event else job_loss.resumed_line(event, start_step))
         keep_spare(run.session)  # the next lost rank's replacement, warming while the fit trains again
 
 

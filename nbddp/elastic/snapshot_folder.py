@@ -2,7 +2,11 @@
 
 Named after the session's shared-memory prefix, so ``nbddp.stop()`` and the
 session's clean-up remove it too if the kernel never reached the fit's end;
-created 0700 so that no other user reads a snapshot.
+created 0700 so that no other user reads a snapshot. Ranks on other hosts
+(a Slurm job's nodes) write theirs into the same path in their host's
+``/dev/shm``; at the fit's end one engine per such host removes it, as only
+a process there can (bounded: a host whose engine is gone keeps its folder
+until the node's ``/dev/shm`` is cleared).
 """
 
 from __future__ import annotations
@@ -10,8 +14,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import time
+from typing import Any
 
 from nbddp.shipping.shm_files import shm_dir
+
+REMOTE_REMOVE_S = 5.0  # the fit's end waits at most this long for the other hosts
 
 
 def make(prefix: str) -> str:
@@ -21,7 +29,31 @@ def make(prefix: str) -> str:
     return path
 
 
-def remove(path: str | None) -> None:
-    """Whatever happened to the fit: every snapshot goes."""
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
+def remove(path: str | None, session: Any = None) -> list[str]:
+    """Whatever happened to the fit: every snapshot goes, here and (``session``) on the group's other hosts.
+
+    Returns the other hosts asked.
+    """
+    if not path:
+        return []
+    shutil.rmtree(path, ignore_errors=True)
+    group = getattr(session, "group", None)
+    one_per_host = {p.host: p.engine_id for p in (group.placements if group else ()) if not p.local}
+    workers = session.workers if one_per_host else None
+    if workers is None or workers.job_problem() is not None:  # (a lost job's engines are gone with their folders)
+        return []
+    from nbddp.worker.tasks.held_snapshots import remove_folder
+
+    asked = []
+    for host, engine in one_per_host.items():
+        try:
+            asked.append((host, session.client[engine].apply_async(remove_folder, path)))
+        except Exception:  # noqa: BLE001 - a lost engine: nothing to remove through it
+            continue
+    deadline = time.monotonic() + REMOTE_REMOVE_S
+    for _, ar in asked:
+        try:
+            ar.get(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - best effort: that host's folder stays until its /dev/shm is cleared
+            pass
+    return [host for host, _ in asked]

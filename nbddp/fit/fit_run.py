@@ -30,10 +30,10 @@ from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
-from nbddp.elastic import snapshot_folder
+from nbddp.elastic import job_loss, snapshot_folder
 from nbddp.elastic.spare import keep_spare
 from nbddp.elastic.recovery import Recovery
-from nbddp.protocol.errors import WorkerError
+from nbddp.protocol.errors import SlurmError, WorkerError
 
 HARD_STOP_WAIT_S = 30.0
 SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (benchmarks/epoch_round_trip.py)
@@ -99,6 +99,7 @@ class FitRun:
             if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
                 self.plan.cfg.snapshot_dir = snapshot_folder.make(self.session.file_prefix)
                 keep_spare(self.session)  # a warm engine to replace a lost rank with, started in the background
+                job_loss.advise(self.session, self.plan.cfg.checkpoint_dir)  # on Slurm: what survives a lost job
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
             self.view.start(self)
@@ -124,13 +125,18 @@ class FitRun:
         if plan.elastic.enabled:  # a survivor that raises on its own is kept, not replaced
             self.tasks.grace_s = ELASTIC_GRACE_S
 
-    def relaunch(self) -> None:
-        """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``)."""
+    def relaunch(self, resume: Any = None) -> None:
+        """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``).
+
+        ``resume``: a checkpoint the kernel chose instead (a new Slurm job: ``elastic/job_loss.py``).
+        """
         s = self.session
         self._seen, self._plan_seen, self._training_started = 0, False, False
         self.live_state.placements = [RankInfo(p.rank, p.host, p.device, p.pid) for p in s.placements]
         self.hooks.relaunched()
-        self.start_tasks(dataclasses.replace(self.plan.cfg, from_snapshot=True),
+        cfg = self.plan.cfg
+        self.start_tasks(dataclasses.replace(cfg, from_snapshot=True) if resume is None else
+                         dataclasses.replace(cfg, resume=resume),
                          dataclasses.replace(self.plan.launch, generation=s.generation, resident=()))
         # a replaced engine's first set-up and step import and build for seconds: stall_timeout applies again
         # from the relaunch's first record (_take_records)
@@ -253,7 +259,7 @@ class FitRun:
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()
-            snapshot_folder.remove(self.plan.cfg.snapshot_dir)
+            snapshot_folder.remove(self.plan.cfg.snapshot_dir, self.session)  # on every host of the group
             try:  # before done_event: a blocking cell returns only once the final state is drawn
                 self.view.finish(self)
             except Exception:  # noqa: BLE001 - a display problem must not hide the result
@@ -267,7 +273,7 @@ class FitRun:
         while True:
             try:
                 return self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
-            except WorkerError as exc:
+            except (WorkerError, SlurmError) as exc:  # a lost rank, or a lost Slurm job: every rank
                 if not self.recovery.should_retry(self, exc):
                     raise
                 self.recovery.relaunch(self, exc)

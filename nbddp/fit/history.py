@@ -84,7 +84,9 @@ class History:
             from the start), ``replace_s`` (the lost workers replaced and the
             group formed again), ``seconds`` (from the failure seen to the
             relaunched fit ready to train on), ``time`` (when the failure was
-            seen, ``time.time()``).
+            seen, ``time.time()``). A lost Slurm job (every rank: ``rank`` is
+            None) adds ``job``, ``new_job`` and ``resumed_from``, and its
+            ``cause`` is Slurm's state (``NODE_FAIL``, ``PREEMPTED``...).
     """
 
     status: str = "completed"

@@ -61,8 +61,12 @@ class Supervisor:
         """Kill these ranks' engines now and start replacing them in the background."""
         self.recover(self.kill_ranks(ranks))
 
-    def recover(self, killed: list[int]) -> None:
-        """After any failure: the engines ``killed`` are gone; heal in the background (unless closing)."""
+    def recover(self, killed: list[int], job_wait: dict[str, Any] | None = None) -> None:
+        """After any failure: the engines ``killed`` are gone; heal in the background (unless closing).
+
+        ``job_wait``: how a new Slurm job is waited for (``Workers.add_engines``'s ``wait``): an elastic fit
+        whose job was lost waits as long as the person's ``queue_timeout``, shown in its live view.
+        """
         if self.closing or self.session.workers is None:
             return
         if self.healing:  # the heal under way pings every engine: it finds these dead ones too
@@ -70,7 +74,8 @@ class Supervisor:
             return
         self._again = False
         self._error = None
-        self._thread = threading.Thread(target=self._heal_thread, args=(list(killed),), name="nbddp-heal", daemon=True)
+        self._thread = threading.Thread(target=self._heal_thread, args=(list(killed), job_wait), name="nbddp-heal",
+                                        daemon=True)
         self._thread.start()
 
     def controller_lost(self, problem: str, what: str) -> ClusterError:
@@ -102,11 +107,11 @@ class Supervisor:
                           job.job_id, job.state)
 
     # ---- healing ------------------------------------------------------------
-    def _heal_thread(self, killed: list[int]) -> None:
+    def _heal_thread(self, killed: list[int], job_wait: dict[str, Any] | None = None) -> None:
         s = self.session
         with s.lock:
             try:
-                self._heal(killed)
+                self._heal(killed, job_wait)
                 while self._again and not self.closing:  # more ranks were killed while this heal ran
                     self._again = False
                     self._heal([])
@@ -121,7 +126,7 @@ class Supervisor:
         if self.closing:
             raise HealCancelled()
 
-    def _heal(self, killed: list[int]) -> None:
+    def _heal(self, killed: list[int], job_wait: dict[str, Any] | None = None) -> None:
         """Replace ``killed`` engines and dead or unresponsive ones; form the group again."""
         from nbddp.worker.tasks.entry import ping
 
@@ -153,7 +158,7 @@ class Supervisor:
             to_start -= 1  # the warm spare is a rank from now on
         lap("spare_s")
         if to_start > 0:
-            workers.add_engines(to_start, want)
+            workers.add_engines(to_start, want, wait=job_wait)
         lap("start_s", started=max(0, to_start))
         self._check_cancelled()
         s.form_group(reprobe=bool(killed or unresponsive or missing))

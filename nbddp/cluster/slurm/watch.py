@@ -77,6 +77,7 @@ class SlurmJobs:
         self._states: dict[str, JobState] = {}
         self._asked_at = float("-inf")
         self._ran: set[str] = set()  # jobs seen running: back in the queue means their engines are gone
+        self.retired: set[str] = set()  # lost jobs an elastic fit went on without (elastic/job_loss.py): not news
 
     @classmethod
     def of(cls, cluster: Any) -> "SlurmJobs | None":
@@ -114,6 +115,8 @@ class SlurmJobs:
         states = self.states()
         for j in self.ids:
             job = states.get(j)
+            if j in self.retired:
+                continue
             if job is not None and job.pending and j in self._ran:  # requeued, or suspended
                 return job
             if job is not None and job.ended:
@@ -152,9 +155,13 @@ class SlurmJobs:
             time.sleep(0.1)
 
     def wait_started(self, workers: Any, n: int, queue_timeout: float | None, run_timeout: float,
-                     show: bool = True) -> None:
-        """Wait until ``n`` engines registered, while the newest job waits in Slurm's queue and starts."""
-        line = JobLine() if show else None
+                     show: Any = True) -> None:
+        """Wait until ``n`` engines registered, while the newest job waits in Slurm's queue and starts.
+
+        ``show``: True for a ``JobLine`` in the cell, False for nothing, or an object with ``JobLine.show``'s
+        signature (an elastic fit's live view, ``elastic/job_loss.py``).
+        """
+        line = JobLine() if show is True else (show or None)
         job_id = self.ids[-1] if self.ids else "?"
         t0, running_at, job = time.monotonic(), None, JobState(job_id, "PENDING")
         try:
