@@ -1,11 +1,13 @@
 """``nbddp.predict`` and ``nbddp.evaluate``: the tasks the kernel sends, one per rank.
 
 Each unpacks the shipped arguments, runs ``worker/inference`` over this
-rank's block of the data, and returns a ``PredictResult``. Outputs travel
-back as ``fit_task``'s weights do: a ``shipping.Parcel`` whose tensors are in
-a ``/dev/shm`` file on the kernel's host (named with this worker's prefix,
-so the session can remove it if the kernel never reads it), inside the
-pickle across hosts.
+rank's block of the data, and returns a ``PredictResult``. On the kernel's
+host, tensor outputs of map-style data go straight into the kernel's one
+shared file at their rows (``worker/inference/outputs.py``). Other outputs
+travel back as ``fit_task``'s weights do: a ``shipping.Parcel`` whose
+tensors are in a ``/dev/shm`` file on the kernel's host (named with this
+worker's prefix, so the session can remove it if the kernel never reads it),
+inside the pickle across hosts.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
         outputs = Outputs(launch.output)
         try:
             data = loop.rank_data(parts["data"], launch, device, model)
+            outputs.into_file(launch.out_file if STATE.placement.local else "", data.n, data.first)
             done = loop.run_batches(model, data, launch, parts["step_fn"], device,
                                     lambda out, batch, rows: outputs.add(out, rows))
         finally:
+            outputs.close()
             loop.close_loaders()
             loop.release(model)
         holds = model.holds_outputs  # a pipeline's first stages, tp ranks > 0: nothing to send
@@ -60,7 +64,7 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
             # once read, so no copy of the outputs stays with the worker after the call
             result.outputs = shipping.pack(outputs.packed(), what="the predictions", local=STATE.placement.local,
                                            prefix=f"{STATE.file_prefix}-o" if STATE.file_prefix else None)
-        result.timings["pack_s"] = time.perf_counter() - t1
+        result.timings["pack_s"] = time.perf_counter() - t1 + outputs.write_s  # the writes into the shared file too
     return result
 
 
