@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import os
 import stat
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,3 +95,86 @@ def test_outputs_that_do_not_fit_the_files_layout_come_back_as_one_process_gives
     assert isinstance(got, list) and len(got) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert not glob.glob("/dev/shm/nbddp-*-out-*")
+
+
+# ---- the default step on Hugging Face style outputs ------------------------------------------------------------------
+
+
+class ModelOutputLike(OrderedDict):
+    """As transformers' ``ModelOutput``: a dict whose entries are attributes too."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Classifier(nn.Module):
+    """``model(input_ids=..., labels=...)`` -> ``.loss`` (one number a batch), ``.logits``, maybe more, as HF's."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body, self.extra = nn.Linear(6, 3), extra
+        self.config = SimpleNamespace(keys_to_ignore_at_inference=["past_key_values"])
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.body(input_ids)
+        out = ModelOutputLike(loss=nn.functional.cross_entropy(logits, labels), logits=logits)
+        if self.extra:
+            out.update(hidden=input_ids * 2, attentions=None, past_key_values=((input_ids,),))
+        return out
+
+
+class Batches(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def test_the_default_step_keeps_what_hf_trainer_predict_calls_predictions(workers):
+    x, y = torch.randn(37, 6, generator=torch.Generator().manual_seed(1)), torch.arange(37) % 3
+    logits = Classifier().body(x).detach()
+    got = nbddp.predict(Classifier(), Batches(x, y), batch_size=8, live=False)
+    assert isinstance(got, torch.Tensor) and torch.allclose(got, logits, atol=1e-6)  # the loss dropped: logits
+    more = nbddp.predict(Classifier(extra=True), Batches(x, y), batch_size=8, live=False)
+    assert list(more) == ["logits", "hidden"]  # None and the config's keys_to_ignore_at_inference dropped too
+    assert torch.allclose(more["logits"], logits, atol=1e-6) and torch.equal(more["hidden"], x * 2)
+    # an attribute-style output (.logits, .loss) gives its logits
+    named = nbddp.predict(lambda: Wrapped(Classifier()), Batches(x, y), batch_size=8, live=False)
+    assert torch.allclose(named, logits, atol=1e-6)
+    # a step_fn's return is kept as it is: a dict with the batch's loss stays one entry per batch
+    steps = nbddp.predict(Classifier(), Batches(x, y), batch_size=20, live=False, step_fn=lambda m, b: dict(m(**b)))
+    assert [sorted(s) for s in steps] == [["logits", "loss"]] * 2 and steps[0]["loss"].dim() == 0
+
+
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **batch):
+        out = self.inner(**batch)
+        return SimpleNamespace(loss=out["loss"], logits=out["logits"])
+
+
+def test_a_tensor_dataset_is_read_a_slice_per_batch_as_default_collate_would_give_it():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbddp.worker.inference.shards import TensorBlocks, collate_rows
+
+    ds = TensorDataset(torch.randn(20, 3), torch.arange(20))
+    for sampler in (range(4, 17), [5, 3, 9, 1, 12]):  # a rank's block; any other order
+        plain = list(DataLoader(ds, batch_size=4, sampler=sampler))
+        sliced = list(DataLoader(TensorBlocks(ds.tensors), batch_size=4, sampler=sampler, collate_fn=collate_rows))
+        assert [type(b) for b in sliced] == [list] * len(plain)
+        assert all(torch.equal(a, b) for p, s in zip(plain, sliced) for a, b in zip(p, s))
+    batch = next(iter(DataLoader(TensorBlocks(ds.tensors), batch_size=4, sampler=range(4), collate_fn=collate_rows)))
+    batch[0] += 1  # a copy, as default_collate's: the dataset is untouched
+    assert not torch.equal(ds.tensors[0][:4], batch[0])

@@ -32,6 +32,29 @@ def to_cpu(out: Any) -> Any:
     return out
 
 
+def predictions(out: Any, ignore: Any = ()) -> Any:
+    """What the default step keeps of a model's output: as ``transformers.Trainer.predict``'s ``predictions``.
+
+    A dict-like output (a Hugging Face ``ModelOutput``, a dict) loses its
+    ``"loss"`` (one number per batch, not per sample: it would keep the
+    outputs from joining), its ``None`` entries and the keys the model's
+    config ignores at inference (``keys_to_ignore_at_inference``, e.g.
+    ``past_key_values``); when only its ``"logits"`` remain they are the
+    output, a tensor, as HF returns them. An object with a ``.logits``
+    attribute gives its logits. Anything else is kept as it is.
+    """
+    if isinstance(out, Mapping):
+        kept = {k: v for k, v in out.items() if k != "loss" and v is not None and k not in ignore}
+        return kept["logits"] if list(kept) == ["logits"] else kept
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else out
+
+
+def ignored_keys(model: Any) -> tuple[str, ...]:
+    """A Hugging Face model's ``config.keys_to_ignore_at_inference`` (none for other models)."""
+    return tuple(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ())
+
+
 class FileRows:
     """This rank's rows of the shared output file, from dataset index ``first`` on, filled batch by batch.
 

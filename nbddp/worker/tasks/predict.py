@@ -31,7 +31,7 @@ def predict_task(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResul
 
 def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
     from nbddp.worker.inference import predict_loop as loop
-    from nbddp.worker.inference.outputs import Outputs
+    from nbddp.worker.inference.outputs import Outputs, ignored_keys, predictions
 
     t0 = time.perf_counter()
     with user_task(launch.generation, "call"), stop_on_sigint():
@@ -42,8 +42,9 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
         try:
             data = loop.rank_data(parts["data"], launch, device, model)
             outputs.into_file(launch.out_file if STATE.placement.local else "", data.n, data.first)
-            done = loop.run_batches(model, data, launch, parts["step_fn"], device,
-                                    lambda out, batch, rows: outputs.add(out, rows))
+            step_fn, ignore = parts["step_fn"], ignored_keys(model.module)  # the default step keeps HF's predictions
+            done = loop.run_batches(model, data, launch, step_fn, device, lambda out, batch, rows: outputs.add(
+                out if step_fn is not None else predictions(out, ignore), rows))
         finally:
             outputs.close()
             loop.close_loaders()
