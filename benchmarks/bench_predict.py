@@ -17,8 +17,13 @@ The two alternate in one run. Figures:
 
 * ``call_vs_loop``: the script's inference loop / nbddp's whole call (1.0:
   the call costs no more than the loop it runs; the goal is 0.95 or more);
-* ``return_gbps``: output bytes / (the ranks' packing + the kernel's loading),
-  i.e. how fast the outputs come back once predicted.
+* ``return_gbps``: output bytes / (the slowest rank's writing or packing of
+  its outputs + the kernel's loading), i.e. how fast the outputs come back:
+  on one host the ranks write each batch into the call's shared file inside
+  their loop (``pack_s`` sums those writes), and the kernel maps the file.
+
+An A/B of a change to this path: ``python benchmarks/ab_trees.py OLD_TREE NEW_TREE``
+(this benchmark from each tree in turn).
 
 In ``benchmarks/run_all.py``. ``--quick``: 2,048 samples, one turn. The
 suite's smoke run (``run_all.run(reuse_workers=True)``) leaves the torchrun

@@ -58,6 +58,8 @@ def test_a_layout_places_each_leaf_on_its_own_pages_and_the_first_claim_wins(tmp
     assert stat.S_IMODE(os.stat(output_file.note_path(path)).st_mode) == 0o600
     output_file.remove(path)
     assert os.listdir(tmp_path) == []
+    assert output_file.claim(path, layout) is None  # the call is over: a late rank leaves no note behind
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_value_views_the_shared_file_which_is_gone_once_mapped(workers):

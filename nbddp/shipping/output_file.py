@@ -102,12 +102,14 @@ def note_path(path: str) -> str:
     return f"{path}.layout"
 
 
-def claim(path: str, layout: Layout) -> Layout:
-    """The file's layout: ``layout`` if this rank is the first to say, else the one a peer claimed first.
+def claim(path: str, layout: Layout) -> Layout | None:
+    """The file's layout: ``layout`` if this rank is the first to say, else the one a peer claimed first; None
+    when the file is gone (the kernel ended the call: a peer failed, or it was stopped).
 
     The note is written under a name of its own, then hard-linked into place:
     the link fails when a note is there already, and a note in place is
-    always whole.
+    always whole. The kernel removes the file, then the note; a note linked
+    after that is removed here, so none outlives the call.
     """
     tmp = f"{note_path(path)}.{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -115,10 +117,12 @@ def claim(path: str, layout: Layout) -> Layout:
         with os.fdopen(fd, "w") as f:
             f.write(layout.to_json())
         os.link(tmp, note_path(path))
+        if not os.path.exists(path):
+            os.unlink(note_path(path))
+            return None
         return layout
     except FileExistsError:
-        with open(note_path(path)) as f:
-            return Layout.from_json(f.read())
+        return claimed(path)
     finally:
         os.unlink(tmp)
 

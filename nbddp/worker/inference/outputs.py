@@ -128,7 +128,10 @@ class Outputs:
         if self.path and not self.rows:  # the first batch says the layout; the first rank there claims the file
             layout = output_file.layout_of(out, self.n)
             if layout is not None and output_file.claim(self.path, layout) == layout:
-                self.file = FileRows(self.path, layout, self.first)
+                try:
+                    self.file = FileRows(self.path, layout, self.first)
+                except FileNotFoundError:  # the call ended meanwhile: whatever this rank sends is discarded
+                    self.file = None
         if self.file is not None:
             if self.file.fits(out, rows):
                 self.file.write(out, rows)
