@@ -135,6 +135,7 @@ class PredictRun:
             value = put_together(parts, holders, self.plan.launch.out_file, self.plan.launch.output)
         self.timings.update(predict_s=max(r.timings.get("predict_s", 0.0) for r in results.values()),
                             pack_s=max(r.timings.get("pack_s", 0.0) for r in results.values()),
+                            setup_s=max(r.timings.get("setup_s", 0.0) for r in results.values()),
                             load_s=time.perf_counter() - t0, total_s=time.perf_counter() - self.started_at)
         return value
 

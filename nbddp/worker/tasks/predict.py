@@ -43,6 +43,7 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
             data = loop.rank_data(parts["data"], launch, device, model)
             outputs.into_file(launch.out_file if STATE.placement.local else "", data.n, data.first)
             step_fn, ignore = parts["step_fn"], ignored_keys(model.module)  # the default step keeps HF's predictions
+            t_loop = time.perf_counter()  # before: arguments unpacked, model built, data made; then the batches
             done = loop.run_batches(model, data, launch, step_fn, device, lambda out, batch, rows: outputs.add(
                 out if step_fn is not None else predictions(out, ignore), rows))
         finally:
@@ -54,6 +55,7 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
     result = PredictResult(STATE.placement.rank, "completed" if done else "interrupted", data.first,
                            data.samples if holds else 0, data.stride, data.n is None)
     result.timings["predict_s"] = time.perf_counter() - t0
+    result.timings["setup_s"] = t_loop - t0
     if done and holds:
         t1 = time.perf_counter()
         if launch.to:
