@@ -180,3 +180,22 @@ def test_a_tensor_dataset_is_read_a_slice_per_batch_as_default_collate_would_giv
     batch = next(iter(DataLoader(TensorBlocks(ds.tensors), batch_size=4, sampler=range(4), collate_fn=collate_rows)))
     batch[0] += 1  # a copy, as default_collate's: the dataset is untouched
     assert not torch.equal(ds.tensors[0][:4], batch[0])
+
+
+def test_a_full_shared_memory_is_named_with_the_sizes_and_the_fix(tmp_path, monkeypatch):
+    import errno
+
+    from nbddp.worker.inference.outputs import FileRows, OutputsDoNotFit
+
+    path = str(tmp_path / "out")
+    open(path, "w").close()
+    rows_file = FileRows(path, output_file.layout_of(torch.zeros(4, 256), 2048), 0)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OutputsDoNotFit, match=r"outputs \(2\.0 MiB\) do not fit in .*: it is full \(.* MiB free\)\. "
+                                              r"Pass to='a/directory'.*--shm-size"):
+        rows_file.write(torch.zeros(4, 256), 4)
+    rows_file.close()

@@ -10,6 +10,7 @@ fit the file's layout) keeps the batches and packs them into one part
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Mapping
@@ -55,6 +56,21 @@ def ignored_keys(model: Any) -> tuple[str, ...]:
     return tuple(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or ())
 
 
+class OutputsDoNotFit(OSError):
+    """The shared-memory file system is full: the outputs need more than it has."""
+
+
+def do_not_fit(path: str, nbytes: int) -> OutputsDoNotFit:
+    import shutil
+
+    folder = os.path.dirname(path)
+    return OutputsDoNotFit(errno.ENOSPC, f"nbddp.predict's outputs ({nbytes / 2**20:.1f} MiB) do not fit in {folder}: "
+                                         f"it is full ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free). Pass "
+                                         "to='a/directory' to have each rank write its part to disk, predict fewer "
+                                         "samples per call, or give the machine a larger /dev/shm (in a container: "
+                                         "docker run --shm-size=...)")
+
+
 class FileRows:
     """This rank's rows of the shared output file, from dataset index ``first`` on, filled batch by batch.
 
@@ -64,7 +80,7 @@ class FileRows:
     """
 
     def __init__(self, path: str, layout: output_file.Layout, first: int):
-        self.layout, self.first, self.at = layout, first, 0
+        self.layout, self.first, self.at, self.path = layout, first, 0, path
         self.write_s = 0.0  # seconds spent writing: the return path's share of the loop
         self.starts = layout.starts()
         self.fd = os.open(path, os.O_RDWR)  # the kernel created it: owner-only, removed by the kernel
@@ -81,7 +97,13 @@ class FileRows:
         t0 = time.perf_counter()
         for leaf, start in zip(self.layout.leaves, self.starts):
             t = (out if leaf.key is None else out[leaf.key]).detach().cpu().contiguous()
-            _write_all(self.fd, t.view(-1).view(torch.uint8).numpy(), start + (self.first + self.at) * leaf.row_bytes)
+            try:
+                _write_all(self.fd, t.view(-1).view(torch.uint8).numpy(),
+                           start + (self.first + self.at) * leaf.row_bytes)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise do_not_fit(self.path, self.layout.nbytes) from exc
         self.at += rows
         self.write_s += time.perf_counter() - t0
 
