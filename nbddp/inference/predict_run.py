@@ -6,6 +6,10 @@ naming it at once; stalls are seen; a dead controller is named), and the
 calling cell waits with ``jobs.waiting.wait_interruptibly`` or gets a
 ``PredictHandle`` (``block=False``).
 
+On the kernel's host, a predict returning tensors gets one shared output
+file, created here before the ranks start (``shipping/output_file.py``) and
+mapped as the value at the end (``outputs_back.py``).
+
 Kernel > Interrupt: the first asks every rank to stop (SIGINT, a flag on the
 rank, looked at before each batch), the second kills the ranks (they are
 replaced). Either way the call raises ``KeyboardInterrupt`` and returns
@@ -24,11 +28,11 @@ from typing import Any
 from nbddp.jobs.rank_tasks import RankTasks
 from nbddp.jobs.waiting import wait_interruptibly
 from nbddp.inference.checks import PredictPlan
+from nbddp.inference.outputs_back import put_together
 from nbddp.inference.progress import ProgressLine, total_batches
 from nbddp.protocol.messages import PredictLaunch, PredictResult
-from nbddp.shipping import pickling as shipping
-from nbddp.inference.outputs_back import put_together
 from nbddp.shipping import output_file
+from nbddp.shipping import pickling as shipping
 
 HARD_STOP_WAIT_S = 30.0
 
