@@ -88,6 +88,32 @@ cells = [
         "print(f'FSDP model: {(fsdp_pred != val_y).sum().item()} mistakes')\n"
         "draw(torch.bincount(val_y * 10 + fsdp_pred, minlength=100).view(10, 10), 'FSDP model (kept)')"
     ),
+    nbf.v4.new_markdown_cell(
+        "## A kept pipeline, and a tensor-parallel model\n\n"
+        "A model kept as a pipeline (`nbddp.Pipeline`: one stage per worker) predicts through its stages; the "
+        "last stage holds the outputs. `step_fn(model, batch)` still works: its `model` stands for the whole "
+        "pipeline on that batch, so `model(x)` returns the last stage's outputs. A tensor-parallel model "
+        "(`nbddp.TensorParallel()`: each worker holds half of each split layer) runs every batch on both workers."
+    ),
+    nbf.v4.new_code_cell(
+        "staged = make_model()\n"
+        "nbddp.dist_fit(staged, train_ds, epochs=2, batch_size=64, lr=1e-2, live=False,\n"
+        "               strategy=nbddp.Pipeline(stages=2, microbatches=4), keep='pipeline_model')\n"
+        "pipe_pred = nbddp.predict('pipeline_model', (val_x, val_y), batch_size=64, live=False,\n"
+        "                          step_fn=lambda m, b: m(b[0]).argmax(1))\n"
+        "print(f'pipeline model: {(pipe_pred != val_y).sum().item()} mistakes')\n"
+        "assert torch.equal(pipe_pred, staged.eval()(val_x).argmax(1))  # the weights back in the notebook agree"
+    ),
+    nbf.v4.new_code_cell(
+        "split = make_model()\n"
+        "nbddp.dist_fit(split, train_ds, epochs=2, batch_size=64, lr=1e-2, live=False,\n"
+        "               strategy=nbddp.TensorParallel(), keep='tp_model')\n"
+        "tp = nbddp.evaluate('tp_model', (val_x, val_y), batch_size=64, live=False,\n"
+        "                    metrics={'f1': MulticlassF1Score(10, average='macro'),\n"
+        "                             'confusion': MulticlassConfusionMatrix(10)})\n"
+        "print(f\"tensor-parallel model: macro F1 {tp['f1']:.3f}\")\n"
+        "draw(tp['confusion'], 'tensor-parallel model (kept)')"
+    ),
     nbf.v4.new_code_cell("%ddp stop"),
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})

@@ -35,7 +35,8 @@ EXECUTED_ELSEWHERE = {
 EXPECTED = {
     "quickstart": ["nbddp: 2 worker(s), backend gloo", "validation accuracy in the notebook", "workers stopped"],
     "predictions": ["nbddp: 2 worker(s), backend gloo", "validation samples", "mistakes, e.g. samples",
-                    "macro F1 on the workers' kept model", "FSDP model:", "workers stopped"],
+                    "macro F1 on the workers' kept model", "FSDP model:", "pipeline model:",
+                    "tensor-parallel model: macro F1", "workers stopped"],
     "nonblocking_stop": [
         "still running: True, status 'training'",
         "step records so far",

@@ -9,6 +9,8 @@ float64 where equality is the point.
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbddp
-from nbddp.protocol.errors import WorkerError
+from nbddp.protocol.errors import WorkerDied, WorkerError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -75,8 +77,10 @@ def test_a_kept_pipeline_predicts_in_order_equal_to_one_process(workers, tmp_pat
                          metrics={"f1": MulticlassF1Score(3, average="macro"), "auroc": MulticlassAUROC(3)})
     assert abs(got["f1"] - float(f1.compute())) < 1e-6 and abs(got["auroc"] - float(auroc.compute())) < 1e-6
     assert got["loss"] == pytest.approx(F.cross_entropy(expected, y).item(), rel=1e-9)
-    with pytest.raises(ValueError, match=r"a kept pipeline's stages live on different ranks.*Leave step_fn out"):
-        nbddp.predict("staged", (x, y), batch_size=10, live=False, step_fn=lambda m, b: m(b[0]))
+    # step_fn's model stands for the pipeline on the batch: the same step as for a whole model, on the last stage
+    step = nbddp.predict("staged", (x, y), batch_size=10, live=False,
+                         step_fn=lambda m, b: {"label": m(b[0]).argmax(1), "right": m(b[0]).argmax(1) == b[1]})
+    assert torch.equal(step["label"], expected.argmax(1)) and torch.equal(step["right"], expected.argmax(1) == y)
     pulled = nbddp.pull("staged", rank=1)["staged"]  # the record of the rank's part stays on the worker
     assert torch.allclose(pulled(model[:4](x)), expected, atol=1e-12)
     nbddp.run_cell("del staged")
@@ -203,3 +207,61 @@ def test_a_rank_that_raises_inside_a_collective_forward_is_named_and_its_waiting
     workers.wait_healed()
     assert nbddp.predict(mlp(), (x[:4],), batch_size=2, live=False).shape == (4, 3)  # the next call works
     nbddp.run_cell("split = None\ndel split")  # a replaced rank holds nothing under it any more, the other may
+
+
+class MarkThenSlow:
+    """A step (run on the pipeline's last stage) that marks its first batch at ``path``, then takes ``delay`` s a
+    batch, so that a kill lands mid-predict."""
+
+    def __init__(self, path: str, delay: float):
+        self.path, self.delay = path, delay
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        import time
+
+        if not os.path.exists(self.path):
+            open(self.path, "w").close()
+        time.sleep(self.delay)
+        return model(batch[0])
+
+
+def test_a_kept_pipelines_step_stand_in_refuses_what_only_a_whole_model_can_do():
+    from nbddp.worker.inference.pipeline_step import PipelineOutputs, PipelineStepError
+
+    x = torch.zeros(4, 6)
+    model = PipelineOutputs("outputs", (x,))
+    assert model(x) == "outputs" and model(x.clone()) == "outputs"  # the batch's inputs, or equal ones
+    with pytest.raises(PipelineStepError, match=r"called model\(a tensor of shape \(4, 6\), mask=...\), not on the "
+                                                r"batch's inputs \(a tensor of shape \(4, 6\)\).*return_weights=True"):
+        model(x, mask=None)
+    with pytest.raises(AttributeError, match=r"asked for model.encoder: no rank holds the whole model.*call it once"):
+        model.encoder(x)
+
+
+@pytest.mark.faults  # ranks fail or are killed: the group is formed again twice (seconds), out of the quick tier
+def test_faults_in_a_kept_pipelines_predict_name_the_rank_and_the_next_call_works(workers, tmp_path):
+    """A step that misuses the pipeline's stand-in fails on the last stage (rank 1), named; a first stage killed
+    mid-predict (its peer waits for it in a recv) is named with its signal; both times the peers are replaced."""
+    x, y = data()
+    kept("staged", nbddp.Pipeline(stages=2, microbatches=2))
+    with pytest.raises(WorkerError, match=r"rank 1.*PipelineStepError: a kept pipeline's step_fn called model\(a "
+                                          r"tensor of shape \(10, 6\)\), not on the batch's inputs"):
+        nbddp.predict("staged", (x, y), batch_size=10, live=False, step_fn=lambda m, b: m(b[0] * 2))
+    workers.wait_healed()
+    kept("staged", nbddp.Pipeline(stages=2, microbatches=2))
+    victim, marker = workers.placements[0], str(tmp_path / "started")
+    handle = nbddp.predict("staged", (x, y), batch_size=1, live=False, block=False, step_fn=MarkThenSlow(marker, 0.1))
+    deadline = time.time() + 120
+    while not os.path.exists(marker) and time.time() < deadline and not handle.done():
+        time.sleep(0.05)
+    assert os.path.exists(marker), "the last stage never started predicting"
+    os.kill(victim.pid, signal.SIGKILL)  # a real engine process, by pid
+    killed = time.time()
+    with pytest.raises(WorkerDied) as info:
+        handle.wait()
+    assert time.time() - killed < 30.0  # seconds, not a process-group timeout
+    assert info.value.rank == 0 and "SIGKILL" in str(info.value) and f"pid {victim.pid}" in str(info.value)
+    workers.wait_healed()
+    assert victim.pid not in [p.pid for p in workers.placements]
+    assert nbddp.predict(mlp(), (x[:4],), batch_size=2, live=False).shape == (4, 3)  # the next call works
+    nbddp.run_cell("staged = None\ndel staged")  # a replaced rank holds nothing under it any more, the other may

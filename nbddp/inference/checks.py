@@ -88,15 +88,6 @@ def kept_model(session: Any, name: str, what: str) -> Kept:
     return Kept(KeptModel(name), first["kind"], first["precision"], first["mp"])
 
 
-def check_kept_step(kept: Kept | None, step_fn: Any, what: str) -> None:
-    """A pipeline's stages are on different ranks: no rank holds a whole model to hand to ``step_fn``."""
-    if kept is not None and kept.kind == "pipeline" and step_fn is not None:
-        raise ValueError(f"{what}(model={kept.model.name!r}, step_fn=...): a kept pipeline's stages live on different "
-                         "ranks, so no rank holds a whole model to call step_fn(model, batch) with. Leave step_fn out "
-                         "(the last stage's outputs come back) and apply it to them here, or fit with "
-                         "return_weights=True and pass the notebook's model")
-
-
 def check_batch_size(batch_size: Any, what: str) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{what}(batch_size=...) is the number of samples per forward on each rank, a positive "
@@ -205,7 +196,6 @@ def prepare(session: Any, what: str, model: Any, data: Any, batch_size: Any, pre
     bf16), else full precision.
     """
     check_model(model, what)
-    check_kept_step(kept, callables.get("step_fn"), what)
     if precision is None:
         precision = (kept.precision if kept is not None else "") or "32-true"
     spec, n, loader_batch_size = data_of(data, what)

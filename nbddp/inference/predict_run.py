@@ -6,6 +6,10 @@ naming it at once; stalls are seen; a dead controller is named), and the
 calling cell waits with ``jobs.waiting.wait_interruptibly`` or gets a
 ``PredictHandle`` (``block=False``).
 
+On the kernel's host, a predict returning tensors gets one shared output
+file, created here before the ranks start (``shipping/output_file.py``) and
+mapped as the value at the end (``outputs_back.py``).
+
 Kernel > Interrupt: the first asks every rank to stop (SIGINT, a flag on the
 rank, looked at before each batch), the second kills the ranks (they are
 replaced). Either way the call raises ``KeyboardInterrupt`` and returns
@@ -18,15 +22,17 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from nbddp.jobs.rank_tasks import RankTasks
 from nbddp.jobs.waiting import wait_interruptibly
 from nbddp.inference.checks import PredictPlan
+from nbddp.inference.outputs_back import put_together
 from nbddp.inference.progress import ProgressLine, total_batches
-from nbddp.protocol.messages import PredictResult
+from nbddp.protocol.messages import PredictLaunch, PredictResult
+from nbddp.shipping import output_file
 from nbddp.shipping import pickling as shipping
-from nbddp.shipping.batched_outputs import assemble, in_stream_order
 
 HARD_STOP_WAIT_S = 30.0
 
@@ -63,12 +69,16 @@ class PredictRun:
         from nbddp.worker.tasks.predict import evaluate_task, predict_task
 
         s = self.session
-        task = predict_task if self.plan.launch.task == "predict" else evaluate_task
+        launch = self.plan.launch
+        task = predict_task if launch.task == "predict" else evaluate_task
         try:
+            if shares_file(launch, s.placements):
+                self.plan.launch = launch = replace(launch, out_file=output_file.create(s.file_prefix))
             s.follow_kernel_paths()
             ars = {p.rank: s.client[p.engine_id].apply_async(task, s.sources.attach(self.plan.parcels[p.local], p),
-                                                             self.plan.launch) for p in s.placements}
+                                                             launch) for p in s.placements}
         except BaseException:
+            self._discard_outputs()
             self.plan.discard()
             raise
         self.tasks = RankTasks(s, ars, self.plan.what)
@@ -126,18 +136,18 @@ class PredictRun:
             value = write_index(self.plan.launch.to, holders)
         else:
             parts = [shipping.unpack(r.outputs, copy=False) for r in holders]
-            if any(r.stream for r in results.values()):  # a stream: (outputs, ids) in the order samples came
-                value = in_stream_order(parts, [stream_ids(r) for r in holders], self.plan.launch.output)
-            else:
-                value = assemble(parts, self.plan.launch.output)
-            value = owned(value)
+            value = put_together(parts, holders, self.plan.launch.out_file, self.plan.launch.output)
         self.timings.update(predict_s=max(r.timings.get("predict_s", 0.0) for r in results.values()),
                             pack_s=max(r.timings.get("pack_s", 0.0) for r in results.values()),
+                            setup_s=max(r.timings.get("setup_s", 0.0) for r in results.values()),
                             load_s=time.perf_counter() - t0, total_s=time.perf_counter() - self.started_at)
         return value
 
     def _discard_outputs(self) -> None:
-        """Remove every rank's output file, read or not (a failed or stopped call returns none of them)."""
+        """Remove every rank's output file, read or not (a failed or stopped call returns none of them), and the
+        shared file's name (a value mapping it keeps its memory)."""
+        if self.plan.launch.out_file:
+            output_file.remove(self.plan.launch.out_file)
         for result in (self.tasks.results.values() if self.tasks is not None else ()):
             for parcel in (getattr(result, "outputs", None), getattr(result, "values", None)):
                 if parcel is not None:
@@ -152,27 +162,10 @@ class PredictRun:
         return self.value
 
 
-def owned(value: Any) -> Any:
-    """``value`` with no tensor left viewing a worker's file: batches are cloned (joined tensors are copies already).
-
-    The workers rewrite their output files at the next call (pooled), so a
-    view into one would change under the person's feet.
-    """
-    if isinstance(value, tuple) and value and isinstance(value[0], list):  # a stream's (batches, ids)
-        return cloned(value[0]), value[1]
-    return cloned(value) if isinstance(value, list) else value
-
-
-def cloned(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(cloned(v) for v in value)
-    return value
+def shares_file(launch: PredictLaunch, placements: list[Any]) -> bool:
+    """Whether the ranks on this host write ``predict``'s outputs into one shared file (``shipping/output_file.py``):
+    a predict returning tensors here (not ``to=``, not ``output="list"``)."""
+    return launch.task == "predict" and not launch.to and launch.output == "tensor" and any(p.local for p in placements)
 
 
 def write_index(to: str, results: list[PredictResult]) -> list[str]:
@@ -188,13 +181,6 @@ def write_index(to: str, results: list[PredictResult]) -> list[str]:
         torch.save({"parts": paths, "first": [r.first for r in results], "samples": [r.samples for r in results],
                     "stride": [r.stride for r in results], "stream": any(r.stream for r in results)}, f)
     return paths
-
-
-def stream_ids(result: PredictResult) -> Any:
-    """The stream positions of one rank's samples: ``first``, ``first + stride``, ... (``streams.RankShard``)."""
-    import torch
-
-    return result.first + result.stride * torch.arange(result.samples, dtype=torch.int64)
 
 
 class PredictHandle:

@@ -250,6 +250,7 @@ class PredictLaunch:
     precision: str = "32-true"
     output: str = "tensor"  # "tensor": concatenated where the batches allow; "list": one entry per batch
     to: str | None = None  # each rank writes its part to this file (predict(to=...)) instead of sending it
+    out_file: str = ""  # the kernel's host: ranks write outputs into this shared file (shipping/output_file.py)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.inference.kept import KeptParallel, part_of
 from nbddp.worker.inference.lockstep import lockstep
 from nbddp.worker.inference.parallel_forward import PipelineForward, tensor_forward
+from nbddp.worker.inference.pipeline_step import stepped
 from nbddp.worker.inference.shards import block, block_loader
 from nbddp.worker.strategies.precision import precision_tools
 
@@ -77,7 +78,8 @@ class RankModel:
     def forward(self, step_fn: Callable | None, batch_size: int, device: torch.device) -> Callable[[Any], Any]:
         """``batch -> outputs`` (None on a rank that holds no outputs: a pipeline's first stages, ``tp`` rank > 0)."""
         if self.part is not None and self.part.kind == "pipeline":
-            return PipelineForward(self.part, device, batch_size)
+            run = PipelineForward(self.part, device, batch_size)
+            return run if step_fn is None else stepped(run, step_fn)  # step_fn on the last stage's outputs
         if self.part is not None:
             return tensor_forward(self.part, lambda b: forward(self.module, b, step_fn))
         return lambda b: forward(self.module, b, step_fn)

@@ -1,11 +1,13 @@
 """``nbddp.predict`` and ``nbddp.evaluate``: the tasks the kernel sends, one per rank.
 
 Each unpacks the shipped arguments, runs ``worker/inference`` over this
-rank's block of the data, and returns a ``PredictResult``. Outputs travel
-back as ``fit_task``'s weights do: a ``shipping.Parcel`` whose tensors are in
-a ``/dev/shm`` file on the kernel's host (named with this worker's prefix,
-so the session can remove it if the kernel never reads it), inside the
-pickle across hosts.
+rank's block of the data, and returns a ``PredictResult``. On the kernel's
+host, tensor outputs of map-style data go straight into the kernel's one
+shared file at their rows (``worker/inference/outputs.py``). Other outputs
+travel back as ``fit_task``'s weights do: a ``shipping.Parcel`` whose
+tensors are in a ``/dev/shm`` file on the kernel's host (named with this
+worker's prefix, so the session can remove it if the kernel never reads it),
+inside the pickle across hosts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def predict_task(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResul
 
 def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
     from nbddp.worker.inference import predict_loop as loop
-    from nbddp.worker.inference.outputs import Outputs
+    from nbddp.worker.inference.outputs import Outputs, ignored_keys, predictions
 
     t0 = time.perf_counter()
     with user_task(launch.generation, "call"), stop_on_sigint():
@@ -39,9 +41,13 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
         outputs = Outputs(launch.output)
         try:
             data = loop.rank_data(parts["data"], launch, device, model)
-            done = loop.run_batches(model, data, launch, parts["step_fn"], device,
-                                    lambda out, batch, rows: outputs.add(out, rows))
+            outputs.into_file(launch.out_file if STATE.placement.local else "", data.n, data.first)
+            step_fn, ignore = parts["step_fn"], ignored_keys(model.module)  # the default step keeps HF's predictions
+            t_loop = time.perf_counter()  # before: arguments unpacked, model built, data made; then the batches
+            done = loop.run_batches(model, data, launch, step_fn, device, lambda out, batch, rows: outputs.add(
+                out if step_fn is not None else predictions(out, ignore), rows))
         finally:
+            outputs.close()
             loop.close_loaders()
             loop.release(model)
         holds = model.holds_outputs  # a pipeline's first stages, tp ranks > 0: nothing to send
@@ -49,6 +55,7 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
     result = PredictResult(STATE.placement.rank, "completed" if done else "interrupted", data.first,
                            data.samples if holds else 0, data.stride, data.n is None)
     result.timings["predict_s"] = time.perf_counter() - t0
+    result.timings["setup_s"] = t_loop - t0
     if done and holds:
         t1 = time.perf_counter()
         if launch.to:
@@ -60,7 +67,7 @@ def _predict(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
             # once read, so no copy of the outputs stays with the worker after the call
             result.outputs = shipping.pack(outputs.packed(), what="the predictions", local=STATE.placement.local,
                                            prefix=f"{STATE.file_prefix}-o" if STATE.file_prefix else None)
-        result.timings["pack_s"] = time.perf_counter() - t1
+        result.timings["pack_s"] = time.perf_counter() - t1 + outputs.write_s  # the writes into the shared file too
     return result
 
 
