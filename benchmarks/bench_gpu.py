@@ -85,13 +85,13 @@ def plan(quick: bool, n_gpu: int) -> dict[str, Any]:
                 "precisions": ["32", "bf16", "16-mixed"], "torchrun_precisions": list(TORCHRUN_PRECISIONS),
                 "warmup": warmup, "steps": steps, "log_every": log_every,
                 "prefetch": {"workload": "conv", "precision": "bf16"},
-                "roundtrip_steps": 5, "budget_s": 120 if quick else 230}
+                "roundtrip_steps": 5, "predict_samples": 65536, "budget_s": 120 if quick else 230}
     warmup, steps, log_every = (2, 4, 2) if quick else (3, 9, 3)
     return {"mode": "cpu", "size": "cpu", "world_size": 2, "backend": "gloo", "device": "cpu",
             "precisions": ["32", "bf16"], "torchrun_precisions": ["32"],
             "warmup": warmup, "steps": steps, "log_every": log_every,
             "prefetch": {"workload": "conv", "precision": "32"},
-            "roundtrip_steps": 2, "budget_s": 150}
+            "roundtrip_steps": 2, "predict_samples": 2048, "budget_s": 150}
 
 
 def cpu_skips() -> list[dict[str, str]]:
@@ -336,6 +336,37 @@ def run_cuda_roundtrip(p: dict[str, Any], cfg: dict[str, Any], data: Any) -> dic
     return res
 
 
+def run_predict(p: dict[str, Any]) -> dict[str, Any]:
+    """``nbddp.predict`` in bf16 on the workers' devices, outputs back in this process (issue 32 on the GPU).
+
+    bench_predict's MLP (1024 outputs a sample) over ``predict_samples`` seeded samples built on each rank:
+    the whole call, the ranks' loop, how fast the outputs came back (their writes + this process's load), and
+    a check that they are in the dataset's order (the first and last 4 rows against the model run here).
+    """
+    import torch
+
+    import nbddp
+    from benchmarks import bench_predict as bp
+
+    n = p["predict_samples"]
+    t0 = time.perf_counter()
+    handle = nbddp.predict(bp.make_model(), functools.partial(bp.make_data, n), batch_size=bp.BATCH,
+                           precision="bf16", live=False, block=False)
+    out = handle.wait()
+    call_s = time.perf_counter() - t0
+    t = dict(handle.timings)
+    nbytes = out.numel() * out.element_size()
+    x = bp.make_data(n).tensors[0]
+    rows = torch.cat([x[:4], x[-4:]]).to(p["device"])
+    with torch.inference_mode(), torch.autocast(torch.device(p["device"]).type, dtype=torch.bfloat16):
+        ref = bp.make_model().to(p["device"]).eval()(rows).float().cpu()
+    got = torch.cat([out[:4], out[-4:]]).float()
+    return {"samples": n, "call_s": call_s, "bytes": nbytes, "dtype": str(out.dtype), "timings": t,
+            "samples_per_s": n / call_s, "return_gbps": nbytes / 1e9 / (t["pack_s"] + t["load_s"]),
+            "in_order": bool(torch.allclose(got, ref, rtol=0.05, atol=0.05)),
+            "max_abs_diff": float((got - ref).abs().max())}
+
+
 # --------------------------------------------------------------------------
 # workers
 # --------------------------------------------------------------------------
@@ -482,6 +513,9 @@ def main(quick: bool = False, out: str | os.PathLike | None = None, command: str
             res["cuda_roundtrip"] = {w: _measure(f"gpu: cuda round trip ({w})",
                                                  lambda w=w: run_cuda_roundtrip(p, _cell_cfg(p, w, "32"), factories[w]))
                                      for w in WORKLOADS}
+        # 1b. predict in bf16 on the workers' devices, outputs back here
+        if ok and not over_budget("predict"):
+            res["predict"] = _measure("gpu: nbddp.predict bf16", lambda: run_predict(p))
         save()
         # 2. the cells: workload x precision, competitors in an order rotated per cell
         cell = 0
@@ -558,6 +592,11 @@ def main(quick: bool = False, out: str | os.PathLike | None = None, command: str
               f"ship {common.fmt(rt.get('ship_s'))} s, return {common.fmt(rt.get('return_s'))} s, "
               f"on {rt.get('model_device')} again: {rt.get('weights_on_home_device')}, changed: {rt.get('weights_changed')}",
               flush=True)
+    pr = res.get("predict")
+    if pr:
+        print("predict (bf16):", pr.get("error") or
+              f"{pr['samples']} samples in {common.fmt(pr['call_s'])} s, outputs back at "
+              f"{common.fmt(pr['return_gbps'])} GB/s, in order: {pr['in_order']}", flush=True)
     if res["skipped"]:
         print("skipped:", "; ".join(f"{s['part']}: {s['reason']}" for s in res["skipped"]), flush=True)
     return res
@@ -570,6 +609,10 @@ def summary_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({"bench": f"gpu/{r['workload']}/{r['precision']}", "competitor": r["competitor"],
                          "metric": "samples/s", "median": r["samples_per_s"], "ratio": r.get("vs_torchrun"),
                          "ratio_of": "x torchrun"})
+    pr = res.get("predict") or {}
+    if pr.get("return_gbps") is not None:
+        rows.append({"bench": "gpu/predict/bf16", "competitor": "nbddp", "metric": "outputs back GB/s",
+                     "median": pr["return_gbps"], "ratio": None, "ratio_of": f"{pr['samples']} samples"})
     for s in res.get("skipped", []):
         rows.append({"bench": "gpu", "competitor": s["part"], "metric": "skipped", "median": None,
                      "ratio_of": s["reason"][:60]})

@@ -15,7 +15,7 @@
 #   c. pytest -m requires_gpu on the test files that use the marker             -> pytest.log, pytest.xml
 #      (only those files: collecting all of tests/ imports nbclient, nbformat and
 #      scikit-learn, which the GPU machine does not have and .whl does not carry)
-#   d. benchmarks/bench_gpu.py -> benchmarks/results/<YYYY-MM-DD>_gpu.json       -> bench.log
+#   d. benchmarks/bench_gpu.py (training cells, the CUDA round trip, nbddp.predict in bf16) -> benchmarks/results/<YYYY-MM-DD>_gpu.json -> bench.log
 #      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
 #      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
 #      then benchmarks/bench_elastic.py --quick (dist_fit(max_restarts=1) with the model on the GPU: what a

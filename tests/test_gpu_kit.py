@@ -76,6 +76,10 @@ def test_bench_gpu_cpu_version_reports_every_competitor(workers, bench_gpu, tmp_
     assert {"dataparallel", "precision 16-mixed", "nccl", "cuda_roundtrip", "peak_cuda_memory"} <= set(skipped)
     assert all(skipped.values())
     assert "cuda_roundtrip" not in res
+    pr = res["predict"]  # nbddp.predict in bf16 on the workers, outputs back in order
+    assert "error" not in pr, pr
+    assert pr["in_order"] and pr["dtype"] == "torch.bfloat16" and pr["samples"] == 2048, pr
+    assert _finite_positive(pr["return_gbps"]) and _finite_positive(pr["call_s"])
     prefetch = res["prefetch"]
     if "prefetch" in prefetch:  # this nbddp has no prefetch option yet
         assert prefetch["prefetch"] == "prefetch: not supported by this nbddp"
@@ -90,6 +94,7 @@ def test_bench_gpu_cpu_version_reports_every_competitor(workers, bench_gpu, tmp_
 
     rows = bench_gpu.summary_rows(res)
     assert any(r["metric"] == "samples/s" and r["competitor"] == "nbddp" for r in rows)
+    assert any(r["metric"] == "outputs back GB/s" for r in rows)
     assert any(r["metric"] == "skipped" and r["competitor"] == "dataparallel" for r in rows)
 
     from benchmarks import common
