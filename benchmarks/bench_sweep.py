@@ -24,6 +24,7 @@ Ray Tune is not compared: it is not installed here (see docs/sweeps.md).
 
 from __future__ import annotations
 
+import os
 import sys as _sys
 import time
 from pathlib import Path as _Path
@@ -142,13 +143,19 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     for rep in range(reps):
         for side in (["sweep", "sequential"] if rep % 2 == 0 else ["sequential", "sweep"]):
             res = run_sweep(train, val, cfg, lrs) if side == "sweep" else run_sequential(train, val, cfg, lrs, smoke)
-            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s")
+            res["load_1min"] = os.getloadavg()[0]  # the machine's load as this side ended (2 cores here)
+            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s (load {res['load_1min']:.2f})")
             out[side].append(res)
     sweep_s = common.median(r["wall_s"] for r in out["sweep"])
     seq_s = common.median(r["wall_s"] for r in out["sequential"])
     all_gaps = [g for r in out["sweep"] for g in r["gaps_s"]]
     totals = [g["total"] for g in all_gaps]
     out["summary"] = {"sweep_s": sweep_s, "sequential_s": seq_s, "speedup": common.ratio(seq_s, sweep_s),
+                      # each rep's sides ran back to back: their ratio is the figure least moved by other load
+                      "paired_speedups": [common.ratio(q["wall_s"], w["wall_s"])
+                                          for q, w in zip(out["sequential"], out["sweep"])],
+                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # optuna's default MedianPruner
+                      "load_1min": [r["load_1min"] for side in ("sweep", "sequential") for r in out[side]],
                       "gap_median_s": common.median(totals) if totals else None,
                       "gap_max_s": max(totals) if totals else None,
                       "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {}}

@@ -33,7 +33,7 @@ from nbddp.sweeps.result import TrialRow, line
 from nbddp.sweeps.stale import Heartbeats, ask
 
 TICK_S = 0.01  # the schedule's poll of the trials' records; a task's return wakes it at once
-LATE_SIGNAL_S = 0.5  # a prune signal may land after its trial ended: the group waits this long before the next
+LANDING_S = 5.0  # the most a group waits for its prune signal's delivery to be confirmed (see ``_landed``)
 GRACE_S = 2.0  # a trial rank failed: its group's other ranks, stuck in a collective after that long, are killed
 
 
@@ -50,6 +50,7 @@ class Running:
     seen: int = 0
     reported: set[int] = field(default_factory=set)
     signalled: bool = False
+    signal_sent: Any = None  # the signal request's reply: done once the engines' nannies have sent the SIGINT
     failed_at: float | None = None  # when the first of its ranks failed
     stalled: str = ""  # which rank made no progress for stall_timeout, and where it was
     walls: dict[str, float] = field(default_factory=dict)  # the kernel's moments of this trial (History.timings)
@@ -65,7 +66,7 @@ class SweepRun:
         self.rows: list[TrialRow] = []
         self.histories: dict[int, History] = {}
         self.running: dict[int, Running] = {}  # group index -> its trial
-        self.free_at = {g: 0.0 for g in range(len(groups))}
+        self.landing: dict[int, tuple[Any, float]] = {}  # group -> (its last prune signal's reply, deadline)
         self.handed = 0
         self.best: tuple[float, Any, dict[str, Any]] | None = None  # (value, state dict, params)
         self.stopping = False
@@ -115,7 +116,7 @@ class SweepRun:
                 if self.dead and not self.running and not self.stopping:
                     self._heal()
                 for g in range(len(self.groups)):
-                    if g not in self.running and self._more() and time.perf_counter() >= self.free_at[g]:
+                    if g not in self.running and self._more() and self._landed(g):
                         self._hand_out(g)
                 self._wake.wait(TICK_S)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell
@@ -230,7 +231,23 @@ class SweepRun:
     def _signal(self, run: Running) -> None:
         if not run.signalled:
             run.signalled = True
-            self.session.workers.signal(run.engines, signal.SIGINT)
+            run.signal_sent = self.session.workers.signal(run.engines, signal.SIGINT)
+            if run.signal_sent is not None:
+                run.signal_sent.add_done_callback(lambda _f: self._wake.set())
+
+    def _landed(self, g: int) -> bool:
+        """Group ``g`` may take a trial: no prune signal of its last trial is still on its way.
+
+        The signal travels kernel -> controller -> the engine's nanny, which
+        replies once it has sent it. A signal that reached the engine after
+        its trial ended is handled before the engine runs any further code
+        (the idle handler ignores it), so once the reply is here it can no
+        longer stop the next trial. Without a reply (a nanny gone: its engine
+        is replaced anyway) the group waits ``LANDING_S`` at most. This
+        replaced a fixed 0.5 s wait after every pruned trial.
+        """
+        sent, deadline = self.landing.get(g, (None, 0.0))
+        return sent is None or sent.done() or time.perf_counter() >= deadline
 
     def _stop_all(self) -> None:
         for run in list(self.running.values()):
@@ -239,7 +256,7 @@ class SweepRun:
     def _end(self, g: int, run: Running) -> None:
         from nbddp.sweeps.outcome import settle
 
-        self.free_at[g] = time.perf_counter() + (LATE_SIGNAL_S if run.signalled else 0.0)
+        self.landing[g] = (run.signal_sent, time.perf_counter() + LANDING_S)
         run.walls["seen_wall"] = time.time()
         settle(self, run)
         if run.row.trial in self.histories:
