@@ -19,11 +19,13 @@ Also measured: for consecutive trials on the same worker, the time from one
 trial's end (``timings["end_wall"]``, before its weights are packed) to the
 next trial's first step (``timings["train_start_wall"]``), and its parts
 (``PARTS``: the worker's and the kernel's wall clocks, one host).
-Ray Tune is not compared: it is not installed here (see docs/sweeps.md).
+Ray Tune (``sweep_ray.py``), when importable: the same trials with ``tune.Tuner`` on ``ray.init(num_cpus=2)``,
+its start-up timed apart; skipped, with the reason printed and recorded, where Ray is absent or does not start.
 """
 
 from __future__ import annotations
 
+import os
 import sys as _sys
 import time
 from pathlib import Path as _Path
@@ -66,9 +68,11 @@ def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
 
     import nbddp
 
-    common.nbddp_start(2)
+    start_s = common.nbddp_start(2)
     try:
+        t0 = time.perf_counter()
         warm_up(train)
+        warm_s = time.perf_counter() - t0
         sampler = optuna.samplers.GridSampler({"lr": lrs, "width": WIDTHS}, seed=0)
         t0 = time.perf_counter()
         result = nbddp.sweep(make_mlp, train, val_data=val, space={"lr": lrs, "width": WIDTHS},
@@ -77,7 +81,7 @@ def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
     finally:
         common.nbddp_stop()
     return {"wall_s": wall, "states": list(result.trials["state"]), "gaps_s": gaps(result),
-            "best_value": result.best_value}
+            "best_value": result.best_value, "start_s": start_s, "warm_s": warm_s}
 
 
 PARTS = (  # the gap from one trial's end to the next one's first step on the same worker, in order (History.timings)
@@ -142,18 +146,61 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     for rep in range(reps):
         for side in (["sweep", "sequential"] if rep % 2 == 0 else ["sequential", "sweep"]):
             res = run_sweep(train, val, cfg, lrs) if side == "sweep" else run_sequential(train, val, cfg, lrs, smoke)
-            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s")
+            res["load_1min"] = os.getloadavg()[0]  # the machine's load as this side ended (2 cores here)
+            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s (load {res['load_1min']:.2f})")
             out[side].append(res)
     sweep_s = common.median(r["wall_s"] for r in out["sweep"])
     seq_s = common.median(r["wall_s"] for r in out["sequential"])
     all_gaps = [g for r in out["sweep"] for g in r["gaps_s"]]
     totals = [g["total"] for g in all_gaps]
     out["summary"] = {"sweep_s": sweep_s, "sequential_s": seq_s, "speedup": common.ratio(seq_s, sweep_s),
+                      # each rep's sides ran back to back: their ratio is the figure least moved by other load
+                      "paired_speedups": [common.ratio(q["wall_s"], w["wall_s"])
+                                          for q, w in zip(out["sequential"], out["sweep"])],
+                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # optuna's default MedianPruner
+                      "load_1min": [r["load_1min"] for side in ("sweep", "sequential") for r in out[side]],
                       "gap_median_s": common.median(totals) if totals else None,
                       "gap_max_s": max(totals) if totals else None,
                       "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {}}
+    if not quick:  # the smoke run leaves Ray out: its start-up alone is longer than the whole quick run
+        out["ray"] = ray_side(train, val, cfg, lrs, reps)
+        out["summary"].update(ray_summary(out))
     common.log(f"[sweep] {out['summary']}")
     return out
+
+
+def ray_side(train, val, cfg: dict, lrs: list[float], fits: int) -> dict:
+    """The same trials with Ray Tune (``sweep_ray``), or why not: Ray absent, or failing to start here."""
+    from benchmarks import sweep_ray
+
+    reason = sweep_ray.available()
+    if reason is None:
+        try:
+            res = sweep_ray.run(train, val, cfg, lrs, WIDTHS, fits)
+            res["load_1min"] = os.getloadavg()[0]
+            common.log(f"[sweep] Ray Tune: init {res['init_s']:.2f} s, fits {[round(t, 2) for t in res['fits_s']]} s "
+                       f"(load {res['load_1min']:.2f})")
+            return res
+        except Exception as exc:  # noqa: BLE001 - the nbddp figures stand; the Ray side says why it has none
+            reason = f"Ray Tune failed here: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    common.log(f"[sweep] Ray Tune side skipped: {reason}")
+    return {"skipped": reason}
+
+
+def ray_summary(out: dict) -> dict:
+    """Ray against the sweep, warm (the trials alone) and cold (start-up and the first trials included)."""
+    ray = out["ray"]
+    if "skipped" in ray:
+        return {"ray_skipped": ray["skipped"]}
+    sweep_s = out["summary"]["sweep_s"]
+    later = ray["fits_s"][1:] or ray["fits_s"]
+    cold_nbddp = common.median(r["start_s"] + r["warm_s"] + r["wall_s"] for r in out["sweep"])
+    cold_ray = ray["init_s"] + ray["fits_s"][0]
+    return {"ray_init_s": ray["init_s"], "ray_first_fit_s": ray["fits_s"][0], "ray_fit_s": common.median(later),
+            "nbddp_start_s": common.median(r["start_s"] for r in out["sweep"]),
+            "nbddp_warm_up_s": common.median(r["warm_s"] for r in out["sweep"]),
+            "ray_over_sweep_warm": common.ratio(common.median(later), sweep_s),
+            "ray_over_sweep_cold": common.ratio(cold_ray, cold_nbddp)}
 
 
 def nbddp_running() -> int:
@@ -172,7 +219,18 @@ def summary_rows(res: dict) -> list[dict]:
              "metric": f"s for {n} trials",
              "median": s["sequential_s"], "ratio": 1.0, "ratio_of": "-"},
             {"bench": NAME, "competitor": "nbddp.sweep", "metric": "trial end -> next first step (s)",
-             "median": s["gap_median_s"], "ratio": None, "ratio_of": "-"}]
+             "median": s["gap_median_s"], "ratio": None, "ratio_of": "-"}] + ray_rows(res)
+
+
+def ray_rows(res: dict) -> list[dict]:
+    s, n = res["summary"], res["trials"]
+    if "ray_fit_s" not in s:
+        return []
+    return [{"bench": NAME, "competitor": "Ray Tune (2 CPUs), warm", "metric": f"s for {n} trials",
+             "median": s["ray_fit_s"], "ratio": s["ray_over_sweep_warm"], "ratio_of": "ray / sweep"},
+            {"bench": NAME, "competitor": "Ray Tune: ray.init + first fit", "metric": f"s for {n} trials, cold",
+             "median": s["ray_init_s"] + s["ray_first_fit_s"], "ratio": s["ray_over_sweep_cold"],
+             "ratio_of": "ray / (nbddp.start + warm-up + sweep)"}]
 
 
 if __name__ == "__main__":

@@ -359,7 +359,8 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
             data-parallel over its group: DDP, or ``strategy="fsdp"`` /
             ``nbddp.FSDP(...)``; ``mesh`` and model-parallel strategies are
             refused. ``max_restarts`` (default 1): how many times a trial
-            whose worker died runs again. ``block=False`` returns a
+            whose worker died runs again; with ``snapshot_every`` it resumes
+            from its newest snapshot instead. ``block=False`` returns a
             ``SweepHandle`` (``.stop()``, ``.wait()``, ``.done()``, ``.trials``).
         space: name -> an Optuna distribution, ``(low, high)``, ``(low, high,
             "log")`` or a list of choices. A name is a ``dist_fit`` option

@@ -66,6 +66,32 @@ cells = [
         "(Optuna's own matplotlib plot, over the study's completed trials):"
     ),
     nbf.v4.new_code_cell('result.plot(kind="parallel")'),
+    nbf.v4.new_markdown_cell(
+        "### A sweep that leaves the notebook free\n\n"
+        "With `block=False` the cell returns a `SweepHandle` at once; the trials go on, with the live view and its "
+        "Stop button under the cell, while other cells run. `handle.trials` is the leaderboard so far. Here a long "
+        "sweep (40 trials) is started..."
+    ),
+    nbf.v4.new_code_cell(
+        "handle = nbddp.sweep(make_net, train, val_data=val, epochs=6, batch_size=64,\n"
+        "                     space={'lr': (1e-3, 1e-1, 'log'), 'width': [8, 32]}, n_trials=40,\n"
+        "                     sampler=optuna.samplers.RandomSampler(seed=1), block=False)\n"
+        "print(handle)"
+    ),
+    nbf.v4.new_markdown_cell(
+        "...and stopped from another cell once two trials have completed: `handle.stop()` is the Stop button's "
+        "stop (no new trial, the running ones stop at their next step) and returns the `SweepResult` of what "
+        "finished, with `status == 'interrupted'`. The best model of those trials comes back as before."
+    ),
+    nbf.v4.new_code_cell(
+        "import time\n"
+        "while (handle.trials['state'] == 'complete').sum() < 2 and not handle.done():\n"
+        "    time.sleep(0.2)  # the notebook is free: any other work could run here\n"
+        "partial = handle.stop()\n"
+        "print(f'stopped: status {partial.status!r}, {len(partial.trials)} of 40 trials handed out, '\n"
+        "      f\"{(partial.trials['state'] == 'complete').sum()} complete\")\n"
+        "print('best of those:', partial.best_params)"
+    ),
     nbf.v4.new_code_cell("%ddp stop"),
 ]
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})

@@ -81,6 +81,9 @@ EXPECTED = {
         "nbddp sweep: 8 trials, val_loss (min), completed",
         "best: {'lr': ",
         "validation accuracy of the best model in the notebook:",
+        "<SweepHandle running: ",
+        "stopped: status 'interrupted', ",
+        "best of those: {'lr': ",
         "workers stopped",
     ],
     "checkpoint_resume": [

@@ -334,21 +334,83 @@ def test_a_dead_workers_trial_is_retried_up_to_max_restarts_and_then_says_so(wor
     assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
 
 
+class DiesMidway(nn.Module):
+    """Its first run dies (SIGKILL) in its 7th training forward, after the snapshot of step 6 (snapshot_every=2);
+    every later run, the resumed one included, trains normally. The 0.5 s before the kill lets the records
+    published with that snapshot reach the kernel, as they would from a worker that dies at any later moment."""
+
+    def __init__(self, flag: str):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.flag, self.calls = flag, 0
+
+    def forward(self, x):
+        import os
+        import signal
+        import time
+
+        self.calls += self.training
+        if self.calls == 7:
+            try:
+                os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return self.lin(x)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.lin(x)
+
+
+@pytest.mark.faults
+def test_with_snapshot_every_a_dead_workers_trial_resumes_from_its_snapshot_and_equals_an_unbroken_one(workers,
+                                                                                                     tmp_path):
+    """The issue's "with max_restarts ... the trial resumes instead": the same trial goes on from step 6 on the
+    healed worker (not a new trial from step 0), and ends with the weights and records of a trial never broken."""
+    flag = str(tmp_path / "died")
+    generation = workers.generation
+
+    def sweep():
+        return nbddp.sweep(lambda: DiesMidway(flag), tensors(), val_data=tensors(32, 1), space={"lr": [0.05]},
+                           n_trials=1, sampler=grid(lr=[0.05]), epochs=3, batch_size=16, seed=3, live=False,
+                           max_restarts=1, snapshot_every=2)
+
+    broken = sweep()
+    assert workers.generation > generation  # the dead worker was replaced
+    unbroken = sweep()  # the flag is there now: nothing dies
+    for result in (broken, unbroken):
+        assert list(result.trials["state"]) == ["complete"] and result.status == "completed", result.trials
+        assert [t.state.name for t in result.study.trials] == ["COMPLETE"]  # the same trial, not a retry
+    (restart,) = broken.histories[0].restarts
+    assert restart["step_resumed_from"] == 6 and restart["step_lost_at"] >= 6, restart
+    assert restart["cause"].startswith("WorkerDied") and restart["rank"] in (0, 1)
+    assert unbroken.histories[0].restarts == []
+    epochs = [[(e["epoch"], e["loss"], e["val_loss"]) for e in r.histories[0].epochs] for r in (broken, unbroken)]
+    assert epochs[0] == epochs[1] and len(epochs[0]) == 3
+    assert broken.best_value == unbroken.best_value
+    for (name, mine), theirs in zip(broken.best_model.state_dict().items(), unbroken.best_model.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    assert nbddp.dist_fit(make_net, tensors(), epochs=1, batch_size=16, live=False).status == "completed"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_restarts": -1}, r"max_restarts=-1\) must be an int >= 0: how many times a trial whose worker died"),
     ({"max_restarts": True}, r"max_restarts=True\) must be an int >= 0"),
-    ({"snapshot_every": 10}, r"snapshot_every=...\) is not supported: a trial whose worker died is run again from"),
-    ({"retry_on": [ValueError]}, r"retry_on=...\) is not supported"),
+    ({"retry_on": [ValueError]}, r"retry_on=...\) is not supported: a trial that raises is recorded as failed"),
+    ({"max_restarts": 0, "snapshot_every": 10}, r"snapshot_every=10\) takes effect only when a trial whose worker "
+                                                r"died goes on; pass max_restarts=N"),
+    ({"snapshot_every": "sometimes"}, r"^nbddp.sweep\(snapshot_every='sometimes'\) must be an int of optimizer steps"),
+    ({"snapshot_every": 0}, r"^nbddp.sweep\(snapshot_every=0\): a snapshot interval must be above 0"),
 ])
 def test_a_sweeps_restart_options_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         spaces.pop_restarts(dict(kwargs))
 
 
-def test_max_restarts_defaults_to_one_retry():
+def test_max_restarts_defaults_to_one_retry_and_snapshot_every_takes_dist_fits_forms():
     options = {"max_restarts": 3, "lr": 0.1}
-    assert spaces.pop_restarts(options) == 3 and options == {"lr": 0.1}
-    assert spaces.pop_restarts({}) == 1
+    assert spaces.pop_restarts(options) == (3, None) and options == {"lr": 0.1}
+    assert spaces.pop_restarts({}) == (1, None)
+    assert spaces.pop_restarts({"snapshot_every": 4}) == (1, 4)
+    assert spaces.pop_restarts({"snapshot_every": "2min"}) == (1, 120.0)
 
 
 class FailsOnRank1(nn.Module):

@@ -120,3 +120,22 @@ def test_the_live_views_stop_button_stops_the_sweep_and_goes_when_it_ends(monkey
     shown.clear()
     without.tick(run, final=True)
     assert len(shown) == 1  # no stop to call: no button
+
+
+def test_a_pruned_trials_group_waits_for_its_signal_to_be_sent_not_a_fixed_time(monkeypatch):
+    """The group of a pruned trial takes the next trial once the nannies confirm the SIGINT was sent (a later signal
+    could stop that next trial), at once when its trial was not signalled, and after ``LANDING_S`` without a reply."""
+    from concurrent.futures import Future
+
+    from nbddp.sweeps import scheduler
+
+    sweep = scheduler.SweepRun(SimpleNamespace(), None, None, optuna.create_study(), 1, [[0], [1]], "val_loss", "t",
+                               "min")
+    sent = Future()
+    sweep.landing = {0: (sent, scheduler.time.perf_counter() + scheduler.LANDING_S), 1: (None, 0.0)}
+    assert not sweep._landed(0) and sweep._landed(1)
+    sent.set_result([{"status": "ok"}])
+    assert sweep._landed(0)
+    lost = Future()  # a nanny that never answers: the group is not held past the deadline
+    sweep.landing[0] = (lost, scheduler.time.perf_counter() - 0.001)
+    assert sweep._landed(0)

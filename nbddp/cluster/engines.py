@@ -291,9 +291,11 @@ class Workers:
         if self.job_ids():
             self.jobs.cancel()
 
-    def signal(self, engine_ids: list[int], signum: int) -> None:
+    def signal(self, engine_ids: list[int], signum: int) -> Any:
+        """Send ``signum`` to the engines; return the request's future (done once every nanny has sent it), or None."""
         if engine_ids:
-            self.client.send_signal(signum, targets=engine_ids, block=False)
+            return self.client.send_signal(signum, targets=engine_ids, block=False)
+        return None
 
     def add_engines(self, count: int, total: int, timeout: float = START_TIMEOUT_S,
                     wait: dict[str, Any] | None = None) -> None:

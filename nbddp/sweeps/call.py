@@ -16,6 +16,7 @@ from typing import Any
 
 from nbddp.jobs.waiting import is_interrupt
 from nbddp.session.session import get_session
+from nbddp.sweeps import resume
 from nbddp.sweeps import space as spaces
 from nbddp.sweeps.groups import close_trial_groups, open_trial_groups
 from nbddp.sweeps.result import SweepResult
@@ -92,7 +93,7 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
     spaces.check_run(n_trials, mode, workers_per_trial, s.world_size)
     check_live(live)
     spaces.check_strategy(fit_kwargs, s.world_size)
-    max_restarts = spaces.pop_restarts(fit_kwargs)
+    max_restarts, snapshot_every = spaces.pop_restarts(fit_kwargs)
     sweep_space = spaces.build_space(space, model, fit_kwargs.get("step_fn"), fit_kwargs)
     spaces.check_metric(metric, fit_kwargs.get("val_data"), fit_kwargs.get("metrics"), fit_kwargs.get("step_fn"))
     study = make_study(study, mode, sampler, pruner)
@@ -103,7 +104,7 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
         return result if block else SweepHandle(None, lambda: (restore(), result)[1])
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
     run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
-    run.stall_timeout, run.max_restarts = stall_timeout, max_restarts
+    run.stall_timeout, run.max_restarts, run.snapshot_every = stall_timeout, max_restarts, snapshot_every
     view = SweepView(live, stop=run.request_stop)
     try:
         with s.lock:
@@ -204,6 +205,8 @@ def _close(s: Any, run: SweepRun) -> None:
     try:
         close_trial_groups(s, run.token)
     finally:
+        for trial in [*run.resuming, *run.running.values()]:  # held, or cut short by an error: snapshots go
+            resume.release(trial)
         run.plan.discard()
         if s.running is run:
             s.running = None

@@ -18,6 +18,7 @@ from typing import Any
 
 from nbddp.fit.history import History
 from nbddp.jobs.rank_tasks import classify
+from nbddp.sweeps import resume
 
 
 def tell(sweep: Any, trial: Any, value: float | None = None, state: Any = None) -> None:
@@ -47,19 +48,24 @@ def settle(sweep: Any, run: Any) -> None:
     if failure is not None:
         row.state, row.rank, row.error = "failed", failure.rank, f"{failure.exc_type}: {failure.message}\n{failure.remote_traceback}"
         _discard(results)
-        tell(sweep, run.trial, state=TrialState.FAIL)
         if run.stalled:
             row.error = run.stalled
         died = [r for r, ar in run.ars.items() if r not in results and _died(ar)]
-        if died:  # killed stuck, or dead: the engines are replaced; only a death is worth another try
-            sweep.lost(run, died, retry=failure.exc_type == "WorkerDied" and not run.stalled)
+        # killed stuck, or dead: the engines are replaced; only a death is worth another try
+        retry = bool(died) and failure.exc_type == "WorkerDied" and not run.stalled
+        if retry and resume.hold(sweep, run, died, failure):
+            return  # RUNNING in the study: it resumes from its snapshot once the workers are healed
+        tell(sweep, run.trial, state=TrialState.FAIL)
+        if died:
+            sweep.lost(run, died, retry=retry and sweep.snapshot_every is None)
         return
     head = results[sweep.groups[row.group][0]]
-    history = History(world_size=len(results), batch_size=run.cfg.batch_size)
+    history = History(world_size=len(results), batch_size=run.cfg.batch_size, restarts=run.restarts)
     for seq, kind, record in head.records:
-        history.add(kind, record)
         if seq >= run.seen and row.state == "running":  # the records the published window skipped
             sweep.consider(run, record, prune=False)
+    for kind, record in resume.records_of(run, head):
+        history.add(kind, record)
     history.status = head.status
     history.timings = dict(head.timings)  # end_wall, setup_s, train_s: where a trial's time went
     sweep.histories[row.trial] = history
@@ -120,3 +126,18 @@ def _discard(results: dict[int, Any]) -> None:
     for result in results.values():
         if getattr(result, "weights", None) is not None:
             result.weights.discard()
+
+
+def drop_held(sweep: Any) -> None:
+    """The sweep stops: the trials held to resume are stopped (told failed, so a resumed study runs them again)."""
+    from optuna.trial import TrialState
+
+    from nbddp.sweeps.result import line
+
+    for run in list(sweep.resuming):
+        sweep.resuming.remove(run)
+        run.row.state = "stopped"
+        tell(sweep, run.trial, state=TrialState.FAIL)
+        resume.release(run)
+        sweep.lines.append(line(run.row, sweep.metric))
+        sweep.changed += 1

@@ -29,11 +29,16 @@ from typing import Any
 from nbddp.fit.history import History
 from nbddp.protocol.messages import published
 from nbddp.shipping import pickling as shipping
+from nbddp.sweeps import resume
 from nbddp.sweeps.result import TrialRow, line
 from nbddp.sweeps.stale import Heartbeats, ask
 
-TICK_S = 0.01  # the schedule's poll of the trials' records; a task's return wakes it at once
-LATE_SIGNAL_S = 0.5  # a prune signal may land after its trial ended: the group waits this long before the next
+# the schedule's poll of the trials' records (which a rank publishes every publish_interval_s, 0.25 s by default);
+# a task's return, a stop and a prune signal's delivery wake it at once. It was 0.01: on 2 cores, with a worker
+# on each, the kernel's polling took CPU from the trials (0.1 s of the schedule thread per 8-trial bench sweep,
+# 0.035 s at 0.05)
+TICK_S = 0.05
+LANDING_S = 5.0  # the most a group waits for its prune signal's delivery to be confirmed (see ``_landed``)
 GRACE_S = 2.0  # a trial rank failed: its group's other ranks, stuck in a collective after that long, are killed
 
 
@@ -50,9 +55,15 @@ class Running:
     seen: int = 0
     reported: set[int] = field(default_factory=set)
     signalled: bool = False
+    signal_sent: Any = None  # the signal request's reply: done once the engines' nannies have sent the SIGINT
     failed_at: float | None = None  # when the first of its ranks failed
     stalled: str = ""  # which rank made no progress for stall_timeout, and where it was
     walls: dict[str, float] = field(default_factory=dict)  # the kernel's moments of this trial (History.timings)
+    bind: dict[str, dict[str, Any]] = field(default_factory=dict)  # its values for the factory and step_fn
+    records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (kind, record) seen of this attempt
+    pending: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # a lost attempt's: cut at the resume
+    kept: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # records before the last resume
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # History.restarts (sweeps/resume.py)
 
 
 class SweepRun:
@@ -65,7 +76,7 @@ class SweepRun:
         self.rows: list[TrialRow] = []
         self.histories: dict[int, History] = {}
         self.running: dict[int, Running] = {}  # group index -> its trial
-        self.free_at = {g: 0.0 for g in range(len(groups))}
+        self.landing: dict[int, tuple[Any, float]] = {}  # group -> (its last prune signal's reply, deadline)
         self.handed = 0
         self.best: tuple[float, Any, dict[str, Any]] | None = None  # (value, state dict, params)
         self.stopping = False
@@ -78,6 +89,8 @@ class SweepRun:
         self.reship: Any = None  # () -> a new FitPlan, after a worker was replaced
         self.stall_timeout: float | None = None  # seconds a trial's rank may make no progress before it is killed
         self.max_restarts = 1  # how many times a trial whose worker died is run again (sweep(max_restarts=...))
+        self.snapshot_every: Any = None  # sweep(snapshot_every=...): trials snapshot, and resume after a death
+        self.resuming: list[Running] = []  # trials whose worker died, held until the heal (sweeps/resume.py)
         self.heartbeats = Heartbeats(study)  # a stored study's RUNNING trials show they live (sweeps/stale.py)
         self._done = threading.Event()
         self._wake = threading.Event()  # a trial's task returned: the schedule looks at once, not at its next tick
@@ -97,6 +110,7 @@ class SweepRun:
     def request_stop(self) -> None:
         """Hand out nothing more; the running trials stop at their next synchronisation."""
         self.stopping = True
+        self._wake.set()  # the schedule signals the running trials now, not at its next tick
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
         """Kill the ranks of the running trials (the supervisor replaces them); what finished is kept."""
@@ -106,16 +120,25 @@ class SweepRun:
 
     # ---- the schedule ---------------------------------------------------------------
     def _run(self) -> None:
+        from nbddp.sweeps.outcome import drop_held
+
         try:
-            while self.running or self._more() or (self.dead and not self.stopping):
+            while self.running or self._more() or self.resuming or (self.dead and not self.stopping):
                 self._wake.clear()
-                self.heartbeats.beat([run.trial for run in self.running.values()])
+                if self.stopping and self.resuming:
+                    drop_held(self)
+                self.heartbeats.beat([run.trial for run in [*self.running.values(), *self.resuming]])
                 for g, run in list(self.running.items()):
                     self._watch(g, run)
                 if self.dead and not self.running and not self.stopping:
                     self._heal()
                 for g in range(len(self.groups)):
-                    if g not in self.running and self._more() and time.perf_counter() >= self.free_at[g]:
+                    held = resume.held_for(self, g)
+                    if g in self.running or not self._landed(g):
+                        continue
+                    if held is not None and not self.dead:
+                        resume.relaunch(self, g, held)
+                    elif held is None and self._more():
                         self._hand_out(g)
                 self._wake.wait(TICK_S)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell
@@ -143,9 +166,7 @@ class SweepRun:
 
         from nbddp.fit.option_checks import make_config
         from nbddp.sweeps.outcome import tell
-        from nbddp.worker.tasks.sweep import trial_task
 
-        s = self.session
         asked_wall = time.time()
         trial = ask(self.study, self.space.distributions)
         self.heartbeats.start(trial)
@@ -160,7 +181,16 @@ class SweepRun:
             tell(self, trial, state=TrialState.FAIL)
             self.lines.append(line(row, self.metric))
             return
-        cfg = replace(self.plan.cfg, **{k: getattr(checked, k) for k in fit_params})
+        cfg = resume.with_snapshots(self, replace(self.plan.cfg, **{k: getattr(checked, k) for k in fit_params}))
+        ars, engines = self.send(g, cfg, bind)
+        self.running[g] = Running(trial, row, ars, engines, cfg, bind=bind,
+                                  walls={"ask_wall": asked_wall, "sent_wall": time.time()})
+
+    def send(self, g: int, cfg: Any, bind: dict[str, dict[str, Any]]) -> tuple[dict[int, Any], list[int]]:
+        """One ``trial_task`` per rank of group ``g``: the tasks by rank, and their engines."""
+        from nbddp.worker.tasks.sweep import trial_task
+
+        s = self.session
         by_rank = s.group.by_rank()
         members = [by_rank[r] for r in self.groups[g]]
         ars = {p.rank: s.client[p.engine_id].apply_async(
@@ -168,8 +198,7 @@ class SweepRun:
             s.sources.attach(self.plan.model_parcels.get(p.local), p), bind) for p in members}
         for ar in ars.values():  # called on the client's IO thread: only an Event set, which cannot raise
             ar.add_done_callback(lambda _ar: self._wake.set())
-        self.running[g] = Running(trial, row, ars, [p.engine_id for p in members], cfg,
-                                  walls={"ask_wall": asked_wall, "sent_wall": time.time()})
+        return ars, [p.engine_id for p in members]
 
     def _watch(self, g: int, run: Running) -> None:
         run.row.seconds = time.perf_counter() - run.started
@@ -209,6 +238,7 @@ class SweepRun:
         for seq, kind, record in (msg.window if msg is not None else []):
             if seq >= run.seen:
                 run.seen = seq + 1
+                run.records.append((kind, record))
                 self.consider(run, record)
 
     def consider(self, run: Running, record: dict[str, Any], prune: bool = True) -> None:
@@ -230,7 +260,23 @@ class SweepRun:
     def _signal(self, run: Running) -> None:
         if not run.signalled:
             run.signalled = True
-            self.session.workers.signal(run.engines, signal.SIGINT)
+            run.signal_sent = self.session.workers.signal(run.engines, signal.SIGINT)
+            if run.signal_sent is not None:
+                run.signal_sent.add_done_callback(lambda _f: self._wake.set())
+
+    def _landed(self, g: int) -> bool:
+        """Group ``g`` may take a trial: no prune signal of its last trial is still on its way.
+
+        The signal travels kernel -> controller -> the engine's nanny, which
+        replies once it has sent it. A signal that reached the engine after
+        its trial ended is handled before the engine runs any further code
+        (the idle handler ignores it), so once the reply is here it can no
+        longer stop the next trial. Without a reply (a nanny gone: its engine
+        is replaced anyway) the group waits ``LANDING_S`` at most. This
+        replaced a fixed 0.5 s wait after every pruned trial.
+        """
+        sent, deadline = self.landing.get(g, (None, 0.0))
+        return sent is None or sent.done() or time.perf_counter() >= deadline
 
     def _stop_all(self) -> None:
         for run in list(self.running.values()):
@@ -239,9 +285,11 @@ class SweepRun:
     def _end(self, g: int, run: Running) -> None:
         from nbddp.sweeps.outcome import settle
 
-        self.free_at[g] = time.perf_counter() + (LATE_SIGNAL_S if run.signalled else 0.0)
+        self.landing[g] = (run.signal_sent, time.perf_counter() + LANDING_S)
         run.walls["seen_wall"] = time.time()
         settle(self, run)
+        if run not in self.resuming:
+            resume.release(run)
         if run.row.trial in self.histories:
             self.histories[run.row.trial].timings.update(run.walls, settled_wall=time.time())
         self.lines.append(line(run.row, self.metric))

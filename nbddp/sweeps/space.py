@@ -154,17 +154,33 @@ def check_strategy(options: dict[str, Any], world: int) -> None:
                          "with dist_fit")
 
 
-def pop_restarts(options: dict[str, Any]) -> int:
-    """``max_restarts`` taken out of the fit options: how many times a trial whose worker died is run again (default
-    1). A trial starts over on the replaced worker; dist_fit's in-memory snapshots (``snapshot_every``,
-    ``retry_on``) resume one long fit, which a sweep's short trials do not need, so they are refused."""
-    for name in ("snapshot_every", "retry_on"):
-        if name in options:
-            raise ValueError(f"nbddp.sweep({name}=...) is not supported: a trial whose worker died is run again from "
-                             f"its start on the replaced worker (up to max_restarts times); {name} belongs to "
-                             "dist_fit's elastic fits, which resume from snapshots. Leave it out")
+def pop_restarts(options: dict[str, Any]) -> tuple[int, Any]:
+    """``max_restarts`` and ``snapshot_every`` taken out of the fit options.
+
+    ``max_restarts`` (default 1): how many times a trial whose worker died
+    goes on. Without ``snapshot_every`` it runs again from its start, as a new
+    trial with the same parameters; with it, each trial snapshots its state as
+    an elastic ``dist_fit`` does and the same trial resumes from its newest
+    snapshot on the healed group (``sweeps/resume.py``). ``retry_on`` is
+    refused: a trial's own error fails that trial, and the sweep goes on.
+    """
+    from nbddp.elastic.policy import snapshot_interval
+
+    if "retry_on" in options:
+        raise ValueError("nbddp.sweep(retry_on=...) is not supported: a trial that raises is recorded as failed and the "
+                         "sweep goes on; only a trial whose worker died is run again or resumed (max_restarts, "
+                         "snapshot_every). Leave retry_on out")
     restarts = options.pop("max_restarts", 1)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"nbddp.sweep(max_restarts={restarts!r}) must be an int >= 0: how many times a trial whose "
                          "worker died is run again (default 1; 0: never)")
-    return restarts
+    every = options.pop("snapshot_every", None)
+    if every is None:
+        return restarts, None
+    if restarts == 0:
+        raise ValueError(f"nbddp.sweep(snapshot_every={every!r}) takes effect only when a trial whose worker died "
+                         "goes on; pass max_restarts=N (N >= 1) too, or leave snapshot_every out")
+    try:
+        return restarts, snapshot_interval(every)
+    except ValueError as exc:  # the same forms as dist_fit's, named for the sweep
+        raise ValueError(str(exc).replace("dist_fit(", "nbddp.sweep(", 1)) from None

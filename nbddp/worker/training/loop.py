@@ -320,6 +320,7 @@ def write_snapshot(ts: TrainState, batches_done: int) -> None:
     """An elastic fit's snapshot: a checkpoint in the fit's ``/dev/shm`` folder, owner-only, the last two kept."""
     with ts.snapshots.writing(ts.rank):
         save_checkpoint(ts, batches_done, ts.cfg.snapshot_dir)
+    ts.reporter.publish(force=True)  # the records up to it reach the kernel, which keeps them if a rank dies now
 
 
 def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = None) -> None:

@@ -1,0 +1,121 @@
+"""The Ray Tune side of ``bench_sweep``: the same 8 trials with ``tune.Tuner`` on 2 CPUs, when Ray is importable.
+
+Ray is no dependency of nbddp; install it beside the project to compare, e.g.
+``pip install --target /tmp/raytune 'ray[tune]' -c constraints-dev.txt`` and run
+``PYTHONPATH=.:/tmp/raytune .venv/bin/python benchmarks/bench_sweep.py``.
+Where Ray is absent the side is skipped and the reason printed and recorded.
+
+The trial is the fit ``dist_fit`` runs on one worker, written out as a plain
+loop: the same MLP, data, batch size, epochs, AdamW at the same learning
+rate, cross-entropy, a validation after each epoch reported to Tune. One torch
+thread per trial and ``{"cpu": 1}`` per trial on ``ray.init(num_cpus=2)``, so
+two trials run at once, as the sweep's two workers do. The data go to Ray's
+object store once (``tune.with_parameters``), as the sweep ships them once.
+
+Timed apart: ``ray.init`` (the start-up: GCS, raylet, the first workers),
+then each ``Tuner.fit`` of the 8 trials. The first fit starts the trial
+processes, which import torch; later fits in the same Ray session find them
+when Tune reuses its actors. ``ray.shutdown`` is timed too but counted in
+neither.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def available() -> str | None:
+    """None when Ray Tune imports here, else why the Ray side is skipped."""
+    try:
+        import ray  # noqa: F401
+        from ray import tune  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import means no Ray side
+        return (f"Ray Tune is not importable here ({type(exc).__name__}: {exc}); install it beside the project, e.g. "
+                "pip install --target /tmp/raytune 'ray[tune]' -c constraints-dev.txt, and add /tmp/raytune to "
+                "PYTHONPATH")
+    return None
+
+
+def trial(config: dict[str, Any], train: Any, val: Any, epochs: int, batch_size: int, seed: int) -> None:
+    """One trial as ``dist_fit`` runs it on one worker: AdamW, cross-entropy, a validation per epoch."""
+    import torch
+    import torch.nn.functional as F
+    from ray import tune
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.bench_sweep import make_mlp
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = make_mlp(config["width"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    loader = DataLoader(TensorDataset(*train), batch_size=batch_size, shuffle=True)
+    for epoch in range(epochs):
+        model.train()
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            val_loss = F.cross_entropy(model(val[0]), val[1]).item()
+        tune.report({"val_loss": val_loss, "epoch": epoch})
+
+
+@contextmanager
+def _environment() -> Iterator[None]:
+    """Ray's processes inherit this process's environment: the repo importable, one OpenMP thread."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [saved["PYTHONPATH"]])])
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(train: Any, val: Any, cfg: dict[str, Any], lrs: list[float], widths: list[int], fits: int) -> dict[str, Any]:
+    """``ray.init`` once, then ``fits`` times the 8 trials with ``tune.Tuner``; every second measured apart."""
+    import ray
+    from ray import tune
+
+    temp = tempfile.mkdtemp(prefix="ray-")  # Ray's session files and Tune's results: removed at the end
+    out: dict[str, Any] = {"fits_s": [], "states": []}
+    try:
+        with _environment():
+            t0 = time.perf_counter()
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
+                     object_store_memory=100 * 2**20)
+            out["init_s"] = time.perf_counter() - t0
+            trainable = tune.with_resources(
+                tune.with_parameters(trial, train=train, val=val, epochs=cfg["epochs"], batch_size=cfg["batch_size"],
+                                     seed=cfg["seed"]), {"cpu": 1})
+            for i in range(fits):
+                tuner = tune.Tuner(trainable,
+                                   param_space={"lr": tune.grid_search(lrs), "width": tune.grid_search(widths)},
+                                   tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                                   run_config=tune.RunConfig(storage_path=os.path.join(temp, "results"),
+                                                             name=f"fit{i}", verbose=0))
+                t0 = time.perf_counter()
+                grid = tuner.fit()
+                out["fits_s"].append(time.perf_counter() - t0)
+                out["states"].append(["failed" if r.error else "complete" for r in grid])
+                out["best_value"] = grid.get_best_result().metrics["val_loss"]
+    finally:
+        t0 = time.perf_counter()
+        ray.shutdown()
+        out["shutdown_s"] = time.perf_counter() - t0
+        shutil.rmtree(temp, ignore_errors=True)
+    return out
