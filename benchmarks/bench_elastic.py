@@ -8,6 +8,12 @@ One run measures three things on the MLP workload, 2 ranks:
   cost of one snapshot; reported as ``timings['snapshot_s'] / train_s``, the
   paired throughput ratio, and the share one snapshot would take of the
   default interval;
+  The dense mode runs twice, alternating: as built (the step copies the
+  state into host buffers, a thread writes it) and with the write on the
+  training thread (``NBDDP_SNAPSHOT_INLINE=1`` on the workers, how snapshots
+  were written before): ``one_snapshot_s`` against ``one_snapshot_inline_s``
+  is the step's wait, same run; ``one_write_s`` is the write the thread took
+  off the step;
 * **recovery time**: a fit whose rank 1 SIGKILLs itself at step ``KILL_AT``
   (writing the time first), split into *noticing* (the kill to the kernel
   seeing the failure), *replacing* (the supervisor's heal: the survivors
@@ -76,12 +82,31 @@ def _fit(model_seed: int, data: Any, cfg: dict[str, Any], **extra: Any) -> Any:
                           lr=cfg["lr"], live=False, log_every=cfg.get("log_every", 20), **extra)
 
 
-def _cost_run(data: Any, cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(), **extra)
+def _set_inline(on: bool) -> None:
+    """On a worker: its next fits write snapshots on the training thread (``checkpoints/background.py``)."""
+    from nbddp.worker.checkpoints.background import INLINE_ENV
+
+    if on:
+        os.environ[INLINE_ENV] = "1"
+    else:
+        os.environ.pop(INLINE_ENV, None)
+
+
+def _cost_run(data: Any, cfg: dict[str, Any], inline: bool = False, **extra: Any) -> dict[str, Any]:
+    import nbddp
+
+    if inline:
+        nbddp.run(_set_inline, True)
+    try:
+        h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(), **extra)
+    finally:
+        if inline:
+            nbddp.run(_set_inline, False)
     t = h.timings
     samples = len(data[0]) // 2 // cfg["batch_size"] * cfg["batch_size"] * 2 * cfg["epochs"]
     return {"train_s": t["train_s"], "samples_per_s": samples / t["train_s"], "snapshots": t.get("snapshots", 0),
             "snapshot_s": t.get("snapshot_s", 0.0), "share": t.get("snapshot_s", 0.0) / t["train_s"],
+            "snapshot_write_s": t.get("snapshot_write_s", 0.0),
             "steps": h.last_step}
 
 
@@ -152,6 +177,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             "plain": lambda: _cost_run(data, cfg),
             "snapshots_auto": lambda: _cost_run(data, cfg, max_restarts=1),
             "snapshots_dense": lambda: _cost_run(data, cfg, max_restarts=1, snapshot_every=DENSE),
+            "snapshots_dense_inline": lambda: _cost_run(data, cfg, inline=True, max_restarts=1, snapshot_every=DENSE),
         }, reps=reps, warmup=0 if quick else 1, label=NAME)
         out["recovery"] = recovery(data, cfg)
     finally:
@@ -162,10 +188,19 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     return out
 
 
+def _per_snapshot(runs: list[Any], field: str) -> float | None:
+    """The median over ``runs`` of ``field`` per snapshot (runs that failed or wrote none left out)."""
+    done = [r for r in runs if isinstance(r, dict) and r.get("snapshots")]
+    return common.median(r[field] / r["snapshots"] for r in done)
+
+
 def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
-    dense = [r for r in raw["snapshots_dense"] if isinstance(r, dict) and r.get("snapshots")]
-    one = common.median(r["snapshot_s"] / r["snapshots"] for r in dense)
+    one = _per_snapshot(raw["snapshots_dense"], "snapshot_s")
+    inline = _per_snapshot(raw.get("snapshots_dense_inline", []), "snapshot_s")
     return {
+        "one_snapshot_inline_s": inline,  # the step's wait when the step writes the snapshot itself
+        "one_write_s": _per_snapshot(raw["snapshots_dense"], "snapshot_write_s"),  # the thread's part
+        "step_wait_background/inline": (one / inline) if one and inline else None,
         "auto_share": common.median(common.field_values(raw["snapshots_auto"], "share")),
         "dense_share": common.median(common.field_values(raw["snapshots_dense"], "share")),
         "one_snapshot_s": one,

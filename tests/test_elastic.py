@@ -10,6 +10,7 @@ import datetime
 import glob
 import json
 import os
+import threading
 import time
 
 from types import SimpleNamespace
@@ -111,15 +112,73 @@ def test_a_snapshot_torn_mid_write_leaves_the_last_whole_one(tmp_path):
     assert snapshots.latest(FitConfig(snapshot_dir=str(tmp_path / "none"))) is None
 
 
-def test_snapshots_are_written_owner_only_and_the_last_two_kept(tmp_path):
+class _Replicated:
+    """A strategy's snapshot seam on one process: rank 0 copies a tensor, the writer's thread writes it."""
+
+    def __init__(self, gate: threading.Event | None = None, fail_at: int | None = None):
+        self.weight = torch.zeros(4)
+        self.gate, self.fail_at = gate, fail_at
+
+    def save_snapshot(self, directory, step, optimizer, extra, rank, writer):
+        state = writer.stage({"model": {"w": self.weight}, "optimizer": {}, **extra})
+
+        def write():
+            if self.gate is not None:
+                assert self.gate.wait(10)
+            if step == self.fail_at:  # half a file under the temporary name, then the write fails
+                with open(files.path_for(directory, step) + f".tmp-{os.getpid()}", "wb") as f:
+                    f.write(b"PK\x03\x04half")
+                raise OSError(28, "No space left on device")
+            files.save(directory, step, state, private=True)
+        return write
+
+
+def _loaded_weight(path: str) -> torch.Tensor:
+    return files.load(path)["model"]["w"]
+
+
+def test_snapshots_are_written_off_the_step_owner_only_and_the_last_two_kept(tmp_path):
+    """The step returns with the write still to come; what it wrote is the state at the step, not after it."""
     clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=3), torch.device("cpu"))
     assert [s for s in range(1, 10) if clock.due(s, sync_step=False)] == [3, 6, 9] and not clock.at_epoch_end
+    gate = threading.Event()
+    strategy = _Replicated(gate)
     for step in (3, 6, 9):
-        with clock.writing(rank=0):
-            files.save(str(tmp_path), step, {"model": {}, "optimizer": {}, "step": step, "epoch": 0})
+        strategy.weight.fill_(step)
+        clock.write(strategy, step, None, {"step": step, "epoch": 0}, rank=0)
+        assert clock.writer.busy and not os.path.exists(files.path_for(str(tmp_path), step))  # not yet written
+        strategy.weight.fill_(-1.0)  # training goes on: the host copy keeps the step's weights
+        gate.set()
+        clock.writer.wait()
+        gate.clear()
+        assert _loaded_weight(files.path_for(str(tmp_path), step)).eq(step).all()
+    clock.close()
     kept = sorted(os.listdir(tmp_path))
-    assert kept == ["step-00000006.pt", "step-00000009.pt"] and clock.count == 3 and clock.total_s > 0
+    assert kept == ["step-00000006.pt", "step-00000009.pt"] and clock.count == 3 and clock.writer.write_s > 0
     assert {oct(os.stat(tmp_path / k).st_mode & 0o777) for k in kept} == {"0o600"}
+
+
+def test_a_snapshot_write_that_fails_half_way_leaves_the_previous_one_and_says_so(tmp_path):
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    strategy = _Replicated(fail_at=4)
+    strategy.weight.fill_(2.0)
+    clock.write(strategy, 2, None, {"step": 2, "epoch": 0}, rank=0)
+    strategy.weight.fill_(4.0)
+    clock.write(strategy, 4, None, {"step": 4, "epoch": 0}, rank=0)  # its write fails in the thread
+    clock.writer._thread.join()
+    found = snapshots.latest(FitConfig(snapshot_dir=str(tmp_path)))
+    assert found == files.path_for(str(tmp_path), 2) and _loaded_weight(found).eq(2.0).all()
+    with pytest.raises(RuntimeError, match=r"writing an elastic fit's snapshot failed \(OSError: .*No space left.*"
+                                           r"the previous snapshot is kept.*/dev/shm is full"):
+        clock.write(strategy, 6, None, {"step": 6, "epoch": 0}, rank=0)  # the next snapshot learns of it
+    clock.close()
+
+
+def test_the_fit_end_waits_for_the_last_write_and_a_failed_one_does_not_fail_it(tmp_path):
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    clock.write(_Replicated(fail_at=2), 2, None, {"step": 2, "epoch": 0}, rank=0)
+    clock.close()  # the fit's own outcome stands; the snapshots go with the fit anyway
+    assert not clock.writer.busy and snapshots.latest(FitConfig(snapshot_dir=str(tmp_path))) is None
 
 
 # ---------------------------------------------------------------- lost ranks, on the workers
