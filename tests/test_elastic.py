@@ -26,7 +26,9 @@ from nbddp.elastic.policy import check_elastic
 from nbddp.elastic.spare import Spare
 from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerError
 from nbddp.protocol.fit_options import FitConfig
-from nbddp.worker.checkpoints import files, snapshots
+from nbddp.elastic.replacements import await_replacements
+from nbddp.worker.checkpoints import background, files, snapshots
+from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
 from nbddp.shipping.shm_files import shm_dir
 
 STEPS = 24  # 512 samples, 16 per rank, 2 ranks: 16 steps an epoch; the fit crosses an epoch end
@@ -179,6 +181,50 @@ def test_the_fit_end_waits_for_the_last_write_and_a_failed_one_does_not_fail_it(
     clock.write(_Replicated(fail_at=2), 2, None, {"step": 2, "epoch": 0}, rank=0)
     clock.close()  # the fit's own outcome stands; the snapshots go with the fit anyway
     assert not clock.writer.busy and snapshots.latest(FitConfig(snapshot_dir=str(tmp_path))) is None
+
+
+def test_inline_snapshots_are_written_on_the_training_thread_for_the_benchmarks_a_b(tmp_path, monkeypatch):
+    monkeypatch.setenv(background.INLINE_ENV, "1")
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    assert clock.writer.inline and clock.writer.stage({"w": torch.ones(2)})["w"].sum() == 2
+    clock.writer.submit(lambda: files.save(str(tmp_path), 2, {"model": {}, "optimizer": {}, "step": 2, "epoch": 0}))
+    assert not clock.writer.busy and os.path.exists(files.path_for(str(tmp_path), 2))  # written before submit returned
+    clock.close()
+
+
+@pytest.mark.requires_gpu
+def test_a_cuda_snapshot_is_a_copy_into_pinned_host_buffers_kept_across_snapshots():
+    """The step's copy: device to pinned host memory, the same buffers at the next snapshot, the state at the copy."""
+    writer = background.Writer(torch.device("cuda:0"))
+    weight = torch.full((1024,), 1.0, device="cuda:0")
+    first = writer.stage({"model": {"w": weight}, "step": 1})
+    weight.fill_(2.0)  # the training step after the snapshot: the copy was synchronised before stage returned
+    assert first["model"]["w"].device.type == "cpu" and first["model"]["w"].is_pinned()
+    assert first["model"]["w"].eq(1.0).all()
+    second = writer.stage({"model": {"w": weight}, "step": 2})
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr() and second["model"]["w"].eq(2.0).all()
+    writer.close()
+
+
+def test_a_lost_engine_of_an_attached_cluster_is_waited_for_then_the_error_says_what_to_start():
+    workers = SimpleNamespace(ids=[0])
+    started = threading.Timer(0.2, lambda: setattr(workers, "ids", [0, 3]))  # its launcher starts one again
+    started.start()
+    await_replacements(workers, 1, 2, timeout=30)
+    started.join()
+    with pytest.raises(ClusterError, match=r"1 engine\(s\) of this attached cluster died during an elastic fit .*"
+                                           r"within 0 s; nbddp cannot start engines.*`ipengine --file="):
+        await_replacements(SimpleNamespace(ids=[0]), 1, 2, timeout=0.2)
+
+
+def test_an_engine_removes_only_a_snapshot_folder_in_its_shared_memory(tmp_path):
+    folder = os.path.join(shm_dir(), f"nbddp-test-{os.getpid()}-snap-{time.monotonic_ns()}")
+    os.mkdir(folder, 0o700)
+    open(os.path.join(folder, "step-00000004.pt"), "wb").close()
+    assert remove_snapshot_folder(folder) is True and not os.path.exists(folder)
+    assert remove_snapshot_folder(folder) is False
+    with pytest.raises(ValueError, match=r"not an elastic fit's snapshot folder in /dev/shm"):
+        remove_snapshot_folder(str(tmp_path))
 
 
 # ---------------------------------------------------------------- lost ranks, on the workers

@@ -119,8 +119,14 @@ def test_a_host_lost_with_its_memory_the_fit_goes_on_from_the_peer_copy(tmp_path
     with fake_hosts(n_hosts=3, engines_per_host=1, profile_dir=tmp_path / "profile", engine_hosts=[1, 2],
                     private_shm=True) as cluster:
         (lost,) = cluster.engine_pids[1]
-        notebook = threading.Thread(target=lambda: done.update(r=cluster.run_in_host(
-            0, _NOTEBOOK, args=[cluster.hosts[1].hostname, os.fspath(marker)], timeout=360)))
+        def run_notebook() -> None:
+            try:
+                done["r"] = cluster.run_in_host(0, _NOTEBOOK, args=[cluster.hosts[1].hostname, os.fspath(marker)],
+                                                timeout=360)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+                done["error"] = exc
+
+        notebook = threading.Thread(target=run_notebook)
         notebook.start()
         deadline = time.monotonic() + 300
         while not (Path(f"{marker}.fired").exists() and _gone(lost)) and notebook.is_alive():
@@ -130,6 +136,8 @@ def test_a_host_lost_with_its_memory_the_fit_goes_on_from_the_peer_copy(tmp_path
         notebook.join()
     if replacement is not None:
         replacement.wait(timeout=30)
+    if "error" in done:
+        raise done["error"]
     r = done["r"]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -137,7 +145,7 @@ def test_a_host_lost_with_its_memory_the_fit_goes_on_from_the_peer_copy(tmp_path
     assert replacement is not None and out["hosts"] == out["hosts_after"]  # host 1 holds a rank again
     assert out["status"] == "completed" and len(out["restarts"]) == 1
     event = out["restarts"][0]
-    assert "SIGKILL" in event["cause"] and event["step_resumed_from"] == 8, event
+    assert event["cause"].startswith("died") and event["step_resumed_from"] == 8, event  # (no exit status: not ours)
     assert out["steps"] == sorted(set(out["steps"]))  # each step once: the replayed ones replaced
     assert out["diff"] <= 1e-6, out["diff"]
     assert out["left"] == [[], []]

@@ -96,6 +96,10 @@ class SnapshotClock:
         if rank == 0:
             ckpt.prune(self.directory, KEEP)
 
+    def timings(self) -> dict[str, float]:
+        """For ``History.timings``: what the steps waited, how many snapshots, what the writes took in the thread."""
+        return {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s}
+
     def close(self) -> None:
         """The fit's end, whatever its outcome: the last write finished (a failed one leaves the previous)."""
         self.writer.close(raise_error=False)

@@ -118,9 +118,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
             ts.snapshots.close()
     phase_s = timed_phases(BEAT.phase_seconds(stop=True))
     timings = {"setup_s": setup_s, "train_s": time.perf_counter() - t_train, "train_start_wall": train_start_wall}
-    if ts.snapshots is not None:  # of train_s: writing the elastic fit's snapshots
-        timings.update(snapshot_s=ts.snapshots.total_s, snapshots=ts.snapshots.count,
-                       snapshot_write_s=ts.snapshots.writer.write_s)  # (the write itself, in its thread)
+    timings.update(ts.snapshots.timings() if ts.snapshots is not None else {})  # of train_s: elastic snapshots
     if ts.answers.waited:  # of train_s: waiting for the kernel's synchronous callbacks
         timings.update(answer_wait_s=ts.answers.wait_s, answer_points=ts.answers.waited)
     result = finish(ts, launch, timings)
