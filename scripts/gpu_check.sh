@@ -19,7 +19,8 @@
 #      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
 #      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
 #      then benchmarks/bench_elastic.py --quick (dist_fit(max_restarts=1) with the model on the GPU: what a
-#      snapshot costs, a device-to-host copy written to /dev/shm; then rank 1 SIGKILLed and the fit recovered,
+#      snapshot costs the step: a device-to-host copy into pinned buffers, written to /dev/shm by a thread,
+#      against the same snapshots written on the training thread; then rank 1 SIGKILLed and the fit recovered,
 #      split into noticing, replacing, restoring)  -> <YYYY-MM-DD>_elastic.json, elastic.log
 #   p. scripts/profile_check.py: dist_fit(profile=...) over 3 steps, the merged trace with its CUDA kernels
 #      (NCCL ones with 2+ GPUs), the compute/communication/idle breakdown, the time split, and HTA's

@@ -84,7 +84,7 @@ def save_async(directory: str, step: int, model: Any, optimizer: Any, extra: dic
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
     loop_state = writer.stage(extra)
-    staged = writer.stage_shards({"model": model_state, "optim": optim_state})
+    staged = writer.stage({"model": model_state, "optim": optim_state})
     future = checkpoint.async_save(staged, checkpoint_id=tmp, process_group=writer.side_group(None),
                                    async_stager=background.Staged())
 

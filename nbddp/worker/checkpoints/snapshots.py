@@ -46,6 +46,7 @@ class SnapshotClock:
         self.last_cost = 0.0  # seconds the last snapshot took on this rank
         self.total_s = 0.0  # seconds the training thread spent on snapshots (History.timings["snapshot_s"])
         self.count = 0
+        self.waited_s = 0.0  # of total_s: waiting for the previous snapshot's write to end
         self.writer = background.Writer(device)  # the writes, in its thread: History.timings["snapshot_write_s"]
         self.peers = copies_across_hosts(cfg, strategy, group)  # (collective when the ranks span hosts)
 
@@ -77,6 +78,7 @@ class SnapshotClock:
         before = os.umask(0o077)  # what the training thread creates (a sharded snapshot's folder)
         try:
             self.writer.wait()  # its buffers are refilled now
+            self.waited_s += time.monotonic() - t0  # (0 unless snapshots come faster than they are written)
             job = strategy.save_snapshot(self.directory, step, optimizer, extra, rank, self.writer)
             if self.peers is not None:  # a copy in another host's memory (peer_copies.py)
                 job = self.peers.job(job, step, self.writer.side_group(self.group))
@@ -97,8 +99,10 @@ class SnapshotClock:
             ckpt.prune(self.directory, KEEP)
 
     def timings(self) -> dict[str, float]:
-        """For ``History.timings``: what the steps waited, how many snapshots, what the writes took in the thread."""
-        return {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s}
+        """For ``History.timings``: what the steps waited (of which for a previous write), how many snapshots, what
+        the writes took in the thread."""
+        return {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s,
+                "snapshot_wait_s": self.waited_s}
 
     def close(self) -> None:
         """The fit's end, whatever its outcome: the last write finished (a failed one leaves the previous)."""
