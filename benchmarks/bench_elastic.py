@@ -249,6 +249,8 @@ def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
                                                              "samples_per_s")["median"],
         "throughput_dense/plain_paired": common.paired_ratios(raw["snapshots_dense"], raw["plain"],
                                                               "samples_per_s")["median"],
+        "throughput_dense/dense_inline_paired": common.paired_ratios(
+            raw["snapshots_dense"], raw.get("snapshots_dense_inline", []), "samples_per_s")["median"],
         "errors": {n: common.errors_of(r) for n, r in raw.items()},
     }
 

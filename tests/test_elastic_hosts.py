@@ -20,9 +20,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from netns_hosts import add_engine, fake_hosts, netns_available
-from nbddp.worker.checkpoints.peer_copies import check, peer_of
+from nbddp.worker.checkpoints import files, peer_copies
+from nbddp.worker.checkpoints.peer_copies import PeerCopies, check, peer_of
 
 _AVAILABLE, _WHY_NOT = netns_available()
 needs_netns = pytest.mark.skipif(not _AVAILABLE, reason=f"netns tests skipped: {_WHY_NOT}")
@@ -40,6 +42,43 @@ def test_a_sharded_elastic_fit_across_hosts_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"strategy='fsdp'\) across 2 hosts: a sharded snapshot .*needs a file system "
                                          r"every host shares.*strategy='ddp'.*checkpoint_dir="):
         check(["a", "b"], one_file=False, strategy="fsdp")
+
+
+class _Wire:
+    """``dist.send``/``dist.recv`` between two ends in one process: what is sent is received in order."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+
+    def send(self, tensor, dst, group=None):
+        self.sent.append(tensor.clone())
+
+    def recv(self, tensor, src, group=None):
+        tensor.copy_(self.sent.pop(0))
+
+
+def test_rank_0s_snapshot_reaches_its_peers_folder_whole_and_owner_only_and_a_failed_write_sends_nothing(
+        tmp_path, monkeypatch):
+    wire = _Wire()
+    monkeypatch.setattr(peer_copies.dist, "send", wire.send)
+    monkeypatch.setattr(peer_copies.dist, "recv", wire.recv)
+    here, there = tmp_path / "host0", tmp_path / "host1"
+    writer, peer = PeerCopies(0, ["a", "b"], str(here), keep=2), PeerCopies(1, ["a", "b"], str(there), keep=2)
+    for step in (4, 8, 12):
+        payload = {"model": {"w": torch.full((3,), float(step))}, "optimizer": {}, "step": step, "epoch": 0}
+        writer.job(lambda payload=payload, step=step: files.save(str(here), step, payload, private=True), step, None)()
+        peer.job(None, step, None)()
+    assert sorted(os.listdir(there)) == ["step-00000008.pt", "step-00000012.pt"]  # the last two kept there too
+    assert files.load(str(there / "step-00000012.pt"))["model"]["w"].eq(12.0).all()
+    assert oct(os.stat(there / "step-00000012.pt").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(there).st_mode & 0o777) == "0o700"
+
+    def fails():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        writer.job(fails, 16, None)()  # the peer is still told: a size of 0
+    assert peer.job(None, 16, None)() is None and not (there / "step-00000016.pt").exists()
 
 
 # The notebook on host 0. argv[1]: host 1's name; argv[2]: the kill's marker file (on the shared /tmp).

@@ -68,19 +68,22 @@ class PeerCopies:
     def job(self, write: Any, step: int, group: Any) -> Any:
         """What this rank's writer thread does for the snapshot of ``step`` (None: nothing)."""
         if self.rank == 0 and self.peer is not None:
-            return lambda: _write_then_send(write, self.peer, group)
+            return lambda: _write_then_send(write, ckpt.path_for(self.directory, step), self.peer, group)
         if self.rank == self.peer:
             return lambda: receive_file(self.directory, step, 0, group, keep=self.keep)
         return write
 
 
-def _write_then_send(write: Any, peer: int, group: Any) -> None:
-    """Rank 0's write (``files.save``: its path), then its bytes to the peer, which waits for them either way."""
-    path = None
+def _write_then_send(write: Any, path: str, peer: int, group: Any) -> None:
+    """Rank 0's write of ``path`` (None: written already, inline), then its bytes to the peer, which waits for them
+    either way."""
+    written = False
     try:
-        path = write()
+        if write is not None:
+            write()
+        written = True
     finally:
-        send_file(path, peer, group)  # a failed write sends nothing, and its error is raised at the next wait
+        send_file(path if written else None, peer, group)  # a failed write sends nothing; its error is raised later
 
 
 def send_file(path: str | None, dst: int, group: Any) -> None:
