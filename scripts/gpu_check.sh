@@ -283,7 +283,7 @@ esac
 
 case "$ELASTIC_RC" in
     skipped) say "elastic benchmark: skipped (no GPU: the CPU figures come from benchmarks/bench_elastic.py on any machine)" ;;
-    0) say "elastic benchmark: exit 0; $(grep -A2 '== elastic' "$LOGS/elastic.log" | tr '\n' ' ')" ;;
+    0) say "elastic benchmark: exit 0; $(grep -A3 '== elastic' "$LOGS/elastic.log" | tr '\n' ' ')" ;;
     124|137) say "elastic benchmark: STOPPED after the ${ELASTIC_TIMEOUT} s limit (exit $ELASTIC_RC)" ;;
     *) say "elastic benchmark: exit $ELASTIC_RC (see elastic.log)" ;;
 esac
