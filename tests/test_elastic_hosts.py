@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -24,7 +25,9 @@ import torch
 
 from netns_hosts import add_engine, fake_hosts, netns_available
 from nbddp.worker.checkpoints import files, peer_copies
-from nbddp.worker.checkpoints.peer_copies import PeerCopies, check, peer_of
+from nbddp.fit.preflight import prepare
+from nbddp.protocol.fit_options import check_elastic_hosts
+from nbddp.worker.checkpoints.peer_copies import PeerCopies, peer_of
 
 _AVAILABLE, _WHY_NOT = netns_available()
 needs_netns = pytest.mark.skipif(not _AVAILABLE, reason=f"netns tests skipped: {_WHY_NOT}")
@@ -37,11 +40,18 @@ def test_each_ranks_copy_goes_to_the_next_rank_on_another_host():
 
 
 def test_a_sharded_elastic_fit_across_hosts_is_refused_with_the_fix():
-    check(["a", "a"], one_file=False, strategy="fsdp")  # one host: its ranks share /dev/shm
-    check(["a", "b"], one_file=True, strategy="ddp")
+    check_elastic_hosts(["a", "a"], replicated=False, strategy="fsdp")  # one host: its ranks share /dev/shm
+    check_elastic_hosts(["a", "b"], replicated=True, strategy="ddp")
     with pytest.raises(ValueError, match=r"strategy='fsdp'\) across 2 hosts: a sharded snapshot .*needs a file system "
                                          r"every host shares.*strategy='ddp'.*checkpoint_dir="):
-        check(["a", "b"], one_file=False, strategy="fsdp")
+        check_elastic_hosts(["a", "b"], replicated=False, strategy="fsdp")
+
+
+def test_the_kernel_refuses_it_before_anything_is_shipped():
+    session = SimpleNamespace(placements=[SimpleNamespace(host=h, device="cpu") for h in ("h1", "h2")])
+    x = torch.randn(8, 2)
+    with pytest.raises(ValueError, match=r"strategy='fsdp'\) across 2 hosts"):
+        prepare(session, torch.nn.Linear(2, 1), (x, x[:, :1]), max_restarts=1, strategy="fsdp")
 
 
 class _Wire:

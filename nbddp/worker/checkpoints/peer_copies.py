@@ -18,7 +18,9 @@ Only when the ranks span more than one host: ranks on one host share its
 
 A sharded snapshot (FSDP, pipeline, tensor parallel) is one folder that every
 rank writes its part of and that DCP reads across ranks, which needs a file
-system all hosts share; ``check`` refuses it across hosts with the fix.
+system all hosts share; ``protocol.fit_options.check_elastic_hosts`` refuses
+it across hosts with the fix (in the kernel, and here at a relaunch whose
+ranks span more hosts than before).
 """
 
 from __future__ import annotations
@@ -45,17 +47,6 @@ def peer_of(rank: int, hosts: list[str]) -> int | None:
         if hosts[other] != hosts[rank]:
             return other
     return None
-
-
-def check(hosts: list[str], one_file: bool, strategy: str) -> None:
-    """Refuse an elastic fit whose snapshot cannot be copied to another host (a sharded one across hosts)."""
-    if one_file or len(set(hosts)) <= 1:
-        return
-    raise ValueError(
-        f"dist_fit(max_restarts=..., strategy={strategy!r}) across {len(set(hosts))} hosts: a sharded snapshot is "
-        "one folder that every rank writes its part of and reads the others' parts from, which needs a file system "
-        "every host shares, and the in-memory snapshots are per host. Train with strategy='ddp' for an elastic fit "
-        "across hosts, or use checkpoint_dir= on a shared file system with resume=True and re-run the cell")
 
 
 class PeerCopies:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig
+from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig, check_elastic_hosts
 from nbddp.worker.checkpoints import background, files as ckpt, peer_copies
 from nbddp.worker.engine.rank_state import STATE
 
@@ -115,7 +115,7 @@ def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> peer_copie
         return None
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, STATE.placement.host, group=group)
-    peer_copies.check(hosts, strategy.snapshot_is_one_file, strategy.name)
+    check_elastic_hosts(hosts, strategy.snapshot_is_one_file, strategy.name)
     return peer_copies.PeerCopies(dist.get_rank(group), hosts, cfg.snapshot_dir, KEEP)
 
 
