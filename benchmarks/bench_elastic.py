@@ -8,6 +8,15 @@ One run measures three things on the MLP workload, 2 ranks:
   cost of one snapshot; reported as ``timings['snapshot_s'] / train_s``, the
   paired throughput ratio, and the share one snapshot would take of the
   default interval;
+  The dense mode runs twice, alternating: as built (the step copies the
+  state into host buffers, a thread writes it) and with the write on the
+  training thread (``NBDDP_SNAPSHOT_INLINE=1`` on the workers, how snapshots
+  were written before): ``one_snapshot_s`` against ``one_snapshot_inline_s``
+  is the step's wait, same run; ``one_write_s`` is the write the thread took
+  off the step; ``one_copy_s`` the step's own part, the copy into host
+  buffers, which is all it waits when the previous write has ended (at the
+  default interval it always has; every ``DENSE`` steps of a few ms it may
+  not, and ``one_snapshot_s`` includes waiting for it);
 * **recovery time**: a fit whose rank 1 SIGKILLs itself at step ``KILL_AT``
   (writing the time first), split into *noticing* (the kill to the kernel
   seeing the failure), *replacing* (the supervisor's heal: the survivors
@@ -76,13 +85,65 @@ def _fit(model_seed: int, data: Any, cfg: dict[str, Any], **extra: Any) -> Any:
                           lr=cfg["lr"], live=False, log_every=cfg.get("log_every", 20), **extra)
 
 
-def _cost_run(data: Any, cfg: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(), **extra)
+def _set_inline(on: bool) -> None:
+    """On a worker: its next fits write snapshots on the training thread (``checkpoints/background.py``)."""
+    from nbddp.worker.checkpoints.background import INLINE_ENV
+
+    if on:
+        os.environ[INLINE_ENV] = "1"
+    else:
+        os.environ.pop(INLINE_ENV, None)
+
+
+def _cost_run(data: Any, cfg: dict[str, Any], inline: bool = False, **extra: Any) -> dict[str, Any]:
+    import nbddp
+
+    if inline:
+        nbddp.run(_set_inline, True)
+    try:
+        h = _fit(cfg["seed"], data, cfg, step_fn=KillOnce(), **extra)
+    finally:
+        if inline:
+            nbddp.run(_set_inline, False)
     t = h.timings
     samples = len(data[0]) // 2 // cfg["batch_size"] * cfg["batch_size"] * 2 * cfg["epochs"]
     return {"train_s": t["train_s"], "samples_per_s": samples / t["train_s"], "snapshots": t.get("snapshots", 0),
             "snapshot_s": t.get("snapshot_s", 0.0), "share": t.get("snapshot_s", 0.0) / t["train_s"],
+            "snapshot_write_s": t.get("snapshot_write_s", 0.0), "snapshot_wait_s": t.get("snapshot_wait_s", 0.0),
+            "snapshot_copy_s": t.get("snapshot_s", 0.0) - t.get("snapshot_wait_s", 0.0),
             "steps": h.last_step}
+
+
+def big_state(mb: int, reps: int) -> dict[str, Any]:
+    """The step's wait for one snapshot of a larger state (``mb`` MB of weights and as much optimizer state), in
+    this process: the copy into host buffers then the write handed to the thread, against the write on the step
+    (``files.save``, as inline), alternating. The fits above train a 1.6 MB model, whose write is a few ms."""
+    import torch
+
+    from nbddp.worker.checkpoints import background, files
+
+    n = mb * (1 << 20) // 4 // 2
+    state = {"model": {"w": torch.randn(n)}, "optimizer": {"state": {0: {"momentum_buffer": torch.randn(n)}}}}
+    folder = tempfile.mkdtemp(prefix="nbddp-bench-elastic-big-")
+    writer = background.Writer(torch.device("cpu"))
+    times: dict[str, list[float]] = {"background": [], "inline": []}
+    try:
+        for step in range(1, 2 * reps + 1):
+            writer.wait()  # the previous write ended: what a step sees at the default interval
+            t0 = time.perf_counter()
+            if step % 2:
+                staged = writer.stage(state)
+                writer.submit(lambda staged=staged, step=step: files.save(folder, step, staged, keep=2, private=True))
+                times["background"].append(time.perf_counter() - t0)
+            else:
+                files.save(folder, step, state, keep=2, private=True)
+                times["inline"].append(time.perf_counter() - t0)
+        writer.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    bg, inline = common.median(times["background"]), common.median(times["inline"])
+    return {"state_mb": 2 * mb, "step_wait_background_s": bg, "step_wait_inline_s": inline,
+            "background/inline": bg / inline if bg and inline else None, "write_in_thread_s": writer.write_s / reps}
 
 
 def recovery(data: Any, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -152,8 +213,10 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             "plain": lambda: _cost_run(data, cfg),
             "snapshots_auto": lambda: _cost_run(data, cfg, max_restarts=1),
             "snapshots_dense": lambda: _cost_run(data, cfg, max_restarts=1, snapshot_every=DENSE),
+            "snapshots_dense_inline": lambda: _cost_run(data, cfg, inline=True, max_restarts=1, snapshot_every=DENSE),
         }, reps=reps, warmup=0 if quick else 1, label=NAME)
         out["recovery"] = recovery(data, cfg)
+        out["big_state"] = big_state(16 if quick else 64, reps=3 if quick else 5)
     finally:
         common.nbddp_stop()
     out["raw"] = raw
@@ -162,10 +225,22 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     return out
 
 
+def _per_snapshot(runs: list[Any], field: str) -> float | None:
+    """The median over ``runs`` of ``field`` per snapshot (runs that failed or wrote none left out)."""
+    done = [r for r in runs if isinstance(r, dict) and r.get("snapshots")]
+    return common.median(r[field] / r["snapshots"] for r in done)
+
+
 def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
-    dense = [r for r in raw["snapshots_dense"] if isinstance(r, dict) and r.get("snapshots")]
-    one = common.median(r["snapshot_s"] / r["snapshots"] for r in dense)
+    one = _per_snapshot(raw["snapshots_dense"], "snapshot_s")
+    inline = _per_snapshot(raw.get("snapshots_dense_inline", []), "snapshot_s")
     return {
+        "one_snapshot_inline_s": inline,  # the step's wait when the step writes the snapshot itself
+        "one_write_s": _per_snapshot(raw["snapshots_dense"], "snapshot_write_s"),  # the thread's part
+        # the step's own part, the copy: all it waits when the previous write has ended (the default interval)
+        "one_copy_s": _per_snapshot(raw["snapshots_dense"], "snapshot_copy_s"),
+        "copy/inline": (_per_snapshot(raw["snapshots_dense"], "snapshot_copy_s") or 0) / inline if inline else None,
+        "step_wait_background/inline": (one / inline) if one and inline else None,
         "auto_share": common.median(common.field_values(raw["snapshots_auto"], "share")),
         "dense_share": common.median(common.field_values(raw["snapshots_dense"], "share")),
         "one_snapshot_s": one,
@@ -174,6 +249,8 @@ def summary(raw: dict[str, list[Any]]) -> dict[str, Any]:
                                                              "samples_per_s")["median"],
         "throughput_dense/plain_paired": common.paired_ratios(raw["snapshots_dense"], raw["plain"],
                                                               "samples_per_s")["median"],
+        "throughput_dense/dense_inline_paired": common.paired_ratios(
+            raw["snapshots_dense"], raw.get("snapshots_dense_inline", []), "samples_per_s")["median"],
         "errors": {n: common.errors_of(r) for n, r in raw.items()},
     }
 
@@ -184,6 +261,7 @@ def report(out: dict[str, Any]) -> None:
           f"{out.get('device')}) ==")
     print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in s.items() if k != "errors"), flush=True)
     print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in r.items() if k != "event"), flush=True)
+    print("  " + ", ".join(f"{k}={common.fmt(v)}" for k, v in out.get("big_state", {}).items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@
 #      then benchmarks/bench_compile.py --quick (dist_fit(compile=True) on the GPUs: eager vs compiled
 #      samples/s, first vs second fit's compile time)  -> <YYYY-MM-DD>_compile.json, compile.log
 #      then benchmarks/bench_elastic.py --quick (dist_fit(max_restarts=1) with the model on the GPU: what a
-#      snapshot costs, a device-to-host copy written to /dev/shm; then rank 1 SIGKILLed and the fit recovered,
+#      snapshot costs the step: a device-to-host copy into pinned buffers, written to /dev/shm by a thread,
+#      against the same snapshots written on the training thread; then rank 1 SIGKILLed and the fit recovered,
 #      split into noticing, replacing, restoring)  -> <YYYY-MM-DD>_elastic.json, elastic.log
 #   p. scripts/profile_check.py: dist_fit(profile=...) over 3 steps, the merged trace with its CUDA kernels
 #      (NCCL ones with 2+ GPUs), the compute/communication/idle breakdown, the time split, and HTA's
@@ -282,7 +283,7 @@ esac
 
 case "$ELASTIC_RC" in
     skipped) say "elastic benchmark: skipped (no GPU: the CPU figures come from benchmarks/bench_elastic.py on any machine)" ;;
-    0) say "elastic benchmark: exit 0; $(grep -A2 '== elastic' "$LOGS/elastic.log" | tr '\n' ' ')" ;;
+    0) say "elastic benchmark: exit 0; $(grep -A3 '== elastic' "$LOGS/elastic.log" | tr '\n' ' ')" ;;
     124|137) say "elastic benchmark: STOPPED after the ${ELASTIC_TIMEOUT} s limit (exit $ELASTIC_RC)" ;;
     *) say "elastic benchmark: exit $ELASTIC_RC (see elastic.log)" ;;
 esac

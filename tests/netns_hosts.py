@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["FakeCluster", "FakeHost", "fake_hosts", "fake_network", "host_command", "netns_available"]
+__all__ = ["FakeCluster", "FakeHost", "add_engine", "fake_hosts", "fake_network", "host_command", "netns_available"]
 
 _NETNS_ETC = Path("/etc/netns")
 _KILL_GRACE_S = 5.0
@@ -502,6 +502,22 @@ def _start_engines(
                 max(deadline - time.monotonic(), 0.0),
                 what=f"the controller to accept engine {eid} from host {i}",
             )
+
+
+def add_engine(cluster: FakeCluster, host_index: int, *, private_shm: bool = False) -> subprocess.Popen[bytes]:
+    """Start one more engine on a host of a running cluster, as a launcher restarting a lost one would.
+
+    With ``private_shm`` it gets a fresh, empty /dev/shm (a host that lost its memory with its engine). It is
+    not waited for: the caller waits for what it needs (its registration). On the cluster's exit it is killed
+    with everything else in the namespaces; the caller still reaps the returned process.
+    """
+    host = cluster._host(host_index)
+    n = len(cluster.engine_pids.get(host_index, []))
+    proc = _spawn(host, ["-m", "ipyparallel.engine", f"--profile-dir={cluster.profile_dir}",
+                         f"--cluster-id={cluster.cluster_id}", f"--file={cluster.engine_file}", "--log-level=INFO"],
+                  cluster.log_dir / f"netns-engine-h{host_index}-{n}.log", {_PRIVATE_SHM: "1"} if private_shm else None)
+    cluster.engine_pids.setdefault(host_index, []).append(proc.pid)
+    return proc
 
 
 def _spawn(

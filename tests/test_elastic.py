@@ -10,6 +10,7 @@ import datetime
 import glob
 import json
 import os
+import threading
 import time
 
 from types import SimpleNamespace
@@ -25,7 +26,9 @@ from nbddp.elastic.policy import check_elastic
 from nbddp.elastic.spare import Spare
 from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerError
 from nbddp.protocol.fit_options import FitConfig
-from nbddp.worker.checkpoints import files, snapshots
+from nbddp.elastic.replacements import await_replacements
+from nbddp.worker.checkpoints import background, files, snapshots
+from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
 from nbddp.shipping.shm_files import shm_dir
 
 STEPS = 24  # 512 samples, 16 per rank, 2 ranks: 16 steps an epoch; the fit crosses an epoch end
@@ -111,15 +114,117 @@ def test_a_snapshot_torn_mid_write_leaves_the_last_whole_one(tmp_path):
     assert snapshots.latest(FitConfig(snapshot_dir=str(tmp_path / "none"))) is None
 
 
-def test_snapshots_are_written_owner_only_and_the_last_two_kept(tmp_path):
+class _Replicated:
+    """A strategy's snapshot seam on one process: rank 0 copies a tensor, the writer's thread writes it."""
+
+    def __init__(self, gate: threading.Event | None = None, fail_at: int | None = None):
+        self.weight = torch.zeros(4)
+        self.gate, self.fail_at = gate, fail_at
+
+    def save_snapshot(self, directory, step, optimizer, extra, rank, writer):
+        state = writer.stage({"model": {"w": self.weight}, "optimizer": {}, **extra})
+
+        def write():
+            if self.gate is not None:
+                assert self.gate.wait(10)
+            if step == self.fail_at:  # half a file under the temporary name, then the write fails
+                with open(files.path_for(directory, step) + f".tmp-{os.getpid()}", "wb") as f:
+                    f.write(b"PK\x03\x04half")
+                raise OSError(28, "No space left on device")
+            files.save(directory, step, state, private=True)
+        return write
+
+
+def _loaded_weight(path: str) -> torch.Tensor:
+    return files.load(path)["model"]["w"]
+
+
+def test_snapshots_are_written_off_the_step_owner_only_and_the_last_two_kept(tmp_path):
+    """The step returns with the write still to come; what it wrote is the state at the step, not after it."""
     clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=3), torch.device("cpu"))
     assert [s for s in range(1, 10) if clock.due(s, sync_step=False)] == [3, 6, 9] and not clock.at_epoch_end
+    gate = threading.Event()
+    strategy = _Replicated(gate)
     for step in (3, 6, 9):
-        with clock.writing(rank=0):
-            files.save(str(tmp_path), step, {"model": {}, "optimizer": {}, "step": step, "epoch": 0})
+        strategy.weight.fill_(step)
+        clock.write(strategy, step, None, {"step": step, "epoch": 0}, rank=0)
+        assert clock.writer.busy and not os.path.exists(files.path_for(str(tmp_path), step))  # not yet written
+        strategy.weight.fill_(-1.0)  # training goes on: the host copy keeps the step's weights
+        gate.set()
+        clock.writer.wait()
+        gate.clear()
+        assert _loaded_weight(files.path_for(str(tmp_path), step)).eq(step).all()
+    clock.close()
     kept = sorted(os.listdir(tmp_path))
-    assert kept == ["step-00000006.pt", "step-00000009.pt"] and clock.count == 3 and clock.total_s > 0
+    assert kept == ["step-00000006.pt", "step-00000009.pt"] and clock.count == 3 and clock.writer.write_s > 0
     assert {oct(os.stat(tmp_path / k).st_mode & 0o777) for k in kept} == {"0o600"}
+
+
+def test_a_snapshot_write_that_fails_half_way_leaves_the_previous_one_and_says_so(tmp_path):
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    strategy = _Replicated(fail_at=4)
+    strategy.weight.fill_(2.0)
+    clock.write(strategy, 2, None, {"step": 2, "epoch": 0}, rank=0)
+    strategy.weight.fill_(4.0)
+    clock.write(strategy, 4, None, {"step": 4, "epoch": 0}, rank=0)  # its write fails in the thread
+    clock.writer._thread.join()
+    found = snapshots.latest(FitConfig(snapshot_dir=str(tmp_path)))
+    assert found == files.path_for(str(tmp_path), 2) and _loaded_weight(found).eq(2.0).all()
+    with pytest.raises(RuntimeError, match=r"writing an elastic fit's snapshot failed \(OSError: .*No space left.*"
+                                           r"the previous snapshot is kept.*/dev/shm is full"):
+        clock.write(strategy, 6, None, {"step": 6, "epoch": 0}, rank=0)  # the next snapshot learns of it
+    clock.close()
+
+
+def test_the_fit_end_waits_for_the_last_write_and_a_failed_one_does_not_fail_it(tmp_path):
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    clock.write(_Replicated(fail_at=2), 2, None, {"step": 2, "epoch": 0}, rank=0)
+    clock.close()  # the fit's own outcome stands; the snapshots go with the fit anyway
+    assert not clock.writer.busy and snapshots.latest(FitConfig(snapshot_dir=str(tmp_path))) is None
+
+
+def test_inline_snapshots_are_written_on_the_training_thread_for_the_benchmarks_a_b(tmp_path, monkeypatch):
+    monkeypatch.setenv(background.INLINE_ENV, "1")
+    clock = snapshots.SnapshotClock(FitConfig(snapshot_dir=str(tmp_path), snapshot_every=2), torch.device("cpu"))
+    assert clock.writer.inline and clock.writer.stage({"w": torch.ones(2)})["w"].sum() == 2
+    clock.writer.submit(lambda: files.save(str(tmp_path), 2, {"model": {}, "optimizer": {}, "step": 2, "epoch": 0}))
+    assert not clock.writer.busy and os.path.exists(files.path_for(str(tmp_path), 2))  # written before submit returned
+    clock.close()
+
+
+@pytest.mark.requires_gpu
+def test_a_cuda_snapshot_is_a_copy_into_pinned_host_buffers_kept_across_snapshots():
+    """The step's copy: device to pinned host memory, the same buffers at the next snapshot, the state at the copy."""
+    writer = background.Writer(torch.device("cuda:0"))
+    weight = torch.full((1024,), 1.0, device="cuda:0")
+    first = writer.stage({"model": {"w": weight}, "step": 1})
+    weight.fill_(2.0)  # the training step after the snapshot: the copy was synchronised before stage returned
+    assert first["model"]["w"].device.type == "cpu" and first["model"]["w"].is_pinned()
+    assert first["model"]["w"].eq(1.0).all()
+    second = writer.stage({"model": {"w": weight}, "step": 2})
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr() and second["model"]["w"].eq(2.0).all()
+    writer.close()
+
+
+def test_a_lost_engine_of_an_attached_cluster_is_waited_for_then_the_error_says_what_to_start():
+    workers = SimpleNamespace(ids=[0])
+    started = threading.Timer(0.2, lambda: setattr(workers, "ids", [0, 3]))  # its launcher starts one again
+    started.start()
+    await_replacements(workers, 1, 2, timeout=30)
+    started.join()
+    with pytest.raises(ClusterError, match=r"1 engine\(s\) of this attached cluster died during an elastic fit .*"
+                                           r"within 0 s; nbddp cannot start engines.*`ipengine --file="):
+        await_replacements(SimpleNamespace(ids=[0]), 1, 2, timeout=0.2)
+
+
+def test_an_engine_removes_only_a_snapshot_folder_in_its_shared_memory(tmp_path):
+    folder = os.path.join(shm_dir(), f"nbddp-test-{os.getpid()}-snap-{time.monotonic_ns()}")
+    os.mkdir(folder, 0o700)
+    open(os.path.join(folder, "step-00000004.pt"), "wb").close()
+    assert remove_snapshot_folder(folder) is True and not os.path.exists(folder)
+    assert remove_snapshot_folder(folder) is False
+    with pytest.raises(ValueError, match=r"not an elastic fit's snapshot folder in /dev/shm"):
+        remove_snapshot_folder(str(tmp_path))
 
 
 # ---------------------------------------------------------------- lost ranks, on the workers

@@ -16,7 +16,7 @@ from nbddp.elastic import job_loss, snapshot_folder
 from nbddp.elastic.policy import ElasticPolicy
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import ClusterError, SlurmError
-from nbddp.worker.tasks.held_snapshots import held, remove_folder
+from nbddp.worker.tasks.held_snapshots import held
 
 
 @pytest.mark.parametrize("state, retried, cause", [
@@ -73,7 +73,7 @@ def test_the_newest_step_every_host_reads_is_chosen():
     assert job_loss.choose({}, since=0.0) is None
 
 
-def test_held_lists_whole_snapshots_and_checkpoints_and_remove_folder_takes_the_folder(tmp_path):
+def test_held_lists_whole_snapshots_and_checkpoints(tmp_path):
     import torch
 
     snaps, ckpts = tmp_path / "snap", tmp_path / "ckpt"
@@ -86,7 +86,6 @@ def test_held_lists_whole_snapshots_and_checkpoints_and_remove_folder_takes_the_
     assert found["snapshots"] == {6: str(snaps / "step-00000006.pt")}
     assert list(found["checkpoints"]) == [4] and found["checkpoints"][4][0] == str(ckpts / "step-00000004.pt")
     assert held(None, str(tmp_path / "none"))["checkpoints"] == {}
-    assert remove_folder(str(snaps)) and not snaps.exists() and not remove_folder(str(snaps))
 
 
 class _Answer:
@@ -206,7 +205,7 @@ def test_the_end_of_a_fit_removes_its_snapshot_folder_on_the_other_hosts(tmp_pat
     session = SimpleNamespace(group=SimpleNamespace(placements=placements), client={i: Engine() for i in range(4)},
                               workers=SimpleNamespace(job_problem=lambda: None))
     assert sorted(snapshot_folder.remove(str(folder), session)) == ["n1", "n2"]
-    assert not folder.exists() and asked == [("remove_folder", str(folder))] * 2
+    assert not folder.exists() and asked == [("remove_snapshot_folder", str(folder))] * 2
     session.workers.job_problem = lambda: JobState("42", "NODE_FAIL")  # its engines are gone with the job
     assert snapshot_folder.remove(str(folder), session) == []
 

@@ -3,10 +3,11 @@
 Named after the session's shared-memory prefix, so ``nbddp.stop()`` and the
 session's clean-up remove it too if the kernel never reached the fit's end;
 created 0700 so that no other user reads a snapshot. Ranks on other hosts
-(a Slurm job's nodes) write theirs into the same path in their host's
-``/dev/shm``; at the fit's end one engine per such host removes it, as only
-a process there can (bounded: a host whose engine is gone keeps its folder
-until the node's ``/dev/shm`` is cleared).
+(a Slurm job's nodes, an SSH cluster's hosts) keep a folder of the same
+path in their host's ``/dev/shm``, with their snapshots and the copy of a
+peer's (``worker/checkpoints/peer_copies.py``); at the fit's end one engine
+per such host removes it, as only a process there can (bounded: a host whose
+engine is gone keeps its folder until the node's ``/dev/shm`` is cleared).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def remove(path: str | None, session: Any = None) -> list[str]:
     workers = session.workers if one_per_host else None
     if workers is None or workers.job_problem() is not None:  # (a lost job's engines are gone with their folders)
         return []
-    from nbddp.worker.tasks.held_snapshots import remove_folder
+    from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
 
     asked = []
     for host, engine in one_per_host.items():
         try:
-            asked.append((host, session.client[engine].apply_async(remove_folder, path)))
+            asked.append((host, session.client[engine].apply_async(remove_snapshot_folder, path)))
         except Exception:  # noqa: BLE001 - a lost engine: nothing to remove through it
             continue
     deadline = time.monotonic() + REMOTE_REMOVE_S

@@ -30,8 +30,7 @@ from nbddp.profiling.time_split import split_ranks
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
-from nbddp.elastic import job_loss, snapshot_folder
-from nbddp.elastic.spare import keep_spare
+from nbddp.elastic import fit_scope
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import SlurmError, WorkerError
 
@@ -97,9 +96,7 @@ class FitRun:
         """Start every rank's task and the watcher; if that fails, the shipped files go and the session is free."""
         try:
             if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
-                self.plan.cfg.snapshot_dir = snapshot_folder.make(self.session.file_prefix)
-                keep_spare(self.session)  # a warm engine to replace a lost rank with, started in the background
-                job_loss.advise(self.session, self.plan.cfg.checkpoint_dir)  # on Slurm: what survives a lost job
+                fit_scope.begin(self.session, self.plan.cfg)
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
             self.view.start(self)
@@ -107,7 +104,7 @@ class FitRun:
             self.thread.start()
         except BaseException:
             self.plan.discard()
-            snapshot_folder.remove(self.plan.cfg.snapshot_dir)
+            fit_scope.end(self.session, self.plan.cfg)
             self.session.running = None
             raise
 
@@ -259,7 +256,7 @@ class FitRun:
             if self.session.running is self:  # (a restart may have begun other work since)
                 self.session.running = None
             self.plan.discard()
-            snapshot_folder.remove(self.plan.cfg.snapshot_dir, self.session)  # on every host of the group
+            fit_scope.end(self.session, self.plan.cfg)  # snapshots removed on every host of the group
             try:  # before done_event: a blocking cell returns only once the final state is drawn
                 self.view.finish(self)
             except Exception:  # noqa: BLE001 - a display problem must not hide the result
@@ -348,7 +345,7 @@ class FitRun:
             "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out
             "load_s": loaded - t0,  # the kernel reading them into the model
             "total_s": loaded - self.started_at,
-            **{k: worker[k] for k in ("snapshot_s", "snapshots") if k in worker},  # an elastic fit's snapshots
+            **{k: worker[k] for k in ("snapshot_s", "snapshots", "snapshot_write_s", "snapshot_wait_s") if k in worker},  # an elastic fit's snapshots
             # rank 0 waiting for the synchronous callbacks (on_epoch_end): seconds, and how many points
             **{k: worker[k] for k in ("answer_wait_s", "answer_points") if k in worker},
         }

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from nbddp.elastic.replacements import await_replacements
 from nbddp.protocol.errors import ClusterError, SlurmError
 
 PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
@@ -43,6 +44,9 @@ class Supervisor:
         # the last heal's phases in seconds (ping_s, spare_s, start_s, group_s) and how many engines it started
         # afresh (started: 0 when a warm spare replaced the lost rank); bench_elastic.py reports them
         self.last_heal: dict[str, float] = {}
+        # an elastic fit on a cluster nbddp cannot start engines on: a heal waits this long for a replacement
+        # that the cluster's own launcher starts (nbddp/elastic/replacements.py); 0: it stops with the fix
+        self.await_engines_s = 0.0
 
     @property
     def healing(self) -> bool:
@@ -157,7 +161,9 @@ class Supervisor:
         if missing > 0 and self.spare is not None and self.spare.take() is not None:
             to_start -= 1  # the warm spare is a rank from now on
         lap("spare_s")
-        if to_start > 0:
+        if to_start > 0 and not workers.can_add_engines and self.await_engines_s:
+            await_replacements(workers, to_start, want, self.await_engines_s)
+        elif to_start > 0:
             workers.add_engines(to_start, want, wait=job_wait)
         lap("start_s", started=max(0, to_start))
         self._check_cancelled()

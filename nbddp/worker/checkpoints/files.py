@@ -70,13 +70,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(directory: str, step: int, payload: dict[str, Any], keep: int = KEEP) -> str:
-    """Write ``payload`` as the checkpoint of ``step``; keep the newest ``keep``."""
-    os.makedirs(directory, exist_ok=True)
+def save(directory: str, step: int, payload: dict[str, Any], keep: int = KEEP, private: bool = False) -> str:
+    """Write ``payload`` as the checkpoint of ``step``; keep the newest ``keep``.
+
+    ``private``: the file is 0600 whatever the process's umask (a snapshot, written by a thread that cannot
+    change the umask for the whole process).
+    """
+    os.makedirs(directory, mode=0o700 if private else 0o777, exist_ok=True)
     _remove_stale_temporaries(directory)
     final = path_for(directory, step)
     tmp = f"{final}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    with os.fdopen(fd, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
@@ -136,6 +141,11 @@ def is_complete(path: str) -> bool:
 def list_checkpoints(directory: str) -> list[str]:
     found = [p for p in glob.glob(os.path.join(directory, "step-*")) if _NAME.search(p)]
     return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
+
+
+def step_of(path: str) -> int:
+    """The step a checkpoint's name says (``step-00000123.pt`` or a sharded ``step-00000123`` folder)."""
+    return int(_NAME.search(path).group(1))
 
 
 def latest(directory: str) -> str | None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.checkpoints import background, files as ckpt
 
 LOOP_FILE = ckpt.SHARDED_LOOP_FILE
 METADATA = ckpt.SHARDED_METADATA
@@ -62,6 +62,42 @@ def save(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str,
         os.replace(tmp, final)
         ckpt.prune(directory)
     dist.barrier()
+
+
+def save_async(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], rank: int, writer: Any,
+               flat: bool = False) -> Callable[[], None]:
+    """Collective: every rank's shards copied to host buffers now, written by ``dcp.async_save``'s thread.
+
+    Returns what is left for the snapshot writer's thread (``background.Writer``): wait for DCP's write
+    (every rank's files, then rank 0's ``.metadata``), then rank 0 writes the loop state and renames the
+    directory, as ``save`` does. DCP's own collectives run on ``writer.side_group``, not on training's group.
+    """
+    import torch.distributed.checkpoint as checkpoint
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = ckpt.dir_for(directory, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+        os.makedirs(tmp, mode=0o700)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
+    loop_state = writer.stage(extra)
+    staged = writer.stage({"model": model_state, "optim": optim_state})
+    future = checkpoint.async_save(staged, checkpoint_id=tmp, process_group=writer.side_group(None),
+                                   async_stager=background.Staged())
+
+    def finish() -> None:
+        future.result()
+        if rank == 0:
+            torch.save(loop_state, os.path.join(tmp, LOOP_FILE))
+            for name in os.listdir(tmp):  # owner-only, whatever the umask of DCP's thread
+                os.chmod(os.path.join(tmp, name), 0o600)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+
+    return finish
 
 
 def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str, Any]:

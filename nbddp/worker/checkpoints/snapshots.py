@@ -11,20 +11,25 @@ When one is due must be the same answer on every rank (writing is
 collective): steps and epochs are; a time interval is decided at the
 reporter's synchronisation steps (the same on every rank) by one small
 ``all_reduce`` of "my interval has passed".
+
+The step waits only for the copy into host buffers; the write itself runs
+in a thread (``background.py``), and the next snapshot, the fit's end and
+a relaunch's read (``setup.wrap_and_restore``, after every rank's previous
+task has ended) wait for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig
-from nbddp.worker.checkpoints import files as ckpt
+from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig, check_elastic_hosts
+from nbddp.worker.checkpoints import background, files as ckpt, peer_copies
+from nbddp.worker.engine.rank_state import STATE
 
 KEEP = 2  # the last whole snapshot survives a death while the next one is written
 
@@ -32,15 +37,18 @@ KEEP = 2  # the last whole snapshot survives a death while the next one is writt
 class SnapshotClock:
     """When this fit writes its next snapshot (``cfg.snapshot_every``), and what writing them cost."""
 
-    def __init__(self, cfg: FitConfig, device: torch.device, group: Any = None):
+    def __init__(self, cfg: FitConfig, device: torch.device, group: Any = None, strategy: Any = None):
         self.every = cfg.snapshot_every
         self.directory = cfg.snapshot_dir
         self.device = device
         self.group = group
         self.last = time.monotonic()
         self.last_cost = 0.0  # seconds the last snapshot took on this rank
-        self.total_s = 0.0  # seconds spent writing snapshots in this fit (History.timings["snapshot_s"])
+        self.total_s = 0.0  # seconds the training thread spent on snapshots (History.timings["snapshot_s"])
         self.count = 0
+        self.waited_s = 0.0  # of total_s: waiting for the previous snapshot's write to end
+        self.writer = background.Writer(device)  # the writes, in its thread: History.timings["snapshot_write_s"]
+        self.peers = copies_across_hosts(cfg, strategy, group)  # (collective when the ranks span hosts)
 
     @property
     def by_time(self) -> bool:
@@ -63,21 +71,62 @@ class SnapshotClock:
     def at_epoch_end(self) -> bool:
         return self.every == "epoch"
 
-    @contextlib.contextmanager
-    def writing(self, rank: int) -> Iterator[None]:
-        """Around one snapshot: files owner-only (0600), the oldest beyond ``KEEP`` removed, the cost kept."""
+    def write(self, strategy: Any, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
+        """One snapshot (collective): the previous write waited for, this one copied, then written by the
+        writer's thread (``background.py``); files owner-only (0600), the oldest beyond ``KEEP`` removed."""
         t0 = time.monotonic()
-        before = os.umask(0o077)
+        before = os.umask(0o077)  # what the training thread creates (a sharded snapshot's folder)
         try:
-            yield
+            self.writer.wait()  # its buffers are refilled now
+            self.waited_s += time.monotonic() - t0  # (0 unless snapshots come faster than they are written)
+            job = strategy.save_snapshot(self.directory, step, optimizer, extra, rank, self.writer)
+            if self.peers is not None:  # a copy in another host's memory (peer_copies.py)
+                job = self.peers.job(job, step, self.writer.side_group(self.group))
         finally:
             os.umask(before)
-        if rank == 0:
-            ckpt.prune(self.directory, KEEP)
+        if rank == 0 or job is not None:
+            self.writer.submit(lambda: self._written(job, rank))
         self.last = time.monotonic()
         self.last_cost = self.last - t0
         self.total_s += self.last_cost
         self.count += 1
+
+    def _written(self, job: Any, rank: int) -> None:
+        """In the writer's thread: the write, then rank 0 keeps the newest ``KEEP``."""
+        if job is not None:
+            job()
+        if rank == 0:
+            ckpt.prune(self.directory, KEEP)
+
+    def timings(self) -> dict[str, float]:
+        """For ``History.timings``: what the steps waited (of which for a previous write), how many snapshots, what
+        the writes took in the thread."""
+        return {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s,
+                "snapshot_wait_s": self.waited_s}
+
+    def close(self) -> None:
+        """The fit's end, whatever its outcome: the last write finished (a failed one leaves the previous)."""
+        self.writer.close(raise_error=False)
+
+
+def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> peer_copies.PeerCopies | None:
+    """Who copies this fit's snapshots to which host, when its ranks span hosts (collective then); else None."""
+    if strategy is None or not peer_copies.spans_hosts(STATE.placement):
+        return None
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, STATE.placement.host, group=group)
+    check_elastic_hosts(hosts, strategy.snapshot_is_one_file, strategy.name)
+    return peer_copies.PeerCopies(dist.get_rank(group), hosts, cfg.snapshot_dir, KEEP)
+
+
+def relaunch_from(cfg: FitConfig, strategy: Any, rank: int, world: int) -> str | None:
+    """Collective: the snapshot a relaunch resumes from, the same on every rank (``setup.wrap_and_restore``).
+
+    Across hosts, the newest any host holds, copied to the hosts that lack it (a replacement's new host).
+    """
+    if peer_copies.spans_hosts(STATE.placement) and strategy.snapshot_is_one_file:
+        return peer_copies.fetch_newest(cfg.snapshot_dir, rank, world)
+    return latest(cfg)
 
 
 def latest(cfg: FitConfig) -> str | None:

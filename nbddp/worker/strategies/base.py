@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -144,6 +144,18 @@ class Strategy(ABC):
     @abstractmethod
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
         """Save model and optimizer state with ``extra`` (loop state, every rank's RNG); collective."""
+
+    snapshot_is_one_file = False  # an elastic fit's snapshot is one file (rank 0's), which can be copied to a peer
+
+    @abstractmethod
+    def save_snapshot(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int,
+                      writer: Any) -> Callable[[], Any] | None:
+        """An elastic fit's snapshot, off the training thread (``checkpoints/background.py``); collective.
+
+        Copies what this rank writes into ``writer``'s host buffers and returns the write itself, which
+        the writer's thread runs (``None``: this rank writes nothing). Under ``writer.inline`` it writes
+        here, as ``save_checkpoint`` does, and returns ``None``.
+        """
 
     @abstractmethod
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ the rest of the backward; validation calls the same compiled module.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ from nbddp.worker.strategies.base import Strategy
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    snapshot_is_one_file = True  # replicated: rank 0's file is every rank's state
 
     def __init__(self, device: torch.device, settings: Any) -> None:
         super().__init__(device)
@@ -47,6 +48,17 @@ class DDPStrategy(Strategy):
         if rank != 0:
             return
         ckpt.save(directory, step, {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(), **extra})
+
+    def save_snapshot(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int,
+                      writer: Any) -> Callable[[], Any] | None:
+        if rank != 0:  # replicated: rank 0's copy is every rank's
+            return None
+        if writer.inline:
+            ckpt.save(directory, step, {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                        **extra}, private=True)
+            return None
+        state = writer.stage({"model": self.module.state_dict(), "optimizer": optimizer.state_dict(), **extra})
+        return lambda: ckpt.save(directory, step, state, private=True)
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         state = ckpt.load(path)

@@ -21,7 +21,7 @@ and with accumulation and clipping to 6e-8.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -136,6 +136,13 @@ class FSDPStrategy(Strategy):
 
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
         dcp.save(directory, step, self.module, optimizer, extra, rank)
+
+    def save_snapshot(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int,
+                      writer: Any) -> Callable[[], Any] | None:
+        if writer.inline:
+            dcp.save(directory, step, self.module, optimizer, extra, rank)
+            return None
+        return dcp.save_async(directory, step, self.module, optimizer, extra, rank, writer)
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer)

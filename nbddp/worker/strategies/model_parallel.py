@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,13 @@ class MeshStrategy(Strategy):
     # ---- checkpoints -------------------------------------------------------------
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:
         dcp.save(directory, step, self.module, optimizer, extra, rank, flat=True)
+
+    def save_snapshot(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int,
+                      writer: Any) -> Callable[[], Any] | None:
+        if writer.inline:
+            dcp.save(directory, step, self.module, optimizer, extra, rank, flat=True)
+            return None
+        return dcp.save_async(directory, step, self.module, optimizer, extra, rank, writer, flat=True)
 
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer, flat=True)

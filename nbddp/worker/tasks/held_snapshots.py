@@ -5,15 +5,13 @@ ranks' processes; what may outlive them is a node's ``/dev/shm`` snapshot
 folder (when the new job lands on a node that survived) and the fit's
 ``checkpoint_dir`` (when it is on a file system the nodes share). The kernel
 asks one engine per host of the new job (``elastic/job_loss.py``) and
-resumes only from a step every rank can read. The same task removes the
-fit's snapshot folder on that host when the fit ends: only a process there
-can.
+resumes only from a step every rank can read. (The folder's removal at the
+fit's end is ``snapshot_folder.py``'s task, next to this one.)
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 
 from nbddp.worker.checkpoints import files as ckpt
@@ -26,13 +24,6 @@ def held(snapshot_dir: str | None, checkpoint_dir: str | None) -> dict[str, obje
     """
     return {"host": socket.gethostname(), "snapshots": _complete(snapshot_dir),
             "checkpoints": {k: (p, os.path.getmtime(p)) for k, p in _complete(checkpoint_dir).items()}}
-
-
-def remove_folder(path: str) -> bool:
-    """Remove an ended fit's snapshot folder on this host; whether there was one."""
-    there = os.path.isdir(path)
-    shutil.rmtree(path, ignore_errors=True)
-    return there
 
 
 def _complete(directory: str | None) -> dict[int, str]:

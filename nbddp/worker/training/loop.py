@@ -114,10 +114,11 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
         uncompile(ts.compiled)
         trace = ts.profiler.close() if ts.profiler is not None else None  # never left running on the engine
         ts.asked.end()
+        if ts.snapshots is not None:  # the last snapshot's write finished, failed fit or not
+            ts.snapshots.close()
     phase_s = timed_phases(BEAT.phase_seconds(stop=True))
     timings = {"setup_s": setup_s, "train_s": time.perf_counter() - t_train, "train_start_wall": train_start_wall}
-    if ts.snapshots is not None:  # of train_s: writing the elastic fit's snapshots
-        timings.update(snapshot_s=ts.snapshots.total_s, snapshots=ts.snapshots.count)
+    timings.update(ts.snapshots.timings() if ts.snapshots is not None else {})  # of train_s: elastic snapshots
     if ts.answers.waited:  # of train_s: waiting for the kernel's synchronous callbacks
         timings.update(answer_wait_s=ts.answers.wait_s, answer_points=ts.answers.waited)
     result = finish(ts, launch, timings)
@@ -141,7 +142,7 @@ def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_m
     ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix, launch.channel)
     ts.answers = KernelAnswers(ts.rank, launch.answers, STATE.file_prefix, group,  # synchronous callbacks
                                channel=launch.channel, generation=launch.generation)
-    ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group) if cfg.snapshot_dir else None
+    ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group, ts.strategy) if cfg.snapshot_dir else None
 
 
 def train(ts: TrainState) -> None:
@@ -317,22 +318,27 @@ def asked_checkpoint(ts: TrainState, batches_done: int) -> None:
 
 
 def write_snapshot(ts: TrainState, batches_done: int) -> None:
-    """An elastic fit's snapshot: a checkpoint in the fit's ``/dev/shm`` folder, owner-only, the last two kept."""
-    with ts.snapshots.writing(ts.rank):
-        save_checkpoint(ts, batches_done, ts.cfg.snapshot_dir)
+    """An elastic fit's snapshot: copied now, written in the background to the fit's ``/dev/shm`` folder."""
+    ts.snapshots.write(ts.strategy, ts.step, ts.optimizer, checkpoint_extra(ts, batches_done), ts.rank)
     ts.reporter.publish(force=True)  # the records up to it reach the kernel, which keeps them if a rank dies now
 
 
 def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = None) -> None:
-    """Gather every rank's RNG state, then the strategy writes model, optimizer and loop state.
+    """The strategy writes model, optimizer and loop state (``checkpoint_extra``) to ``directory``.
 
-    ``directory``: where (default ``checkpoint_dir``; an elastic fit's snapshots go to its own folder).
+    ``directory``: where (default ``checkpoint_dir``; an asked checkpoint goes where it was asked to).
     """
+    extra = checkpoint_extra(ts, batches_done)
+    ts.strategy.save_checkpoint(directory or ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
+
+
+def checkpoint_extra(ts: TrainState, batches_done: int) -> dict[str, Any]:
+    """The loop's state beside the model and optimizer, every rank's RNG gathered (collective)."""
     BEAT.mark("checkpoint")
     states: list[Any] = [None] * ts.world
     dist.all_gather_object(states, ckpt.rng_state(), group=ts.strategy.group)
     rep = ts.reporter
-    extra = {
+    return {
         "scheduler": ts.scheduler.state_dict() if ts.scheduler is not None else None,
         "scaler": ts.scaler.state_dict() if ts.scaler is not None else None,
         "step": ts.step,
@@ -345,7 +351,6 @@ def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = N
         "batch_size": ts.cfg.batch_size,
         "strategy": ts.strategy.name,
     }
-    ts.strategy.save_checkpoint(directory or ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
 
 
 def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitResult:

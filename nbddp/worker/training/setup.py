@@ -160,9 +160,11 @@ def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, strategy: Any, ran
     return out
 
 
-def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | None) -> None:
+def wrap_and_restore(ts: TrainState, parts: dict[str, Any], path: str | None) -> None:
     """Phase 2 (collective): wrap, build the optimizer and scheduler, load the checkpoint."""
-    identical = isinstance(parts["model"], nn.Module) or resume_path is not None
+    if ts.cfg.from_snapshot:  # read again now that every rank's last task, and its last snapshot write, has ended
+        path = snapshots.relaunch_from(ts.cfg, ts.strategy, ts.rank, ts.world) or resume_path(ts.cfg)
+    identical = isinstance(parts["model"], nn.Module) or path is not None
     ts.strategy.wrap(ts.model, identical)
     ts.model = ts.strategy.module  # what this rank holds of it (a pipeline keeps its stages only)
     if ts.cfg.compile is not None:
@@ -181,8 +183,8 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], resume_path: str | N
         interval, notice = choose_interval(ts.scheduler, ts.cfg.scheduler_interval)
         ts.schedule = Schedule(ts.scheduler, interval, ts.cfg.scheduler_frequency, ts.cfg.scheduler_monitor)
         ts.notices += [notice] if notice else []
-    if resume_path:
-        restore(ts, resume_path)
+    if path:
+        restore(ts, path)
 
 
 def restore(ts: TrainState, path: str) -> None:
@@ -205,7 +207,9 @@ def resume_path(cfg: FitConfig) -> str | None:
     """The checkpoint ``resume=`` points at, or None to start fresh.
 
     An elastic fit's relaunch (``cfg.from_snapshot``) starts from its newest
-    snapshot; before the first one it starts where the first launch did.
+    snapshot; before the first one it starts where the first launch did. A
+    surviving rank's last snapshot may still have been written in the
+    background when this ran, so phase 2 asks again (``wrap_and_restore``).
     """
     found = snapshots.latest(cfg) if cfg.from_snapshot else None
     return found or ckpt.resolve(cfg.resume, cfg.checkpoint_dir)

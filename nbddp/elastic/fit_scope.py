@@ -1,0 +1,29 @@
+"""What an elastic fit (``dist_fit(max_restarts=...)``) sets up when it starts and takes down when it ends.
+
+At the start: the fit's snapshot folder, a warm spare engine, on Slurm the
+advice about what would survive a lost job, and on a cluster nbddp cannot
+start engines on, the heal's wait for a replacement. At the end, whatever
+happened: the folder on every host and that wait. One place, so that the
+``FitRun`` cannot set one up and forget to take it down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbddp.elastic import job_loss, replacements, snapshot_folder
+from nbddp.elastic.spare import keep_spare
+
+
+def begin(session: Any, cfg: Any) -> None:
+    """Before the ranks start: ``cfg.snapshot_dir`` made (0700, in ``/dev/shm``) and the heal prepared."""
+    cfg.snapshot_dir = snapshot_folder.make(session.file_prefix)
+    keep_spare(session)  # a warm engine to replace a lost rank with, started in the background
+    job_loss.advise(session, cfg.checkpoint_dir)  # on Slurm: what survives a lost job
+    session.supervisor.await_engines_s = replacements.WAIT_S  # (where nbddp cannot start an engine)
+
+
+def end(session: Any, cfg: Any) -> None:
+    """After the fit, whatever its outcome: every host's snapshot folder removed, the heal's wait back to none."""
+    snapshot_folder.remove(cfg.snapshot_dir, session)
+    session.supervisor.await_engines_s = 0.0
