@@ -21,6 +21,7 @@ neither.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -92,6 +93,8 @@ def run(train: Any, val: Any, cfg: dict[str, Any], lrs: list[float], widths: lis
     from ray import tune
 
     temp = tempfile.mkdtemp(prefix="ray-")  # Ray's session files and Tune's results: removed at the end
+    token = os.path.expanduser("~/.ray/auth_token")  # ray.init writes one when there is none: ours goes at the end
+    had_token = os.path.exists(token)
     out: dict[str, Any] = {"fits_s": [], "states": []}
     try:
         with _environment():
@@ -118,4 +121,8 @@ def run(train: Any, val: Any, cfg: dict[str, Any], lrs: list[float], widths: lis
         ray.shutdown()
         out["shutdown_s"] = time.perf_counter() - t0
         shutil.rmtree(temp, ignore_errors=True)
+        if not had_token and os.path.exists(token):
+            os.unlink(token)
+            with contextlib.suppress(OSError):  # the folder too, when ray.init made it for the token alone
+                os.rmdir(os.path.dirname(token))
     return out
