@@ -82,7 +82,7 @@ def test_a_failed_heal_is_reported_at_the_next_use():
     s.workers = SimpleNamespace(controller_problem=lambda: None, job_problem=lambda: None)  # "started", for ensure_ready
     s.group = SimpleNamespace(generation=1, placements=(), world_size=0)
 
-    def failing_heal(killed):
+    def failing_heal(killed, job_wait=None):
         raise RuntimeError("engine 3 did not register")
 
     s.supervisor._heal = failing_heal

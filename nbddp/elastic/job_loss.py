@@ -58,7 +58,7 @@ def retried(state: str) -> bool:
 
 def advise(session: Any, checkpoint_dir: str | None) -> str | None:
     """At an elastic fit's launch on a Slurm job over several nodes without ``checkpoint_dir``: say, once, that a
-    lost job could not be resumed (the ``/dev/shm`` snapshots are on the lost job's nodes, rank 0's alone).
+    lost job may not be resumable (the snapshots are only in the lost job's nodes' ``/dev/shm``).
 
     Returns the notice given, or None.
     """
@@ -69,9 +69,10 @@ def advise(session: Any, checkpoint_dir: str | None) -> str | None:
     if len(hosts) < 2:
         return None
     text = (f"nbddp: this elastic fit runs in a Slurm job over {len(hosts)} nodes without checkpoint_dir: its snapshots "
-            "are in each node's /dev/shm (a replicated model's in rank 0's alone), so if the job is lost (NODE_FAIL, "
-            "a preemption, the time limit) the new job has nothing every rank can resume from, and the fit ends. "
-            "Pass checkpoint_dir= on a file system the nodes share (with checkpoint_every=N to lose at most N steps).")
+            "are only in the nodes' memory (/dev/shm: rank 0's node and a copy on one other), so if the job is lost "
+            "(NODE_FAIL, a preemption, the time limit) and the new job's nodes do not all hold them (a node rebooted, "
+            "or the job placed elsewhere), the fit ends. Pass checkpoint_dir= on a file system the nodes share (with "
+            "checkpoint_every=N to lose at most N steps).")
     notify(text, stacklevel=5)  # notify, advise, FitRun.launch, dist_fit, the cell
     return text
 
@@ -220,7 +221,7 @@ def nothing_survived(event: dict[str, Any], holdings: dict[str, dict[str, Any]],
     return (f"Slurm job {event['job']} was lost at step {event['step_lost_at']} ({event['cause']}) and nbddp "
             f"submitted job {event['new_job']} to go on (max_restarts={max_restarts}), but none of the fit's state "
             f"survived where every rank of the new job can read it. Snapshots in /dev/shm, by host: {snaps} (a "
-            f"node's memory is its own, and a replicated model's snapshot is rank 0's alone); {where}. What would "
+            f"node's memory is its own, and goes with a node that fails or reboots); {where}. What would "
             "have survived: dist_fit(checkpoint_dir=...) on a file system every node mounts (your home or project "
             "folder, not /tmp), with checkpoint_every=N to lose at most N steps. The new job's workers are ready.")
 
