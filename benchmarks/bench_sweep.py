@@ -162,7 +162,12 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                       "gap_median_s": common.median(totals) if totals else None,
                       "gap_max_s": max(totals) if totals else None,
                       "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {}}
-    if not quick:  # the smoke run leaves Ray out: its start-up alone is longer than the whole quick run
+    if not quick:  # the smoke run leaves these out: Ray's start-up alone is longer than the whole quick run
+        from benchmarks import machine_ceiling
+
+        out["machine"] = machine_ceiling.measure(reps=reps)  # what 2 plain processes get from this machine, now
+        out["summary"]["machine_ceiling"] = out["machine"]["ceiling"]
+        out["summary"]["speedup_of_ceiling"] = common.ratio(out["summary"]["speedup"], out["machine"]["ceiling"])
         out["ray"] = ray_side(train, val, cfg, lrs, reps)
         out["summary"].update(ray_summary(out))
     common.log(f"[sweep] {out['summary']}")
