@@ -24,6 +24,13 @@ from nbddp.shipping import output_file
 pytestmark = pytest.mark.timeout(180)
 
 
+
+def _our_output_files() -> list[str]:
+    """This session's predict output files in /dev/shm (another test process's calls may have theirs there)."""
+    from nbddp.session.session import get_session
+
+    return glob.glob(f"/dev/shm/{get_session().file_prefix}-out-*")
+
 def net() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -66,7 +73,7 @@ def test_the_value_views_the_shared_file_which_is_gone_once_mapped(workers):
     x = rows(97)
     first = nbddp.predict(net(), (x,), batch_size=10, live=False)
     assert torch.allclose(first, net()(x).detach(), atol=1e-6)
-    assert not glob.glob("/dev/shm/nbddp-*-out-*")  # mapped, then unlinked: the memory is the tensor's
+    assert not _our_output_files()  # mapped, then unlinked: the memory is the tensor's
     kept = first.clone()
     first += 1  # writable, and private to this value
     second = nbddp.predict(net(), (x * 2,), batch_size=10, live=False)
@@ -96,7 +103,7 @@ def test_outputs_that_do_not_fit_the_files_layout_come_back_as_one_process_gives
     expected = loop(lambda b: step(None, (b,)), x, [range(0, 48), range(48, 97)], 10)
     assert isinstance(got, list) and len(got) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert not glob.glob("/dev/shm/nbddp-*-out-*")
+    assert not _our_output_files()
 
 
 # ---- the default step on Hugging Face style outputs ------------------------------------------------------------------
