@@ -148,6 +148,13 @@ def step_of(path: str) -> int:
     return int(_NAME.search(path).group(1))
 
 
+def whole(directory: str | None) -> dict[int, str]:
+    """The complete checkpoints in ``directory`` by step (none when it is unset or absent)."""
+    if not directory or not os.path.isdir(directory):
+        return {}
+    return {step_of(p): p for p in list_checkpoints(directory) if is_complete(p)}
+
+
 def latest(directory: str) -> str | None:
     """The newest complete checkpoint in ``directory``, or ``None`` (a damaged file is skipped)."""
     for path in reversed(list_checkpoints(directory)):

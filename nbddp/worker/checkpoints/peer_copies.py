@@ -108,17 +108,12 @@ def receive_file(directory: str, step: int, src: int, group: Any, keep: int | No
     return final
 
 
-def held_steps(directory: str | None) -> list[int]:
-    """The steps of the whole snapshots this host holds."""
-    if not directory or not os.path.isdir(directory):
-        return []
-    return [ckpt.step_of(p) for p in ckpt.list_checkpoints(directory) if ckpt.is_complete(p)]
 
 
 def fetch_newest(directory: str, rank: int, world: int) -> str | None:
     """Collective: the newest snapshot any host holds, received from a holder where this host lacks it."""
     held: list[Any] = [None] * world
-    dist.all_gather_object(held, held_steps(directory))
+    dist.all_gather_object(held, list(ckpt.whole(directory)))  # the steps this host holds whole
     steps = {s for h in held for s in h}
     if not steps:
         return None

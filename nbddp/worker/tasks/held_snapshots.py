@@ -22,15 +22,6 @@ def held(snapshot_dir: str | None, checkpoint_dir: str | None) -> dict[str, obje
 
     The mtime tells the kernel which checkpoints this fit wrote (``checkpoint_dir`` may hold older ones).
     """
-    return {"host": socket.gethostname(), "snapshots": _complete(snapshot_dir),
-            "checkpoints": {k: (p, os.path.getmtime(p)) for k, p in _complete(checkpoint_dir).items()}}
+    return {"host": socket.gethostname(), "snapshots": ckpt.whole(snapshot_dir),
+            "checkpoints": {k: (p, os.path.getmtime(p)) for k, p in ckpt.whole(checkpoint_dir).items()}}
 
-
-def _complete(directory: str | None) -> dict[int, str]:
-    if not directory or not os.path.isdir(directory):
-        return {}
-    found = {}
-    for path in ckpt.list_checkpoints(directory):
-        if ckpt.is_complete(path):
-            found[int(os.path.basename(path).split("-")[1].split(".")[0])] = path
-    return found
