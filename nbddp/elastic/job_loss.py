@@ -77,23 +77,14 @@ def advise(session: Any, checkpoint_dir: str | None) -> str | None:
     return text
 
 
-def should_retry(recovery: Any, run: Any, exc: SlurmError) -> bool:
-    """Whether the fit goes on in a new job after ``exc``; when it does not, the error says why."""
-    policy = recovery.policy
-    if not policy.enabled or run.stop_requested or run.hard_stopped:
-        return False
+def not_retried(exc: SlurmError, max_restarts: int) -> str | None:
+    """Why a new job would not recover from ``exc`` (None: it would; ``Recovery`` then checks ``max_restarts``)."""
+    if retried(exc.state):
+        return None
     word = cause(exc.state)
-    if not retried(exc.state):
-        why = NOT_RETRIED.get(word, "it is not a loss a new job recovers from")
-        _note(exc, f"nbddp: not retried (max_restarts={policy.max_restarts}): {word}: {why}. A new job is retried "
-                   f"after {', '.join(RETRIED)}")
-        return False
-    used = len(recovery.restarts)
-    if used >= policy.max_restarts:
-        _note(exc, f"nbddp: the fit was restarted {used} time(s) and max_restarts={policy.max_restarts} were all "
-                   "used; this lost job ends it")
-        return False
-    return True
+    why = NOT_RETRIED.get(word, "it is not a loss a new job recovers from")
+    return (f"nbddp: not retried (max_restarts={max_restarts}): {word}: {why}. A new job is retried after "
+            f"{', '.join(RETRIED)}")
 
 
 def relaunch(recovery: Any, run: Any, exc: SlurmError, steps: list[int]) -> dict[str, Any]:
@@ -250,5 +241,6 @@ def _forget_lost_engines(session: Any) -> None:
     workers.forget_dead(lost, timeout=FORGET_S)
 
 
-def _note(exc: SlurmError, text: str) -> None:
+def add_note(exc: SlurmError, text: str) -> None:
+    """``text`` on a new line of ``exc``'s message (a ``SlurmError`` has no ``with_note``)."""
     exc.args = (f"{exc}\n{text}",)

@@ -34,20 +34,28 @@ class Recovery:
 
     def should_retry(self, run: Any, exc: WorkerError | SlurmError) -> bool:
         """Whether the fit goes on after ``exc``; when it does not, the error says why."""
-        if isinstance(exc, SlurmError):  # the job holding every rank was lost
-            return job_loss.should_retry(self, run, exc)
         if not self.policy.enabled or run.stop_requested or run.hard_stopped:
             return False
-        if not self.policy.retries(exc):
-            exc.with_note(f"nbddp: not retried: {exc.exc_type} was raised by the fit's own code, and a bug does the "
-                          f"same thing again; to retry it, pass retry_on=[{exc.exc_type}]")
-            return False
+        lost_job = isinstance(exc, SlurmError)  # the job holding every rank was lost
+        if lost_job:
+            why = job_loss.not_retried(exc, self.policy.max_restarts)
+        elif not self.policy.retries(exc):
+            why = (f"nbddp: not retried: {exc.exc_type} was raised by the fit's own code, and a bug does the same "
+                   f"thing again; to retry it, pass retry_on=[{exc.exc_type}]")
+        else:
+            why = None
         used = len(self.restarts)
-        if used >= self.policy.max_restarts:
-            exc.with_note(f"nbddp: the fit was restarted {used} time(s) and max_restarts={self.policy.max_restarts} "
-                          "were all used; this failure ends it (History.restarts on a FitHandle lists them)")
-            return False
-        return True
+        if why is None and used >= self.policy.max_restarts:
+            why = (f"nbddp: the fit was restarted {used} time(s) and max_restarts={self.policy.max_restarts} were all "
+                   "used; " + ("this lost job ends it" if lost_job
+                               else "this failure ends it (History.restarts on a FitHandle lists them)"))
+        if why is None:
+            return True
+        if lost_job:
+            job_loss.add_note(exc, why)
+        else:
+            exc.with_note(why)
+        return False
 
     def relaunch(self, run: Any, exc: WorkerError | SlurmError) -> None:
         """Wait for the supervisor's heal, then launch the same fit again from the newest snapshot."""
