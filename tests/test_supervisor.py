@@ -99,6 +99,29 @@ def test_a_stop_cancels_a_heal_before_it_starts_engines(workers, monkeypatch):
     assert not stopper.is_alive() and started == [] and not workers.started
 
 
+@pytest.mark.faults
+def test_an_engine_known_dead_is_unregistered_at_once_not_after_ten_missed_heartbeats(workers):
+    """A frozen engine (SIGSTOP: alive to its nanny, its heartbeats stopped) that nbddp knows is lost leaves the
+    client's list within seconds of ``forget_dead``; the controller alone drops it after ten missed 1 s heartbeats.
+    This wait was 10 s of a lost Slurm job's recovery."""
+    import os
+    import signal
+
+    victim = workers.placements[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        workers.workers.forget_dead([victim.engine_id], timeout=9.0)
+        took = time.monotonic() - t0
+        assert victim.engine_id not in workers.workers.client.ids, "still registered after 9 s"
+        assert took < 5.0, f"took {took:.1f} s: the controller's heartbeats dropped it, not the request"
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)
+    workers.supervisor.recover([victim.engine_id])
+    workers.wait_healed(raise_error=True)
+    assert nbddp.status()["world_size"] == 2
+
+
 def _probe(engine_id: int, python: str, torch_version: str) -> Probe:
     return Probe(engine_id=engine_id, host=f"h{engine_id}", pid=100 + engine_id, address="127.0.0.1",
                  python=python, torch_version=torch_version)

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from nbddp.cluster.reaper import Reaper
+from nbddp.cluster.unregister import unregister
 from nbddp.cluster.attach import attach_files
 from nbddp.protocol.errors import ClusterError
 from nbddp.cluster.engine_exits import describe_exit, exit_code, read_tail
@@ -316,7 +317,11 @@ class Workers:
         self.wait_started(total, timeout, **(wait if wait is not None else {"queue_timeout": timeout}))
 
     def forget_dead(self, engine_ids: list[int], timeout: float = 10.0) -> None:
-        """Wait until the controller has unregistered ``engine_ids``."""
+        """Unregister ``engine_ids``, found dead or killed by the caller, and wait until the client no longer lists them.
+
+        The controller is told at once (``cluster/unregister.py``) rather than left to miss ten heartbeats.
+        """
+        unregister(self.client, self.controller_endpoint(), sorted(set(engine_ids) & set(self.client.ids)))
         deadline = time.monotonic() + timeout
         while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
             time.sleep(0.05)

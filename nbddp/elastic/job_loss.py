@@ -43,7 +43,7 @@ NOT_RETRIED = {
     GONE: "Slurm no longer says how the job ended",
 }
 CLOCK_SLACK_S = 5.0  # a checkpoint written since the fit began, on a node's clock a little behind the kernel's
-FORGET_S = 30.0  # the controller unregisters a lost job's engines after ten missed heartbeats (about 10 s)
+FORGET_S = 30.0  # bound on the controller's unregistering a lost job's engines (told at once: cluster/unregister.py)
 
 
 def cause(state: str) -> str:
@@ -222,10 +222,17 @@ def _steps(found: dict[Any, Any]) -> str:
 
 
 def _forget_lost_engines(session: Any) -> None:
-    """Wait until the controller has unregistered the engines that do not answer (the lost job's)."""
+    """Unregister the lost job's engines, and wait until the client no longer lists them.
+
+    When every job of the session is lost, so is every engine, and none is asked; otherwise those that
+    do not answer a ping within 5 s are the lost ones.
+    """
     from nbddp.worker.tasks.entry import ping
 
     workers = session.workers
+    if not set(workers.jobs.ids) - workers.jobs.retired:
+        workers.forget_dead(list(workers.ids), timeout=FORGET_S)
+        return
     asked, lost = {}, []
     for eid in workers.ids:
         try:
