@@ -2,7 +2,7 @@
 # Sets up everything the test suite needs on a fresh Debian machine, then runs it.
 #   bash scripts/test.sh            # whole suite
 #   bash scripts/test.sh --quick    # the quick tier: no notebook, docs, browser, fault, benchmark, Slurm, slow tests,
-#                                   # nor tests that start workers of their own
+#                                   # nor tests that start workers of their own, nor heavy ones
 #   bash scripts/test.sh -k faults  # extra arguments go to pytest
 #   DURATIONS=0 bash scripts/test.sh # every test's time (scripts/time_table.py groups them by cause)
 set -euo pipefail
@@ -24,7 +24,7 @@ if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/m
     || echo "warning: could not install Slurm; tests/test_slurm.py will skip and say why"
 fi
 
-QUICK=(-m "not (slow or notebook or docs or browser or faults or bench or netns or slurm or fresh_workers)")
+QUICK=(-m "not (slow or notebook or docs or browser or faults or bench or netns or slurm or fresh_workers or heavy)")
 tier=()
 if [ "${1:-}" = "--quick" ]; then
   shift

@@ -60,7 +60,7 @@ def _gpu_count() -> int:
 
 # what a test costs, roughly, by its markers (seconds on a quiet machine): only used to order the files
 _WEIGHTS = {"slow": 60.0, "notebook": 20.0, "browser": 20.0, "slurm": 15.0, "netns": 10.0, "bench": 10.0,
-            "fresh_workers": 8.0, "docs": 8.0, "faults": 5.0}
+            "fresh_workers": 8.0, "docs": 8.0, "faults": 5.0, "heavy": 5.0}
 
 
 def _weight(item: pytest.Item) -> float:

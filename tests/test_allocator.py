@@ -42,8 +42,10 @@ def _probe(extra_env: dict[str, str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy
 @glibc_only
 def test_tuned_allocator_reuses_freed_memory_where_the_default_faults_it_in_again():
+    """Heavy: two fresh Python processes import torch and fault in the same buffers, tuned and default."""
     tuned = _probe({})
     default = _probe({allocator_setting.OPT_OUT: "default"})
     assert tuned["done"] == "tuned"

@@ -158,11 +158,14 @@ MiB = 1 << 20
 FAILING = "import torch\ndef f():\n    big = torch.ones({n} << 20, dtype=torch.uint8)\n    raise ValueError('on purpose')\nf()"
 
 
+@pytest.mark.heavy
 def test_a_failed_cell_gives_its_memory_back_once_its_post_mortem_is_dropped(workers):
     """A task that raised leaves its frames (and their 64 MiB) to the traceback, which the engine's shell kept too.
 
     The failing ranks keep the failure for ``%ddp debug`` (issue 23) until their next fit or ``--clear``: then the
-    memory goes, frames frozen with the engine's objects included."""
+    memory goes, frames frozen with the engine's objects included.
+
+    Heavy: 64 MiB per rank allocated, kept by a failure, then measured as given back."""
     from nbddp.api import clear_debug as clear
 
     def fail(mib: int) -> None:

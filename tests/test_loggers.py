@@ -112,8 +112,10 @@ def _wandb_run(run_dir: str):
 # ---- the real thing ------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_four_backends_hold_every_record_and_a_resumed_fit_continues_the_same_runs(workers, tmp_path, monkeypatch,
                                                                                     offline_wandb):
+    """Heavy: TensorBoard, MLflow, W&B (offline) and CSV imported and written, then a resumed fit writes the same runs."""
     import pandas as pd
     from mlflow.tracking import MlflowClient
 

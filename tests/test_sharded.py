@@ -102,7 +102,9 @@ def test_validation_under_fsdp_runs_in_lockstep_and_counts_no_padding(workers):
         assert h_fsdp.epochs[-1][key] == pytest.approx(h_ddp.epochs[-1][key], rel=1e-5)
 
 
+@pytest.mark.heavy
 def test_resume_from_a_mid_epoch_sharded_checkpoint_is_exact(workers, tmp_path):
+    """Heavy: three FSDP fits and a DCP checkpoint saved and loaded mid-epoch on 2 ranks."""
     torch.manual_seed(0)
     base = Stack()
     straight = copy.deepcopy(base)
@@ -134,7 +136,9 @@ def test_a_sharded_checkpoint_exports_to_one_plain_file(workers, tmp_path):
         nbddp.export_checkpoint(tmp_path, tmp_path / "x.pt")
 
 
+@pytest.mark.heavy
 def test_resuming_across_strategies_says_which_one_wrote_the_checkpoint(workers, tmp_path):
+    """Heavy: a DDP and an FSDP fit, each checkpointed, then both resumed the wrong way round."""
     fit(Stack(), "ddp", epochs=1, checkpoint_dir=tmp_path / "ddp")
     fit(Stack(), "fsdp", epochs=1, checkpoint_dir=tmp_path / "fsdp")
     ddp_file = sorted((tmp_path / "ddp").iterdir())[-1]

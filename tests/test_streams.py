@@ -327,8 +327,11 @@ def test_data_of_no_accepted_form_names_the_forms(workers):
     assert len(workers.client.history) == sent, "a task reached the workers before the error"
 
 
+@pytest.mark.heavy
 def test_a_notebook_class_reaches_loader_workers_started_by_a_forkserver(workers):
-    """Under CUDA the loader workers come from a forkserver: a class defined in a cell must reach them by value."""
+    """Under CUDA the loader workers come from a forkserver: a class defined in a cell must reach them by value.
+
+    Heavy: each worker starts a forkserver and loader processes, which import torch."""
     def from_forkserver():
         from nbddp.worker.data import loaders
         from nbddp.worker.data import streams

@@ -53,6 +53,12 @@ def test_every_slow_test_says_why_it_cannot_be_faster():
                         f"(the word 'faster' in it): {silent}")
 
 
+def test_every_heavy_test_says_what_makes_it_heavy():
+    silent = [f"{path.name}::{name}" for path in sorted(TESTS.glob("test_*.py"))
+              for name, marks, doc in _tests(path) if "heavy" in marks and "heavy" not in doc.lower()]
+    assert not silent, f"tests marked heavy must say in their docstring what costs (the word 'heavy' in it): {silent}"
+
+
 def test_every_marker_used_is_registered_and_the_quick_tier_names_registered_ones():
     registered = _registered()
     used = {m for path in TESTS.glob("test_*.py") for _, marks, _ in _tests(path) for m in marks}
