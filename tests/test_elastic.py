@@ -450,3 +450,7 @@ def test_with_no_replacement_below_min_workers_the_fit_fails_naming_it(workers, 
         nbddp.dist_fit(Net(), regression_data(), batch_size=16, max_steps=8, live=False, seed=3,
                        step_fn=KillAt([(1, 3, marker)]), max_restarts=1, snapshot_every=2, min_workers=2)
     assert _snapshot_folders(workers) == [] and workers.supervisor.regrow_to == 2
+    monkeypatch.undo()
+    workers.supervisor.regrow()  # what the next call does first: back to 2 workers
+    workers.wait_healed(raise_error=True)
+    assert workers.world_size == 2 and workers.supervisor.regrow_to is None

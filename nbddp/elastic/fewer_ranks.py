@@ -98,6 +98,8 @@ def go_on(recovery: Any, run: Any, lost: WorkerError, failed: ClusterError, even
         WorkerError: ``lost``, noted, when fewer than ``min_workers`` could go on.
     """
     s, cfg, minimum = run.session, run.plan.cfg, recovery.policy.min_workers
+    if s.workers is None or s.supervisor.closing:  # nbddp.stop() meanwhile: nothing to go on with
+        raise failed
     before, alive = s.world_size, list(s.workers.ids)
     if len(alive) >= before:
         raise failed
