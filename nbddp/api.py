@@ -261,7 +261,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             ``--nnodes=MIN:MAX``). The global batch is kept: the survivors
             read the lost ranks' shards and accumulate more micro-batches per
             step, so the weights stay the unbroken fit's. Default None: a
-            lost rank must be replaced. DDP and map-style data only; see
+            lost rank must be replaced. DDP or FSDP, map-style data; see
             ``docs/faults.md``.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the

@@ -415,24 +415,33 @@ def _no_replacement(session, monkeypatch) -> None:
 
 @pytest.mark.faults
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_with_no_replacement_min_workers_goes_on_with_one_rank_and_the_unbroken_weights(workers, unbroken, tmp_path,
-                                                                                       monkeypatch, capsys):
+                                                                                       monkeypatch, capsys, strategy):
+    """FSDP: the 2 ranks' DCP snapshot is resharded for the one rank left as it loads."""
+    if strategy == "fsdp":
+        unbroken = _fit(KillAt(), strategy="fsdp")
     _no_replacement(workers, monkeypatch)
     marker = armed(str(tmp_path / "kill"))
     survivor = workers.placements[0].pid
-    h, weights = _fit(KillAt([(1, 11, marker)]), live="text", max_restarts=1, snapshot_every=4, min_workers=1)
+    h, weights = _fit(KillAt([(1, 11, marker)]), live="text", max_restarts=1, snapshot_every=4, min_workers=1,
+                      strategy=strategy)
     assert h.status == "completed" and not os.path.exists(marker)
     # one rank accumulating 2 batches of 16 sums the same 32 samples' gradients as 2 ranks' all-reduce: only the
     # order of the floating-point additions differs
     for name, want in unbroken[1].items():
         torch.testing.assert_close(weights[name], want, rtol=0, atol=1e-6)
     (event,) = h.restarts
-    assert (event["rank"], event["world_size"], event["grad_accum"], event["step_resumed_from"]) == (1, 1, 2, 8)
+    assert (event["rank"], event["world_size"], event["grad_accum"]) == (1, 1, 2)
+    # FSDP's snapshot of step 8 is whole once both ranks' DCP writes end, which rank 1's death may precede
+    assert event["step_resumed_from"] == 8 or (strategy == "fsdp" and event["step_resumed_from"] == 4)
     assert "no replacement registered within 1 s" in event["no_replacement"]
     steps = [r["step"] for r in h.steps]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # the global batch kept: the same 16 steps an epoch
     assert h.epochs[0]["loss"] == pytest.approx(unbroken[0].epochs[0]["loss"], abs=1e-6)
-    assert "; going on with 1 of 2 ranks, accumulating 2 batches per step; resumed from step 8" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    going = "; going on with 1 of 2 ranks, accumulating 2 batches per step; resumed from step"
+    assert f"{going} {event['step_resumed_from']}" in shown
     assert [p.pid for p in workers.placements] == [survivor] and workers.supervisor.regrow_to == 2
     assert _snapshot_folders(workers) == []
     monkeypatch.undo()  # replacements can start again: the next call heals back to 2 workers first

@@ -29,7 +29,8 @@ from nbddp.worker.data.fewer_ranks import SlotBatches, slot_batches, slots_of, t
     (dict(min_workers=0), ValueError, r"min_workers=0\): a fit needs at least 1 rank; give 1 to 2"),
     (dict(min_workers=3), ValueError, r"min_workers=3\) is above the 2 workers running; .*nbddp.start\(n=3\)"),
     (dict(max_restarts=0), ValueError, r"min_workers=1\) takes effect only .*max_restarts=N"),
-    (dict(strategy="fsdp"), ValueError, r"strategy='fsdp'\): going on with fewer ranks is built for strategy='ddp'"),
+    (dict(strategy=nbddp.Pipeline(stages=2)), ValueError,
+     r"strategy=Pipeline\(\.\.\.\)\): going on with fewer ranks is built for strategy='ddp'.* and 'fsdp'"),
     (dict(stream=True), ValueError, r"min_workers=\.\.\.\) needs map-style data"),
     (dict(world=3, min_workers=2), ValueError, r"min_workers=2\) with 3 workers: .*divides 3.*min_workers=1"),
 ])
@@ -42,6 +43,7 @@ def test_bad_min_workers_are_named_with_the_fix(kwargs, error, match):
 def test_min_workers_as_many_as_the_workers_or_left_out_never_goes_on_with_fewer():
     assert check_min_workers(None, 0, 2, "fsdp", True) is None
     assert check_min_workers(2, 1, 2, "ddp", False) == 2 and check_min_workers(1, 1, 2, nbddp.DDP(), False) == 1
+    assert check_min_workers(1, 1, 2, "fsdp", False) == 1 and check_min_workers(1, 1, 2, nbddp.FSDP(), False) == 1
     assert going_on_with(2, 1, 2) == 0
 
 

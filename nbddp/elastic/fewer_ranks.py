@@ -9,7 +9,9 @@ each rank reads ``data_world // world`` of the original shards and
 accumulates that many times more micro-batches per step
 (``worker/data/fewer_ranks.py``), so every step sees the samples it would
 have seen, and the weights stay those of the unbroken fit up to the order of
-the floating-point sums.
+the floating-point sums. DDP's snapshot is one file any rank reads; FSDP's
+is a DCP folder, which DCP reshards for the fewer ranks as they load it.
+A pipeline or tensor-parallel fit, and a stream, are refused.
 
 The rule, exact by construction: the fit goes on with the largest number of
 the surviving workers that divides ``data_world`` (3 survivors of 4 ranks:
@@ -32,7 +34,7 @@ import numbers
 from typing import Any
 
 from nbddp.protocol.errors import ClusterError, WorkerError
-from nbddp.protocol.parallel_settings import is_replicated
+from nbddp.protocol.parallel_settings import FSDP, is_replicated
 
 
 def check_min_workers(min_workers: Any, max_restarts: int, world: int, strategy: Any, stream: bool) -> int | None:
@@ -55,11 +57,12 @@ def check_min_workers(min_workers: Any, max_restarts: int, world: int, strategy:
     if max_restarts < 1:
         raise ValueError(f"dist_fit(min_workers={min_workers}) takes effect only in a fit that restarts after a lost "
                          "rank; pass max_restarts=N (N >= 1) too, or leave min_workers out")
-    if not is_replicated(strategy):
-        raise ValueError(f"dist_fit(min_workers=..., strategy={getattr(strategy, 'name', strategy)!r}): going on "
-                         "with fewer ranks is built for strategy='ddp' (a replicated snapshot that any rank reads "
-                         "whole); a sharded or model-parallel fit needs every rank it began with. Leave min_workers "
-                         "out (a lost rank is then replaced), or train with strategy='ddp'")
+    if not (is_replicated(strategy) or strategy == "fsdp" or isinstance(strategy, FSDP)):
+        raise ValueError(f"dist_fit(min_workers=..., strategy={type(strategy).__name__}(...)): going on with fewer "
+                         "ranks is built for strategy='ddp' (a snapshot any rank reads whole) and 'fsdp' (DCP "
+                         "reshards its snapshot for fewer ranks); a pipeline's stages and tensor-parallel slices "
+                         "need every rank they began with. Leave min_workers out (a lost rank is then replaced), or "
+                         "train with strategy='ddp' or 'fsdp'")
     if stream:
         raise ValueError("dist_fit(min_workers=...) needs map-style data: a stream's position cannot be dealt out "
                          "again to fewer ranks. Leave min_workers out (a lost rank is then replaced), or give a "
@@ -125,5 +128,5 @@ def going_line(event: dict[str, Any], data_world: int, start_step: int | None = 
     """The live view's line: what was lost, why it was not replaced, how the fit goes on (and from where)."""
     resumed = f"; resumed from step {start_step}" if start_step is not None else ""
     return (f"rank {event['rank']} lost at step {event['step_lost_at']} ({event['cause']}); no replacement could "
-            f"start ({event['no_replacement']}); going on with {event['world_size']} of {data_world} ranks, accumulating "
-            f"{event['grad_accum']} batches per step{resumed}")
+            f"start ({event['no_replacement']}); going on with {event['world_size']} of {data_world} ranks, "
+            f"accumulating {event['grad_accum']} batches per step{resumed}")
