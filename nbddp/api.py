@@ -105,7 +105,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
              activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
              live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
              profile: Any = False, loggers: Any = None, callbacks: Any = None, compile: Any = False,
-             max_restarts: int = 0, snapshot_every: Any = None, retry_on: Any = None,
+             max_restarts: int = 0, snapshot_every: Any = None, retry_on: Any = None, min_workers: int | None = None,
              **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
@@ -256,6 +256,13 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             than 2 % of the time). See ``docs/faults.md``.
         retry_on: exception classes to retry too (matched by name), such as
             a flaky ``OSError`` from remote storage.
+        min_workers: the fewest ranks an elastic fit goes on with when a
+            lost rank's replacement cannot start (torchrun's
+            ``--nnodes=MIN:MAX``). The global batch is kept: the survivors
+            read the lost ranks' shards and accumulate more micro-batches per
+            step, so the weights stay the unbroken fit's. Default None: a
+            lost rank must be replaced. DDP or FSDP, map-style data; see
+            ``docs/faults.md``.
         **advanced: ``drop_last``, ``num_workers``, ``pin_memory``,
             ``prefetch`` (batches copied to the GPU on a side stream while the
             previous step computes: 0, 1 (default) or 2; ignored on CPU),
@@ -299,7 +306,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
                    mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
                    profile=profile, max_restarts=max_restarts, snapshot_every=snapshot_every, retry_on=retry_on,
-                   **advanced)
+                   min_workers=min_workers, **advanced)
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,

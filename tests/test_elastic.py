@@ -26,6 +26,7 @@ from nbddp.elastic.policy import check_elastic
 from nbddp.elastic.spare import Spare
 from nbddp.protocol.errors import ClusterError, RankFailure, WorkerDied, WorkerError
 from nbddp.protocol.fit_options import FitConfig
+from nbddp.elastic import replacements
 from nbddp.elastic.replacements import await_replacements
 from nbddp.worker.checkpoints import background, files, snapshots
 from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
@@ -399,3 +400,66 @@ def test_killing_rank_0_while_it_writes_a_snapshot_resumes_from_the_previous_one
     assert h.status == "completed" and h.last_step == 8 and len(h.restarts) == 1
     assert h.restarts[0]["rank"] == 0 and h.restarts[0]["step_resumed_from"] >= 1
     assert _snapshot_folders(workers) == []
+
+
+# ---------------------------------------------------------------- no replacement: going on with fewer (min_workers)
+
+
+def _no_replacement(session, monkeypatch) -> None:
+    """A lost rank cannot be replaced: the session acts as on a cluster it attached to (nbddp starts no engine
+    there), whose own replacement does not register within the heal's wait (1 s here), and no warm spare."""
+    monkeypatch.setattr(session.workers, "can_add_engines", False)
+    monkeypatch.setattr(session.supervisor, "spare", None)
+    monkeypatch.setattr(replacements, "WAIT_S", 1.0)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_with_no_replacement_min_workers_goes_on_with_one_rank_and_the_unbroken_weights(workers, unbroken, tmp_path,
+                                                                                       monkeypatch, capsys, strategy):
+    """FSDP: the 2 ranks' DCP snapshot is resharded for the one rank left as it loads."""
+    if strategy == "fsdp":
+        unbroken = _fit(KillAt(), strategy="fsdp")
+    _no_replacement(workers, monkeypatch)
+    marker = armed(str(tmp_path / "kill"))
+    survivor = workers.placements[0].pid
+    h, weights = _fit(KillAt([(1, 11, marker)]), live="text", max_restarts=1, snapshot_every=4, min_workers=1,
+                      strategy=strategy)
+    assert h.status == "completed" and not os.path.exists(marker)
+    # one rank accumulating 2 batches of 16 sums the same 32 samples' gradients as 2 ranks' all-reduce: only the
+    # order of the floating-point additions differs
+    for name, want in unbroken[1].items():
+        torch.testing.assert_close(weights[name], want, rtol=0, atol=1e-6)
+    (event,) = h.restarts
+    assert (event["rank"], event["world_size"], event["grad_accum"]) == (1, 1, 2)
+    # FSDP's snapshot of step 8 is whole once both ranks' DCP writes end, which rank 1's death may precede
+    assert event["step_resumed_from"] == 8 or (strategy == "fsdp" and event["step_resumed_from"] == 4)
+    assert "no replacement registered within 1 s" in event["no_replacement"]
+    steps = [r["step"] for r in h.steps]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS  # the global batch kept: the same 16 steps an epoch
+    assert h.epochs[0]["loss"] == pytest.approx(unbroken[0].epochs[0]["loss"], abs=1e-6)
+    shown = capsys.readouterr().out
+    going = "; going on with 1 of 2 ranks, accumulating 2 batches per step; resumed from step"
+    assert f"{going} {event['step_resumed_from']}" in shown
+    assert [p.pid for p in workers.placements] == [survivor] and workers.supervisor.regrow_to == 2
+    assert _snapshot_folders(workers) == []
+    monkeypatch.undo()  # replacements can start again: the next call heals back to 2 workers first
+    again = nbddp.dist_fit(Net(), regression_data(64), batch_size=16, max_steps=2, live=False)
+    assert again.status == "completed" and workers.world_size == 2 and workers.supervisor.regrow_to is None
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(180)
+def test_with_no_replacement_below_min_workers_the_fit_fails_naming_it(workers, tmp_path, monkeypatch):
+    _no_replacement(workers, monkeypatch)
+    marker = armed(str(tmp_path / "kill"))
+    with pytest.raises(WorkerError, match=r"(?s)no replacement for the lost rank could start \(1 engine.*within 1 s\)"
+                                         r".*the 1 worker\(s\) left would be below min_workers=2"):
+        nbddp.dist_fit(Net(), regression_data(), batch_size=16, max_steps=8, live=False, seed=3,
+                       step_fn=KillAt([(1, 3, marker)]), max_restarts=1, snapshot_every=2, min_workers=2)
+    assert _snapshot_folders(workers) == [] and workers.supervisor.regrow_to == 2
+    monkeypatch.undo()
+    workers.supervisor.regrow()  # what the next call does first: back to 2 workers
+    workers.wait_healed(raise_error=True)
+    assert workers.world_size == 2 and workers.supervisor.regrow_to is None

@@ -395,6 +395,7 @@ def test_with_snapshot_every_a_dead_workers_trial_resumes_from_its_snapshot_and_
     ({"max_restarts": -1}, r"max_restarts=-1\) must be an int >= 0: how many times a trial whose worker died"),
     ({"max_restarts": True}, r"max_restarts=True\) must be an int >= 0"),
     ({"retry_on": [ValueError]}, r"retry_on=...\) is not supported: a trial that raises is recorded as failed"),
+    ({"min_workers": 1}, r"min_workers=...\) is not supported: a trial keeps the workers_per_trial workers"),
     ({"max_restarts": 0, "snapshot_every": 10}, r"snapshot_every=10\) takes effect only when a trial whose worker "
                                                 r"died goes on; pass max_restarts=N"),
     ({"snapshot_every": "sometimes"}, r"^nbddp.sweep\(snapshot_every='sometimes'\) must be an int of optimizer steps"),

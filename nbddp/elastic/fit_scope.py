@@ -3,7 +3,9 @@
 At the start: the fit's snapshot folder, a warm spare engine, on Slurm the
 advice about what would survive a lost job, and on a cluster nbddp cannot
 start engines on, the heal's wait for a replacement. At the end, whatever
-happened: the folder on every host and that wait. One place, so that the
+happened: the folder on every host and that wait; after a fit that went on
+with fewer ranks, the heal back to the size it began with is asked for (it
+runs before the session's next call). One place, so that the
 ``FitRun`` cannot set one up and forget to take it down.
 """
 
@@ -27,3 +29,5 @@ def end(session: Any, cfg: Any) -> None:
     """After the fit, whatever its outcome: every host's snapshot folder removed, the heal's wait back to none."""
     snapshot_folder.remove(cfg.snapshot_dir, session)
     session.supervisor.await_engines_s = 0.0
+    if cfg.data_world and 0 < session.world_size < cfg.data_world:  # it went on with fewer ranks (min_workers)
+        session.supervisor.regrow_to = cfg.data_world  # the next call heals back first

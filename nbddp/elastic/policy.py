@@ -29,6 +29,7 @@ class ElasticPolicy:
     max_restarts: int = 0
     snapshot_every: Any = None  # for FitConfig: int steps, "epoch", float seconds, "auto"; None when not elastic
     retry_on: tuple[type, ...] = ()
+    min_workers: int | None = None  # go on with fewer ranks when no replacement can start (elastic/fewer_ranks.py)
 
     @property
     def enabled(self) -> bool:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbddp.elastic import job_loss
+from nbddp.elastic import fewer_ranks, job_loss
 from nbddp.elastic.policy import ElasticPolicy
 from nbddp.elastic.spare import keep_spare
-from nbddp.protocol.errors import SlurmError, WorkerDied, WorkerError
+from nbddp.protocol.errors import ClusterError, SlurmError, WorkerDied, WorkerError
 
 KINDS = (("step", "steps"), ("epoch", "epochs"), ("val", "validations"))
 
@@ -74,7 +74,12 @@ class Recovery:
                                        f"({event['cause']}); replacing it")
         run.live_state.status = "recovering"
         run.view.update(run)
-        run.session.wait_healed(raise_error=True)
+        try:
+            run.session.wait_healed(raise_error=True)
+        except ClusterError as failed:  # no replacement could start: with min_workers, go on with fewer ranks
+            if self.policy.min_workers is None:
+                raise
+            fewer_ranks.go_on(self, run, exc, failed, event)
         event["replace_s"] = round(time.monotonic() - noticed, 3)
         self.pending = (event, noticed)
         run.relaunch()
@@ -90,9 +95,13 @@ class Recovery:
         event["seconds"] = round(time.monotonic() - noticed, 3)
         self.kept = kept_records(run.history, start_step)
         run.history = run.new_history(self.kept)
-        run.live_state.restarts[-1] = (f"rank {event['rank']} lost at step {event['step_lost_at']} ({event['cause']}); "
-                                       f"replaced in {event['replace_s']:.1f} s; resumed from step {start_step}"
-                                       if "job" not in event else job_loss.resumed_line(event, start_step))
+        if "world_size" in event:  # went on with fewer ranks
+            run.live_state.restarts[-1] = fewer_ranks.going_line(event, run.plan.cfg.data_world, start_step)
+        else:
+            run.live_state.restarts[-1] = (f"rank {event['rank']} lost at step {event['step_lost_at']} "
+                                           f"({event['cause']}); replaced in {event['replace_s']:.1f} s; resumed "
+                                           f"from step {start_step}" if "job" not in event
+                                           else job_loss.resumed_line(event, start_step))
         keep_spare(run.session)  # the next lost rank's replacement, warming while the fit trains again
 
 

@@ -45,7 +45,7 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-KERNEL_SET = {"snapshot_dir", "from_snapshot"}  # set by the kernel for an elastic fit, never by a person
+KERNEL_SET = {"snapshot_dir", "from_snapshot", "data_world"}  # set by the kernel for an elastic fit, never by a person
 
 
 def make_config(**options: Any) -> FitConfig:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.messages import FitLaunch
+from nbddp.elastic.fewer_ranks import check_min_workers
 from nbddp.elastic.policy import ElasticPolicy, check_elastic
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
@@ -240,6 +241,7 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     """Check everything, then pack the arguments for the workers."""
     elastic = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
                             options.pop("retry_on", None))
+    min_workers = options.pop("min_workers", None)
     returned = check_model(model)
     check_keep(keep, return_weights)
     spec, n_train, loader_bs = data_spec(data, "dist_fit(data=...)")
@@ -256,6 +258,10 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     keep_loader_settings(spec.loader, batch_size, options)
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32),
                       snapshot_every=elastic.snapshot_every, **options)
+    if min_workers is not None:  # going on with fewer ranks: the shards they began with, read by fewer
+        elastic = replace(elastic, min_workers=check_min_workers(min_workers, elastic.max_restarts, session.world_size,
+                                                                 cfg.strategy, bool(getattr(spec, "stream", False))))
+        cfg.data_world = session.world_size
     if elastic.enabled:  # snapshots are per host: only a replicated one is copied to another host
         check_elastic_hosts([p.host for p in session.placements], is_replicated(cfg.strategy),
                             getattr(cfg.strategy, "name", cfg.strategy))

@@ -65,6 +65,9 @@ class FitConfig:
     snapshot_dir: str | None = None
     snapshot_every: Any = None
     from_snapshot: bool = False
+    # ``min_workers``: the data-parallel ranks the fit began with (0: not set). A relaunch on fewer ranks reads their
+    # shards and accumulates grad_accum x (data_world // world) micro-batches (worker/data/fewer_ranks.py)
+    data_world: int = 0
 
 
 AUTO_SNAPSHOT_S = 30.0  # snapshot_every="auto": at least this many seconds apart ...

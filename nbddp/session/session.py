@@ -224,6 +224,7 @@ class Session:
         """Call holding ``lock``: wait out a heal, refuse while other work runs, check the controller."""
         if not self.started:
             raise NotStartedError("no workers are running; call nbddp.start() (or %ddp start) first")
+        self.supervisor.regrow()  # after a fit that went on with fewer ranks: back to the size it began with
         while self.supervisor.healing:
             self.cond.wait()
         self.supervisor.raise_if_failed()
@@ -272,11 +273,12 @@ class Session:
             self._former = GroupFormer(self.workers, self.file_prefix, self.token)
         return self._former
 
-    def form_group(self, reprobe: bool) -> None:
+    def form_group(self, reprobe: bool, engines: list[int] | None = None) -> None:
         """Probe (when engines changed), assign ranks, join every engine as the next generation.
 
         ``reprobe=False`` reuses the last probes when the engines are the same
-        ones (a rebuild after a failure or a new timeout).
+        ones (a rebuild after a failure or a new timeout). ``engines``: only
+        these join (a fit going on with fewer ranks: ``elastic/fewer_ranks.py``).
         """
         former = self._group_former()
         with self.lock:
@@ -284,6 +286,8 @@ class Session:
             probes = list(old.probes) if old else []
             if reprobe or not probes or sorted(p.engine_id for p in probes) != self.workers.ids:
                 probes = former.probe()
+            if engines is not None:
+                probes = [p for p in probes if p.engine_id in engines]
             self._generations += 1
             self.group = former.form(self.options, self._generations, probes)
             self.resident.clear()  # joining a group emptied the workers' dataset caches

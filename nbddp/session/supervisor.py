@@ -47,6 +47,8 @@ class Supervisor:
         # an elastic fit on a cluster nbddp cannot start engines on: a heal waits this long for a replacement
         # that the cluster's own launcher starts (nbddp/elastic/replacements.py); 0: it stops with the fix
         self.await_engines_s = 0.0
+        # a fit went on with fewer ranks (dist_fit(min_workers=...)): the next call's heal brings this many back
+        self.regrow_to: int | None = None
 
     @property
     def healing(self) -> bool:
@@ -81,6 +83,15 @@ class Supervisor:
         self._thread = threading.Thread(target=self._heal_thread, args=(list(killed), job_wait), name="nbddp-heal",
                                         daemon=True)
         self._thread.start()
+
+    def regrow(self) -> None:
+        """Start the heal back to ``regrow_to`` workers, once, after a fit that went on with fewer ranks.
+
+        The next call waits for it; if the engines still cannot be started, it raises that heal's error
+        (what to start, or ``nbddp.restart()``), and the call after it tries again.
+        """
+        if self.regrow_to and not self.healing and not self.closing:
+            self.recover([])
 
     def controller_lost(self, problem: str, what: str) -> ClusterError:
         """The controller is gone, so no result can come back and no engine can be replaced.
@@ -136,7 +147,7 @@ class Supervisor:
 
         s = self.session
         workers = s.workers
-        want = s.world_size or (s.options.n or 2)
+        want = max(s.world_size, self.regrow_to or 0) or (s.options.n or 2)
         lap = _Laps()
         workers.forget_dead(killed)
         if killed:
@@ -168,6 +179,7 @@ class Supervisor:
         lap("start_s", started=max(0, to_start))
         self._check_cancelled()
         s.form_group(reprobe=bool(killed or unresponsive or missing))
+        self.regrow_to = None
         lap("group_s")
         self.last_heal = lap.phases
 

@@ -162,7 +162,8 @@ def pop_restarts(options: dict[str, Any]) -> tuple[int, Any]:
     trial with the same parameters; with it, each trial snapshots its state as
     an elastic ``dist_fit`` does and the same trial resumes from its newest
     snapshot on the healed group (``sweeps/resume.py``). ``retry_on`` is
-    refused: a trial's own error fails that trial, and the sweep goes on.
+    refused: a trial's own error fails that trial, and the sweep goes on; so
+    is ``min_workers``: a trial is not shrunk onto fewer workers.
     """
     from nbddp.elastic.policy import snapshot_interval
 
@@ -170,6 +171,10 @@ def pop_restarts(options: dict[str, Any]) -> tuple[int, Any]:
         raise ValueError("nbddp.sweep(retry_on=...) is not supported: a trial that raises is recorded as failed and the "
                          "sweep goes on; only a trial whose worker died is run again or resumed (max_restarts, "
                          "snapshot_every). Leave retry_on out")
+    if "min_workers" in options:
+        raise ValueError("nbddp.sweep(min_workers=...) is not supported: a trial keeps the workers_per_trial workers it "
+                         "began on; a trial whose worker died is run again or resumed on healed workers (max_restarts, "
+                         "snapshot_every). Leave min_workers out")
     restarts = options.pop("max_restarts", 1)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"nbddp.sweep(max_restarts={restarts!r}) must be an int >= 0: how many times a trial whose "

@@ -146,7 +146,8 @@ def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: boo
             **loaders.worker_kwargs(workers, loaders.start_method())}
 
 
-def _loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
+def data_loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
+    """A loader of ``ds`` whose dataset and functions reach loader workers started afresh (``loaders.by_value``)."""
     options = {**kwargs, **more}
     method = options.get("multiprocessing_context")
     ds, collate_fn = loaders.by_value(ds, collate_fn, method)
@@ -181,7 +182,7 @@ def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, d
     drop_last = whole_batches or bool((spec.loader or {}).get("drop_last"))
 
     def make(s: Sampler) -> DataLoader:
-        return _loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=drop_last)
+        return data_loader(ds, kwargs, spec.collate_fn, batch_size=cfg.batch_size, sampler=s, drop_last=drop_last)
 
     return make(sampler), sampler, make
 
@@ -191,5 +192,5 @@ def val_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, dev
     own = spec.loader or {}
     kwargs = loader_kwargs(device, own.get("num_workers", cfg.num_workers), own.get("pin_memory", cfg.pin_memory))
     kwargs.update(kept_settings(spec, kwargs["num_workers"]))
-    return _loader(ds, kwargs, spec.collate_fn, batch_size=own.get("batch_size") or cfg.batch_size,
+    return data_loader(ds, kwargs, spec.collate_fn, batch_size=own.get("batch_size") or cfg.batch_size,
                    sampler=StridedSampler(len(ds), rank, world))

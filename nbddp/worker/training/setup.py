@@ -27,7 +27,7 @@ from nbddp.shipping.pickling import Parcel, unpack
 from nbddp.worker.checkpoints import files as ckpt
 from nbddp.worker.checkpoints import snapshots
 from nbddp.worker.memory import allocator as memory
-from nbddp.worker.data import streams
+from nbddp.worker.data import fewer_ranks, streams
 from nbddp.partitioning.blocks import apply_activation_checkpointing
 from nbddp.worker.data.datasets import keep_only, materialise, train_loader, val_loader
 from nbddp.worker.strategies.precision import precision_tools
@@ -73,6 +73,8 @@ def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: 
     """A mid-epoch checkpoint can only continue with the same sharding of the epoch."""
     if not restored.get("batches_done"):
         return
+    if cfg.data_world and cfg.data_world % (restored.get("world_size") or 0) == 0:
+        return  # going on with fewer ranks: the position is counted in the original shards (fewer_ranks.py)
     saved = (restored.get("world_size"), restored.get("batch_size"))
     if saved != (world, cfg.batch_size):
         raise ValueError(
@@ -141,12 +143,17 @@ def build_data(data_spec: Any, val_spec: Any, cfg: FitConfig, strategy: Any, ran
     strategy.sample_data = (train_ds, data_spec.collate_fn, cfg.batch_size)
     shard, shards = strategy.data_shard(rank, world)
     out: dict[str, Any] = {"vloader": None}
+    if cfg.data_world and is_stream(train_ds):
+        raise ValueError(f"dist_fit(min_workers=...) needs map-style data: a stream's position cannot be dealt out "
+                         f"again to fewer ranks, and this fit's data is a stream ({type(train_ds).__name__}). Leave "
+                         "min_workers out (a lost rank is then replaced), or give a map-style Dataset")
     if is_stream(train_ds):
         stream = streams.train_stream(train_ds, data_spec, cfg, shard, shards, device, strategy.group)
         out.update(loader=stream.loader, sampler=None, make_loader=None, stream=stream, agreement=stream.agreement)
     else:
-        loader, sampler, make_loader = train_loader(train_ds, data_spec, cfg, shard, shards, device,
-                                                    strategy.whole_batches)
+        fewer = cfg.data_world and cfg.data_world != shards  # going on with fewer ranks (min_workers)
+        loader, sampler, make_loader = (fewer_ranks.train_loader if fewer else train_loader)(
+            train_ds, data_spec, cfg, shard, shards, device, strategy.whole_batches)
         if len(loader) == 0:
             raise ValueError(
                 f"rank {rank} has no full batch to train on: its shard holds {len(sampler)} samples and "
@@ -195,6 +202,9 @@ def restore(ts: TrainState, path: str) -> None:
     if ts.scaler is not None and extra.get("scaler") is not None:
         ts.scaler.load_state_dict(extra["scaler"])
     ts.step, ts.epoch, ts.skip = extra["step"], extra["epoch"], extra["batches_done"]
+    if ts.cfg.data_world and ts.skip:  # micro-batches of the saving fit, as micro-batches of this one
+        per_slot = fewer_ranks.slot_batches(ts.skip, extra["world_size"], ts.cfg.data_world)
+        ts.skip = per_slot * (ts.cfg.data_world // ts.world)
     ts.start_step, ts.start_epoch = ts.step, ts.epoch
     states = extra.get("rng_per_rank")
     ts.rng = states[ts.rank] if states and ts.rank < len(states) else None
