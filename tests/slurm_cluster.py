@@ -96,7 +96,9 @@ class PrivateSlurm:
         root: the private folder (configuration, state, logs, munge socket).
         conf: the ``slurm.conf``; ``env`` has ``SLURM_CONF`` pointing at it.
         nodes: Slurm node name -> its fake host.
-        partition: the one partition (the default), holding every node.
+        partition: the default partition, holding every node.
+        urgent: a partition of a higher priority tier over the same nodes: a job there preempts the
+            default partition's jobs (``PreemptMode=CANCEL``: they end PREEMPTED).
         pids: process name -> pid of what was started (munged, slurmctld, slurmd-n1, ...).
     """
 
@@ -105,6 +107,7 @@ class PrivateSlurm:
     conf: Path
     nodes: dict[str, FakeHost]
     partition: str = "debug"
+    urgent: str = "urgent"  # a higher tier: its jobs preempt (cancel) the default partition's, state PREEMPTED
     env: dict[str, str] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -238,7 +241,10 @@ SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd-%n.log
 {nodes}
-PartitionName={slurm.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName={slurm.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName={slurm.urgent} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 

@@ -262,13 +262,20 @@ def left_on_nodes():
 
 
 def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: str | None = None,
-                          fault=None, wipe: bool = False) -> tuple:
-    """A blocking elastic fit (live text view) whose job is lost once ``ready(mark)``: by ``fault(job)``, or by
-    node n2 going down, which comes back once the new job shows PENDING in the live view. ``wipe``: by then every
-    node has also lost its memory (``_reboot_memory``), as nodes that rebooted have.
+                          fault=None, wipe: bool = False, preempt: bool = False) -> tuple:
+    """A blocking elastic fit (live text view) whose job is lost once ``ready(mark)``: by ``fault(job)``, by a job
+    of the urgent partition that preempts it (``preempt``: it holds both nodes until released), or by node n2
+    going down. The urgent job ends, or n2 comes back, once the new job shows PENDING in the live view.
+    ``wipe``: by then every node has also lost its memory (``_reboot_memory``), as nodes that rebooted have.
 
     Returns (the cell's reply, the lost job's id).
     """
+    release = slurm.root / f"release-{name}"
+    release.unlink(missing_ok=True)
+    if preempt:
+        fault = lambda _job: slurm.run(  # noqa: E731 - both nodes, whole: no core is left for the nbddp job
+            "sbatch", "-p", slurm.urgent, "-N", "2", "--exclusive", "--job-name", "urgent", "-o", "/dev/null",
+            "--wrap", f"while [ ! -e {release} ]; do sleep 0.2; done")
     job = job or _running_job(kernel)
     mark = slurm.root / f"fit-{name}"
     mark.unlink(missing_ok=True)
@@ -284,12 +291,15 @@ def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: s
             # and drained, so that it does not come back on its own (ReturnToService) before the test sees the new
             # job wait for it
             slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=nbddp-test")
-        elif fault is None and "lost" in events and "resume" not in events and "; new Slurm job " in so_far.text \
-                and "PENDING" in so_far.text.rsplit("lost at step", 1)[-1]:
+        elif (fault is None or preempt) and "lost" in events and "resume" not in events \
+                and "; new Slurm job " in so_far.text and "PENDING" in so_far.text.rsplit("lost at step", 1)[-1]:
             events["resume"] = time.monotonic()
             if wipe:  # the lost job's processes are gone: nothing writes a snapshot any more
                 _reboot_memory(slurm)
-            slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
+            if preempt:
+                release.touch()
+            else:
+                slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
 
     try:
         reply = kernel.run(f"MARK = {str(mark)!r}\n" + LOSS_STEP + f"""
@@ -304,9 +314,13 @@ except nbddp.SlurmError as e:
 print("LEFT", json.dumps(nbddp.run(left_on_nodes)))
 """, timeout=360, on_output=drive)
     finally:
-        if fault is None:
+        if preempt:
+            release.touch()
+        elif fault is None:
             slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)
-    assert "lost" in events and ("resume" in events or fault is not None), (events, reply.text[-6000:])
+    assert "lost" in events and ("resume" in events or (fault is not None and not preempt)), (events, reply.text[-6000:])
+    if preempt:
+        slurm.wait_for(lambda: not [j for j in slurm.jobs() if j["name"] == "urgent"], 30, "the urgent job to end")
     slurm.wait_for(lambda: slurm.run("sinfo", "-h", "-n", "n2", "-o", "%t").stdout.strip() in ("idle", "mix", "alloc"),
                    30, "n2 to be back")
     TIMES[f"lost job: {name}"] = reply.seconds
@@ -369,15 +383,18 @@ def test_a_lost_job_is_resubmitted_and_the_fit_goes_on_from_checkpoint_dir(slurm
 
 @pytest.mark.slow
 def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, kernel):
-    """Without checkpoint_dir the snapshots live only in the nodes' /dev/shm (rank 0's and its peer copy); with
-    both nodes' memory lost (rebooted) while the job is lost, the new job has nothing to resume from, and the
-    error says so, naming checkpoint_dir. It cannot be faster, for the same reasons as the test above: the lost
-    job's engines must be unregistered, and a second job started."""
+    """A job of a higher-priority partition preempts the fit's job (Slurm's ``PREEMPTED``, retried as a lost job),
+    and holds both nodes until the fit's new job waits. Without checkpoint_dir the snapshots live only in the
+    nodes' /dev/shm (rank 0's and its peer copy); with both nodes' memory lost (rebooted) meanwhile, the new job
+    has nothing to resume from, and the error says so, naming checkpoint_dir. It cannot be faster, for the same
+    reasons as the test above: the lost job's engines must be unregistered, and a second job started."""
     reply, job = _lose_the_job_mid_fit(slurm, kernel, "nothing-left", "snapshot_every=2",
-                                       lambda mark: mark.exists() and len(mark.read_text().split()) >= 8, wipe=True)
+                                       lambda mark: mark.exists() and len(mark.read_text().split()) >= 8, wipe=True,
+                                       preempt=True)
     assert "FAILED " in reply.text, reply.text[-3000:]
     job_id, state, message = json.loads(reply.text.split("FAILED ", 1)[1].splitlines()[0])
-    assert (job_id, state) == (job, "NODE_FAIL"), message
+    assert (job_id, state) == (job, "PREEMPTED"), message
+    assert f"Slurm job {job} was lost at step" in message and "(PREEMPTED)" in message, message
     assert "none of the fit's state survived where every rank of the new job can read it" in message, message
     h1, h2 = slurm.nodes["n1"].hostname, slurm.nodes["n2"].hostname  # both rebooted: neither holds one
     assert f"{h1}: none" in message and f"{h2}: none" in message, message
