@@ -20,7 +20,7 @@ from nbddp.protocol.messages import FitLaunch
 from nbddp.elastic.policy import ElasticPolicy, check_elastic
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
-from nbddp.protocol.fit_options import FitConfig, check_device_rules, check_elastic_hosts
+from nbddp.protocol.fit_options import FitConfig, check_device_rules
 from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated
 
 
@@ -256,9 +256,6 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     keep_loader_settings(spec.loader, batch_size, options)
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32),
                       snapshot_every=elastic.snapshot_every, **options)
-    if elastic.enabled:  # snapshots are per host: only a replicated one is copied to another host
-        check_elastic_hosts([p.host for p in session.placements], is_replicated(cfg.strategy),
-                            getattr(cfg.strategy, "name", cfg.strategy))
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
