@@ -80,19 +80,25 @@ _REGISTERED = re.compile(r"Completed registration with id (\d+)")
 # the real command. The unshare is checked before ``sethostname``: setting the
 # name without it would rename the real machine. With ``_PRIVATE_SHM`` set
 # (``fake_hosts(private_shm=True)``) the process also gets a mount namespace of
-# its own, made a slave of the real one (nothing propagates back), with a
-# fresh tmpfs on /dev/shm: a host that does not share the kernel's /dev/shm.
+# its own, made a slave of the real one (nothing propagates back), with its
+# host's folder bound on /dev/shm (the value is its path: the host's memory,
+# shared by its engines and outliving them), or a fresh tmpfs (the value
+# ``1``: a host that lost its memory). Either way a host that does not share
+# the kernel's /dev/shm.
 _PRIVATE_SHM = "NETNS_HOSTS_PRIVATE_SHM"
 _TRAMPOLINE = """\
 import ctypes, os, socket, sys
-CLONE_NEWUTS, CLONE_NEWNS, MS_REC, MS_SLAVE = 0x04000000, 0x00020000, 0x4000, 0x80000
+CLONE_NEWUTS, CLONE_NEWNS, MS_BIND, MS_REC, MS_SLAVE = 0x04000000, 0x00020000, 0x1000, 0x4000, 0x80000
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.unshare(CLONE_NEWUTS) != 0:
     sys.exit("netns_hosts: unshare(CLONE_NEWUTS) failed: "
              + os.strerror(ctypes.get_errno()))
-if os.environ.pop("NETNS_HOSTS_PRIVATE_SHM", "") == "1":
+shm = os.environ.pop("NETNS_HOSTS_PRIVATE_SHM", "")
+if shm:
+    fresh = shm == "1"
     if (libc.unshare(CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0
-            or libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, b"mode=1777") != 0):
+            or (libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, b"mode=1777") if fresh else
+                libc.mount(shm.encode(), b"/dev/shm", None, MS_BIND, None)) != 0):
         sys.exit("netns_hosts: a private /dev/shm failed: " + os.strerror(ctypes.get_errno()))
 if os.readlink("/proc/self/ns/uts") == sys.argv[2]:
     sys.exit("netns_hosts: still in the root UTS namespace, not renaming")
@@ -140,6 +146,8 @@ class FakeCluster:
             ``<profile_dir>/security/ipcontroller-<cluster_id>-client.json``.
         engine_file: the engine connection file.
         log_dir: where the controller's and engines' output goes.
+        host_shm: host index -> the folder its engines see as /dev/shm
+            (``private_shm``): the host's memory, outliving its engines.
     """
 
     run_id: str
@@ -153,6 +161,7 @@ class FakeCluster:
     client_file: Path = Path()
     engine_file: Path = Path()
     log_dir: Path = Path()
+    host_shm: dict[int, Path] = field(default_factory=dict)
     _made_etc_netns: bool = field(default=False, repr=False)
 
     @property
@@ -306,9 +315,11 @@ def fake_hosts(
         start_timeout: seconds to wait for the controller's connection files,
             then again for every engine to be registered with the controller
             (a Client connecting then sees them all in ``ids`` at once).
-        private_shm: give every engine a /dev/shm of its own (a fresh tmpfs in
-            a mount namespace of its own), as on a real other machine: nbddp
-            then sees the engines as not sharing the kernel's file system.
+        private_shm: give every host a /dev/shm of its own (a folder bound on
+            /dev/shm in each engine's own mount namespace), shared by that
+            host's engines and outliving them, as a machine's memory outlives
+            its processes: nbddp then sees the engines as not sharing the
+            kernel's file system. Removed on exit.
 
     Yields:
         The running :class:`FakeCluster`. On exit, even after an error, every
@@ -333,12 +344,17 @@ def fake_hosts(
             f"exist: with n_hosts={n_hosts} the hosts are 0..{n_hosts - 1}."
         )
 
-    with fake_network(n_hosts, profile_dir) as cluster, contextlib.ExitStack() as stack:
+    # the hosts' memory goes last, once every process in the namespaces is gone (fake_network's exit)
+    with contextlib.ExitStack() as memory, fake_network(n_hosts, profile_dir) as cluster, \
+            contextlib.ExitStack() as stack:
         procs: list[subprocess.Popen[bytes]] = []
         stack.callback(_stop_processes, cluster, procs)
         controller = _start_controller(cluster, procs, start_timeout)
         if private_shm:
-            engine_env = {**(engine_env or {}), _PRIVATE_SHM: "1"}
+            for i in hosts_with_engines:
+                cluster.host_shm[i] = Path(tempfile.mkdtemp(prefix=f"netns-shm-h{i}-"))
+                cluster.host_shm[i].chmod(0o1777)
+                memory.callback(shutil.rmtree, cluster.host_shm[i], True)
         _start_engines(
             cluster, procs, controller, hosts_with_engines, engines_per_host, engine_env,
             start_timeout,
@@ -472,7 +488,7 @@ def _start_engines(
                  f"--cluster-id={cluster.cluster_id}", f"--file={cluster.engine_file}",
                  "--log-level=INFO"],  # fmt: skip
                 log,
-                env,
+                {**(env or {}), **_memory_env(cluster, i)},
             )
             procs.append(proc)
             cluster.engine_pids.setdefault(i, []).append(proc.pid)
@@ -507,7 +523,8 @@ def _start_engines(
 def add_engine(cluster: FakeCluster, host_index: int, *, private_shm: bool = False) -> subprocess.Popen[bytes]:
     """Start one more engine on a host of a running cluster, as a launcher restarting a lost one would.
 
-    With ``private_shm`` it gets a fresh, empty /dev/shm (a host that lost its memory with its engine). It is
+    With ``private_shm`` it gets a fresh, empty /dev/shm (a host that lost its memory with its engine); else,
+    in a ``fake_hosts(private_shm=True)`` cluster, the host's own (its memory outlived the lost engine). It is
     not waited for: the caller waits for what it needs (its registration). On the cluster's exit it is killed
     with everything else in the namespaces; the caller still reaps the returned process.
     """
@@ -515,9 +532,16 @@ def add_engine(cluster: FakeCluster, host_index: int, *, private_shm: bool = Fal
     n = len(cluster.engine_pids.get(host_index, []))
     proc = _spawn(host, ["-m", "ipyparallel.engine", f"--profile-dir={cluster.profile_dir}",
                          f"--cluster-id={cluster.cluster_id}", f"--file={cluster.engine_file}", "--log-level=INFO"],
-                  cluster.log_dir / f"netns-engine-h{host_index}-{n}.log", {_PRIVATE_SHM: "1"} if private_shm else None)
+                  cluster.log_dir / f"netns-engine-h{host_index}-{n}.log",
+                  {_PRIVATE_SHM: "1"} if private_shm else _memory_env(cluster, host_index))
     cluster.engine_pids.setdefault(host_index, []).append(proc.pid)
     return proc
+
+
+def _memory_env(cluster: FakeCluster, host_index: int) -> dict[str, str]:
+    """What makes an engine see its host's memory as /dev/shm (nothing: the machine's own)."""
+    shm = cluster.host_shm.get(host_index)
+    return {_PRIVATE_SHM: os.fspath(shm)} if shm is not None else {}
 
 
 def _spawn(

@@ -55,22 +55,45 @@ def test_a_lost_job_is_retried_until_max_restarts_are_used():
     assert "restarted 1 time(s) and max_restarts=1 were all used; this lost job ends it" in str(exc)
 
 
+def _file(step):
+    """A DDP snapshot as held_snapshots.held() lists it: one whole file."""
+    name = f"step-{step:08d}.pt"
+    return {"path": f"/dev/shm/s/{name}", "have": [name], "needs": [name]}
+
+
 H1 = {"host": "n1", "snapshots": {8: "/dev/shm/s/step-00000008.pt", 6: "/dev/shm/s/step-00000006.pt"},
-      "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
-H2 = {"host": "n2", "snapshots": {}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
+      "pieces": {8: _file(8), 6: _file(6)}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
+H2 = {"host": "n2", "snapshots": {}, "pieces": {}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
 
 
-def test_the_newest_step_every_host_reads_is_chosen():
-    # rank 0's snapshots are on n1 alone: n2's rank cannot read them, so the shared checkpoint it is
-    assert job_loss.choose({"n1": H1, "n2": H2}, since=50.0) == ("/shared/c/step-00000004.pt", "checkpoint_dir")
+def test_the_newest_step_every_rank_can_read_is_chosen():
+    # rank 0's snapshots are on n1 alone: the relaunch copies the newest to n2, so it is newer than the checkpoint
+    assert job_loss.choose({"n1": H1, "n2": H2}, since=50.0) == ("/dev/shm/s/step-00000008.pt", job_loss.SNAPSHOT)
     # one host (a one-node job back on its node): its snapshot is newer than the checkpoint
     assert job_loss.choose({"n1": H1}, since=50.0) == ("/dev/shm/s/step-00000008.pt", "snapshot in /dev/shm")
+    # no snapshot on any node of the new job: the shared checkpoint, if this fit wrote it
+    bare = {**H1, "snapshots": {}, "pieces": {}}
+    assert job_loss.choose({"n1": bare, "n2": H2}, since=50.0) == ("/shared/c/step-00000004.pt", "checkpoint_dir")
     # a checkpoint written before this fit began is an earlier fit's: never resumed from
-    assert job_loss.choose({"n1": H1, "n2": H2}, since=150.0) is None
+    assert job_loss.choose({"n1": bare, "n2": H2}, since=150.0) is None
     # the same step in both: the snapshot (memory reads faster)
-    both = {"host": "n1", "snapshots": {4: "/dev/shm/s/step-00000004.pt"}, "checkpoints": H1["checkpoints"]}
+    both = {"host": "n1", "pieces": {4: _file(4)}, "checkpoints": H1["checkpoints"]}
     assert job_loss.choose({"n1": both}, since=50.0)[1] == "snapshot in /dev/shm"
     assert job_loss.choose({}, since=0.0) is None
+
+
+def test_a_sharded_snapshot_whose_files_only_the_nodes_together_hold_is_chosen():
+    """n1 kept rank 0's files and the index, n3 (a node of the lost job) the copy of rank 1's: neither is whole."""
+    needs = [".metadata", "__0_0.distcp", "__1_0.distcp", "loop.pt"]
+    folder = "/dev/shm/s/step-00000012"
+    n1 = {"host": "n1", "snapshots": {}, "checkpoints": {},
+          "pieces": {12: {"path": folder, "have": [".metadata", "__0_0.distcp", "loop.pt"], "needs": needs}}}
+    n3 = {"host": "n3", "snapshots": {}, "checkpoints": {},
+          "pieces": {12: {"path": folder, "have": ["__1_0.distcp"], "needs": None}}}
+    assert job_loss.choose({"n1": n1, "n3": n3}, since=0.0) == (folder, job_loss.SNAPSHOT)
+    # without n3, rank 1's file is on no node: the shared checkpoint it is
+    n1_shared = {**n1, "checkpoints": H1["checkpoints"]}
+    assert job_loss.choose({"n1": n1_shared, "n2": H2}, since=50.0) == ("/shared/c/step-00000004.pt", "checkpoint_dir")
 
 
 def test_held_lists_whole_snapshots_and_checkpoints(tmp_path):
@@ -84,6 +107,8 @@ def test_held_lists_whole_snapshots_and_checkpoints(tmp_path):
     torch.save({"step": 4}, ckpts / "step-00000004.pt")
     found = held(str(snaps), str(ckpts))
     assert found["snapshots"] == {6: str(snaps / "step-00000006.pt")}
+    assert found["pieces"] == {6: {"path": str(snaps / "step-00000006.pt"), "have": ["step-00000006.pt"],
+                                   "needs": ["step-00000006.pt"]}}
     assert list(found["checkpoints"]) == [4] and found["checkpoints"][4][0] == str(ckpts / "step-00000004.pt")
     assert held(None, str(tmp_path / "none"))["checkpoints"] == {}
 
@@ -115,22 +140,29 @@ def _job_run(holdings, step_lost_at=12, checkpoint_dir=None):
     return _run(session=session, plan=plan, started_at=time.perf_counter()), event
 
 
+PART = {"host": "n1", "snapshots": {}, "checkpoints": {}, "pieces": {  # rank 0's files of a sharded snapshot
+    8: {"path": "/dev/shm/s/step-00000008", "have": [".metadata", "__0_0.distcp", "loop.pt"],
+        "needs": [".metadata", "__0_0.distcp", "__1_0.distcp", "loop.pt"]}, 6: _file(6) | {"have": []}}}
+
+
 def test_nothing_surviving_for_every_rank_is_an_error_that_says_what_would_have():
-    run, event = _job_run({"n1": {**H1, "checkpoints": {}}, "n2": {**H2, "checkpoints": {}}})
+    run, event = _job_run({"n1": PART, "n2": {**H2, "checkpoints": {}}})
     with pytest.raises(SlurmError, match="none of the fit's state survived where every rank") as caught:
         job_loss.resume_point(run, event)
     message = str(caught.value)
     assert "Slurm job 42 was lost at step 12 (NODE_FAIL) and nbddp submitted job 43" in message
-    assert "n1: step 6, step 8; n2: none" in message and "the fit has no checkpoint_dir" in message
+    assert "n1: step 6 (in part), step 8 (in part); n2: none (a step is taken when each of its files is on some" \
+        in message and "the fit has no checkpoint_dir" in message
     assert "dist_fit(checkpoint_dir=...) on a file system every node mounts" in message
     assert (caught.value.job_id, caught.value.state) == ("42", "NODE_FAIL")
     # a checkpoint_dir only one node sees (not shared) is named as such
-    run, event = _job_run({"n1": H1, "n2": {**H2, "checkpoints": {}}}, checkpoint_dir="/scratch/c")
+    run, event = _job_run({"n1": {**PART, "checkpoints": H1["checkpoints"]}, "n2": {**H2, "checkpoints": {}}},
+                          checkpoint_dir="/scratch/c")
     with pytest.raises(SlurmError, match=r"checkpoint_dir='/scratch/c' holds no checkpoint of this fit that every "
                                          r"node reads \(n1: step 4; n2: none\)"):
         job_loss.resume_point(run, event)
     # lost before its first step: nothing is lost by starting again as the first launch did
-    run, event = _job_run({"n1": {**H1, "checkpoints": {}}, "n2": H2}, step_lost_at=0)
+    run, event = _job_run({"n1": PART, "n2": H2}, step_lost_at=0)
     assert job_loss.resume_point(run, event) == (False, "the start: no step had been taken")
 
 
@@ -221,3 +253,20 @@ def test_an_elastic_fit_over_several_nodes_without_checkpoint_dir_is_told_what_a
     assert job_loss.advise(session, "/shared/runs") is None  # it will survive
     assert job_loss.advise(SimpleNamespace(workers=SimpleNamespace(jobs=None), placements=two), None) is None  # no Slurm
     assert job_loss.advise(SimpleNamespace(workers=session.workers, placements=two[:1]), None) is None  # one node
+
+
+@pytest.mark.parametrize("found, resume", [(("/dev/shm/s/step-00000012", job_loss.SNAPSHOT), None),
+                                           (("/shared/c/step-00000004.pt", "checkpoint_dir"),
+                                            "/shared/c/step-00000004.pt")])
+def test_a_surviving_snapshot_is_relaunched_from_the_snapshots_a_checkpoint_by_its_path(monkeypatch, found, resume):
+    """A snapshot goes through the relaunch's own choice (which copies its files to the nodes that lack them)."""
+    monkeypatch.setattr(job_loss, "_forget_lost_engines", lambda session: None)
+    monkeypatch.setattr(job_loss, "new_job_ready", lambda run, head, exc: None)
+    monkeypatch.setattr(job_loss, "resume_point", lambda run, event: found)
+    relaunched = []
+    jobs = SimpleNamespace(retired=set(), ids=["42", "43"])
+    run = _run(session=SimpleNamespace(workers=SimpleNamespace(jobs=jobs)), view=SimpleNamespace(update=lambda r: None),
+               live_state=SimpleNamespace(restarts=[], status=""), relaunch=lambda resume: relaunched.append(resume))
+    recovery = SimpleNamespace(restarts=[], pending=None)
+    event = job_loss.relaunch(recovery, run, SlurmError("lost", "42", "NODE_FAIL"), [12])
+    assert relaunched == [resume] and event["resumed_from"] == found[1] and event["new_job"] == "43"

@@ -9,10 +9,11 @@ new job of the same shape, as ``%ddp restart`` would, but keeping the
 session's controller, and waits for it as long as ``queue_timeout`` allows,
 the pending line shown in the fit's live view. Then every host of the new
 job says what it holds (``worker/tasks/held_snapshots.py``) and the fit
-resumes from the newest step that every rank can read: a snapshot that
-survived in the ``/dev/shm`` of a node the new job landed on, or a
-checkpoint in ``checkpoint_dir`` written since this fit began. If neither
-survived, the error says so, and what would have.
+resumes from the newest step that every rank can read: a snapshot whose
+files survived in the ``/dev/shm`` of the nodes the new job landed on (on
+any of them: the relaunch copies them to the others, as after a lost host),
+or a checkpoint in ``checkpoint_dir`` written since this fit began. If
+neither survived, the error says so, and what would have.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nbddp.cluster.slurm.queue import GONE, WAITING_STATES, cancel
 from nbddp.cluster.slurm.watch import fmt_clock
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.protocol.notices import notify
+from nbddp.protocol.snapshot_pieces import newest_covered, path_of
 
 # A job's end that a new job may well not meet again: retried with max_restarts
 RETRIED = {
@@ -42,6 +44,7 @@ NOT_RETRIED = {
     "COMPLETED": "the engines exited on their own",
     GONE: "Slurm no longer says how the job ended",
 }
+SNAPSHOT = "snapshot in /dev/shm"  # History.restarts' resumed_from for a snapshot that survived
 CLOCK_SLACK_S = 5.0  # a checkpoint written since the fit began, on a node's clock a little behind the kernel's
 FORGET_S = 30.0  # bound on the controller's unregistering a lost job's engines (told at once: cluster/unregister.py)
 
@@ -69,9 +72,9 @@ def advise(session: Any, checkpoint_dir: str | None) -> str | None:
     if len(hosts) < 2:
         return None
     text = (f"nbddp: this elastic fit runs in a Slurm job over {len(hosts)} nodes without checkpoint_dir: its snapshots "
-            "are only in the nodes' memory (/dev/shm: rank 0's node and a copy on one other), so if the job is lost "
-            "(NODE_FAIL, a preemption, the time limit) and the new job's nodes do not all hold them (a node rebooted, "
-            "or the job placed elsewhere), the fit ends. Pass checkpoint_dir= on a file system the nodes share (with "
+            "are only in the nodes' memory (/dev/shm: each file on the node that wrote it and a copy on one other), so "
+            "if the job is lost (NODE_FAIL, a preemption, the time limit) and the new job's nodes together do not hold "
+            "a whole one (nodes rebooted, or the job placed elsewhere), the fit ends. Pass checkpoint_dir= on a file system the nodes share (with "
             "checkpoint_every=N to lose at most N steps).")
     notify(text, stacklevel=5)  # notify, advise, FitRun.launch, dist_fit, the cell
     return text
@@ -112,7 +115,9 @@ def relaunch(recovery: Any, run: Any, exc: SlurmError, steps: list[int]) -> dict
     event["replace_s"] = round(time.monotonic() - noticed, 3)
     resume, event["resumed_from"] = resume_point(run, event)
     recovery.pending = (event, noticed)
-    run.relaunch(resume=resume)
+    # a snapshot: the relaunch takes it as after a lost rank (the same rule picks the same step), copying its files
+    # to the new job's nodes that lack them; a checkpoint: from checkpoint_dir, which every node reads
+    run.relaunch(resume=None if event["resumed_from"] == SNAPSHOT else resume)
     return event
 
 
@@ -183,19 +188,21 @@ def resume_point(run: Any, event: dict[str, Any]) -> tuple[Any, str]:
 
 
 def choose(holdings: dict[str, dict[str, Any]], since: float) -> tuple[str, str] | None:
-    """The newest step held on every host: ``(path, "snapshot in /dev/shm" | "checkpoint_dir")``, or None.
+    """The newest step every rank can read: ``(path, SNAPSHOT | "checkpoint_dir")``, or None.
 
-    ``holdings``: host -> ``held_snapshots.held()``. A checkpoint counts only if written after ``since``:
-    ``checkpoint_dir`` may hold an earlier fit's. On a tie the snapshot is taken (memory reads faster).
+    ``holdings``: host -> ``held_snapshots.held()``. A snapshot counts when every file of it is on some host of
+    the new job (``protocol.snapshot_pieces``: the relaunch copies them to the hosts that lack them); a
+    checkpoint when every host reads it, and only if written after ``since``: ``checkpoint_dir`` may hold an
+    earlier fit's. On a tie the snapshot is taken (memory reads faster).
     """
     if not holdings:
         return None
-    snaps = [{int(k): v for k, v in h["snapshots"].items()} for h in holdings.values()]
+    pieces = [{int(k): v for k, v in h.get("pieces", {}).items()} for h in holdings.values()]
     ckpts = [{int(k): v[0] for k, v in h["checkpoints"].items() if v[1] >= since} for h in holdings.values()]
-    found = []
-    for per_host, order, words in ((snaps, 1, "snapshot in /dev/shm"), (ckpts, 0, "checkpoint_dir")):
-        for step in set.intersection(*(set(h) for h in per_host)):
-            found.append((step, order, per_host[0][step], words))
+    found = [(step, 0, ckpts[0][step], "checkpoint_dir") for step in set.intersection(*(set(h) for h in ckpts))]
+    step = newest_covered(pieces)
+    if step is not None:
+        found.append((step, 1, path_of(pieces, step), SNAPSHOT))
     best = max(found, default=None)
     return None if best is None else (best[2], best[3])
 
@@ -203,7 +210,7 @@ def choose(holdings: dict[str, dict[str, Any]], since: float) -> tuple[str, str]
 def nothing_survived(event: dict[str, Any], holdings: dict[str, dict[str, Any]], checkpoint_dir: str | None,
                      max_restarts: int) -> str:
     """The error when no state of the fit survived for every rank: what each host held, and what would have."""
-    snaps = "; ".join(f"{host}: {_steps(h['snapshots'])}" for host, h in sorted(holdings.items()))
+    snaps = "; ".join(f"{host}: {_held(h.get('pieces', {}))}" for host, h in sorted(holdings.items()))
     if checkpoint_dir:
         ckpts = "; ".join(f"{host}: {_steps(h['checkpoints'])}" for host, h in sorted(holdings.items()))
         where = f"checkpoint_dir={checkpoint_dir!r} holds no checkpoint of this fit that every node reads ({ckpts})"
@@ -212,13 +219,23 @@ def nothing_survived(event: dict[str, Any], holdings: dict[str, dict[str, Any]],
     return (f"Slurm job {event['job']} was lost at step {event['step_lost_at']} ({event['cause']}) and nbddp "
             f"submitted job {event['new_job']} to go on (max_restarts={max_restarts}), but none of the fit's state "
             f"survived where every rank of the new job can read it. Snapshots in /dev/shm, by host: {snaps} (a "
-            f"node's memory is its own, and goes with a node that fails or reboots); {where}. What would "
+            "step is taken when each of its files is on some node; a node's memory is its own, and goes with a "
+            f"node that fails or reboots); {where}. What would "
             "have survived: dist_fit(checkpoint_dir=...) on a file system every node mounts (your home or project "
             "folder, not /tmp), with checkpoint_every=N to lose at most N steps. The new job's workers are ready.")
 
 
 def _steps(found: dict[Any, Any]) -> str:
     return ", ".join(f"step {k}" for k in sorted(int(k) for k in found)) or "none"
+
+
+def _held(pieces: dict[Any, dict[str, Any]]) -> str:
+    """What a host holds of each snapshot: ``step 8`` when it holds every file, ``step 8 (in part)`` else."""
+    def whole(entry: dict[str, Any]) -> bool:
+        return entry.get("needs") is not None and set(entry["needs"]) <= set(entry["have"])
+
+    return ", ".join(f"step {k}" + ("" if whole(pieces[k]) else " (in part)")
+                     for k in sorted(pieces, key=int)) or "none"
 
 
 def _forget_lost_engines(session: Any) -> None:

@@ -345,7 +345,8 @@ class FitRun:
             "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out
             "load_s": loaded - t0,  # the kernel reading them into the model
             "total_s": loaded - self.started_at,
-            **{k: worker[k] for k in ("snapshot_s", "snapshots", "snapshot_write_s", "snapshot_wait_s") if k in worker},  # an elastic fit's snapshots
+            **{k: worker[k] for k in ("snapshot_s", "snapshots", "snapshot_write_s", "snapshot_wait_s",
+                                      "snapshot_copy_s", "snapshot_copy_bytes") if k in worker},  # an elastic fit's snapshots
             # rank 0 waiting for the synchronous callbacks (on_epoch_end): seconds, and how many points
             **{k: worker[k] for k in ("answer_wait_s", "answer_points") if k in worker},
         }

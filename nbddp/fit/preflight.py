@@ -21,7 +21,7 @@ from nbddp.elastic.fewer_ranks import check_min_workers
 from nbddp.elastic.policy import ElasticPolicy, check_elastic
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
-from nbddp.protocol.fit_options import FitConfig, check_device_rules, check_elastic_hosts
+from nbddp.protocol.fit_options import FitConfig, check_device_rules
 from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated
 
 
@@ -262,9 +262,6 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
         elastic = replace(elastic, min_workers=check_min_workers(min_workers, elastic.max_restarts, session.world_size,
                                                                  cfg.strategy, bool(getattr(spec, "stream", False))))
         cfg.data_world = session.world_size
-    if elastic.enabled:  # snapshots are per host: only a replicated one is copied to another host
-        check_elastic_hosts([p.host for p in session.placements], is_replicated(cfg.strategy),
-                            getattr(cfg.strategy, "name", cfg.strategy))
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)

@@ -150,17 +150,3 @@ class Patience:
         best = f"{self.best:.6g} at step {self.best_step}" if self.best is not None else f"baseline {self.spec.baseline}"
         return f"EarlyStopping: {self.spec.monitor} did not improve for {self.wait} checks (best {best})"
 
-
-def check_elastic_hosts(hosts: list[str], replicated: bool, strategy: str) -> None:
-    """Refuse an elastic fit whose snapshot cannot be copied to another host: a sharded one across hosts.
-
-    Checked by the kernel before anything ships (its placements' hosts), and by the workers when a relaunch
-    finds the ranks on more hosts than before (``worker/checkpoints/peer_copies.py``).
-    """
-    if replicated or len(set(hosts)) <= 1:
-        return
-    raise ValueError(
-        f"dist_fit(max_restarts=..., strategy={strategy!r}) across {len(set(hosts))} hosts: a sharded snapshot is "
-        "one folder that every rank writes its part of and reads the others' parts from, which needs a file system "
-        "every host shares, and the in-memory snapshots are per host. Train with strategy='ddp' for an elastic fit "
-        "across hosts, or use checkpoint_dir= on a shared file system with resume=True and re-run the cell")

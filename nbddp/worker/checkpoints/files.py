@@ -38,6 +38,20 @@ def is_sharded(path: str) -> bool:
         os.path.isfile(os.path.join(path, SHARDED_LOOP_FILE))
 
 
+def sharded_files(path: str) -> set[str] | None:
+    """Every file a load of the sharded checkpoint ``path`` may read: ``.metadata``, ``loop.pt`` and the rank
+    files ``.metadata`` names (None: no readable ``.metadata``). Across hosts a folder may hold only some of
+    them (``shard_copies.py``), so a folder is whole only when all are there."""
+    import pickle
+
+    try:
+        with open(os.path.join(path, SHARDED_METADATA), "rb") as f:
+            metadata = pickle.load(f)  # ours: written by DCP into the fit's own 0700 folder
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    return {info.relative_path for info in metadata.storage_data.values()} | {SHARDED_METADATA, SHARDED_LOOP_FILE}
+
+
 def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
 
@@ -130,7 +144,8 @@ def _remove_stale_temporaries(directory: str) -> None:
 def is_complete(path: str) -> bool:
     """Whether ``path`` is a whole checkpoint: a ``torch.save`` archive whose zip directory reads, or a finished sharded one."""
     if os.path.isdir(path):
-        return is_sharded(path)
+        needs = sharded_files(path) if is_sharded(path) else None
+        return needs is not None and all(os.path.isfile(os.path.join(path, name)) for name in needs)
     try:
         with zipfile.ZipFile(path) as archive:
             return bool(archive.namelist())

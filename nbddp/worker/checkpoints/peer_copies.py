@@ -17,10 +17,9 @@ Only when the ranks span more than one host: ranks on one host share its
   so every rank resumes from the same one.
 
 A sharded snapshot (FSDP, pipeline, tensor parallel) is one folder that every
-rank writes its part of and that DCP reads across ranks, which needs a file
-system all hosts share; ``protocol.fit_options.check_elastic_hosts`` refuses
-it across hosts with the fix (in the kernel, and here at a relaunch whose
-ranks span more hosts than before).
+rank writes its part of: ``shard_copies.py`` copies each rank's files to its
+peer's host, and ``shard_fetch.py`` puts each rank's reads together at a
+relaunch.
 """
 
 from __future__ import annotations

@@ -118,6 +118,24 @@ def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str,
     return torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
 
 
+def reads(path: str, model: Any, optimizer: Any, flat: bool = False) -> set[str]:
+    """The files ``load`` of ``path`` reads on this rank: ``.metadata``, ``loop.pt``, and those DCP's own load plan
+    takes this rank's pieces from (its shard's file, and the one each entry DCP saved once, deduplicated, is in).
+
+    Needs only ``.metadata`` in ``path``: an elastic relaunch across hosts copies the rest in (``shard_fetch.py``).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
+    metadata = FileSystemReader(path).read_metadata()
+    planner = DefaultLoadPlanner()  # load's own planner: the same plan, made the same way
+    planner.set_up_planner({"model": model_state, "optim": optim_state}, metadata, False)
+    plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items} | {METADATA, LOOP_FILE}
+
+
 def export(path: str, out: str) -> str:
     """Write a sharded checkpoint as one plain ``torch.save`` file: ``{"model": full state dict, "optimizer": ..., step...}``.
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig, check_elastic_hosts
-from nbddp.worker.checkpoints import background, files as ckpt, peer_copies
+from nbddp.protocol.fit_options import AUTO_SNAPSHOT_COST, AUTO_SNAPSHOT_S, FitConfig
+from nbddp.worker.checkpoints import background, files as ckpt, peer_copies, shard_copies, shard_fetch
 from nbddp.worker.engine.rank_state import STATE
 
 KEEP = 2  # the last whole snapshot survives a death while the next one is written
@@ -79,6 +79,8 @@ class SnapshotClock:
         try:
             self.writer.wait()  # its buffers are refilled now
             self.waited_s += time.monotonic() - t0  # (0 unless snapshots come faster than they are written)
+            if isinstance(self.peers, shard_copies.ShardCopies):
+                self.peers.prepare(step)  # this host's temporary folder, where rank 0 is not
             job = strategy.save_snapshot(self.directory, step, optimizer, extra, rank, self.writer)
             if self.peers is not None:  # a copy in another host's memory (peer_copies.py)
                 job = self.peers.job(job, step, self.writer.side_group(self.group))
@@ -101,32 +103,52 @@ class SnapshotClock:
     def timings(self) -> dict[str, float]:
         """For ``History.timings``: what the steps waited (of which for a previous write), how many snapshots, what
         the writes took in the thread."""
-        return {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s,
-                "snapshot_wait_s": self.waited_s}
+        out = {"snapshot_s": self.total_s, "snapshots": self.count, "snapshot_write_s": self.writer.write_s,
+               "snapshot_wait_s": self.waited_s}
+        if isinstance(self.peers, shard_copies.ShardCopies):  # of snapshot_write_s: the copies to other hosts
+            out.update(snapshot_copy_s=self.peers.copy_s, snapshot_copy_bytes=self.peers.copy_bytes)
+        return out
 
     def close(self) -> None:
         """The fit's end, whatever its outcome: the last write finished (a failed one leaves the previous)."""
         self.writer.close(raise_error=False)
 
 
-def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> peer_copies.PeerCopies | None:
-    """Who copies this fit's snapshots to which host, when its ranks span hosts (collective then); else None."""
+def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> Any:
+    """Who copies this fit's snapshots to which host, when its ranks span hosts (collective then); else None.
+
+    Rank 0's file for a replicated fit (``peer_copies.py``), every rank's files for a sharded one
+    (``shard_copies.py``).
+    """
     if strategy is None or not peer_copies.spans_hosts(STATE.placement):
         return None
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, STATE.placement.host, group=group)
-    check_elastic_hosts(hosts, strategy.snapshot_is_one_file, strategy.name)
-    return peer_copies.PeerCopies(dist.get_rank(group), hosts, cfg.snapshot_dir, KEEP)
+    copies = peer_copies.PeerCopies if strategy.snapshot_is_one_file else shard_copies.ShardCopies
+    return copies(dist.get_rank(group), hosts, cfg.snapshot_dir, KEEP)
 
 
 def relaunch_from(cfg: FitConfig, strategy: Any, rank: int, world: int) -> str | None:
     """Collective: the snapshot a relaunch resumes from, the same on every rank (``setup.wrap_and_restore``).
 
-    Across hosts, the newest any host holds, copied to the hosts that lack it (a replacement's new host).
+    Across hosts, the newest any host holds, copied to the hosts that lack it (a replacement's new host); for a
+    sharded one, the newest whose files the hosts hold together, its index copied now and the rest of each
+    rank's reads by ``before_load``.
     """
-    if peer_copies.spans_hosts(STATE.placement) and strategy.snapshot_is_one_file:
-        return peer_copies.fetch_newest(cfg.snapshot_dir, rank, world)
+    if peer_copies.spans_hosts(STATE.placement):
+        if strategy.snapshot_is_one_file:
+            return peer_copies.fetch_newest(cfg.snapshot_dir, rank, world)
+        return shard_fetch.newest(cfg.snapshot_dir, STATE.placement.host, world)
     return latest(cfg)
+
+
+def before_load(cfg: FitConfig, strategy: Any, path: str, optimizer: Any, world: int) -> None:
+    """Collective on a relaunch across hosts of a sharded fit: the files its load reads on each rank, onto that
+    rank's host (from the hosts that hold them). Nothing otherwise."""
+    if not (cfg.from_snapshot and cfg.snapshot_dir and peer_copies.spans_hosts(STATE.placement)) or \
+            strategy.snapshot_is_one_file or os.path.dirname(os.path.abspath(path)) != os.path.abspath(cfg.snapshot_dir):
+        return
+    shard_fetch.fetch_reads(path, strategy.snapshot_reads(path, optimizer), STATE.placement.host, world)
 
 
 def latest(cfg: FitConfig) -> str | None:

@@ -157,6 +157,10 @@ class Strategy(ABC):
         here, as ``save_checkpoint`` does, and returns ``None``.
         """
 
+    def snapshot_reads(self, path: str, optimizer: Any) -> set[str] | None:
+        """The files in a sharded snapshot ``path`` that ``load_checkpoint`` reads on this rank (None: one file)."""
+        return None
+
     @abstractmethod
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         """Restore model and optimizer state from ``path``; return the ``extra`` it was saved with."""

@@ -144,6 +144,9 @@ class FSDPStrategy(Strategy):
             return None
         return dcp.save_async(directory, step, self.module, optimizer, extra, rank, writer)
 
+    def snapshot_reads(self, path: str, optimizer: Any) -> set[str] | None:
+        return dcp.reads(path, self.module, optimizer)
+
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer)
 

@@ -107,6 +107,9 @@ class MeshStrategy(Strategy):
             return None
         return dcp.save_async(directory, step, self.module, optimizer, extra, rank, writer, flat=True)
 
+    def snapshot_reads(self, path: str, optimizer: Any) -> set[str] | None:
+        return dcp.reads(path, self.module, optimizer, flat=True)
+
     def load_checkpoint(self, path: str, optimizer: Any) -> dict[str, Any]:
         return dcp.load(path, self.module, optimizer, flat=True)
 

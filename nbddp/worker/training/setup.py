@@ -195,6 +195,7 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], path: str | None) ->
 
 
 def restore(ts: TrainState, path: str) -> None:
+    snapshots.before_load(ts.cfg, ts.strategy, path, ts.optimizer, ts.world)  # (a sharded relaunch across hosts)
     extra = ts.strategy.load_checkpoint(path, ts.optimizer)
     check_resumable(extra, ts.cfg, ts.world, path)
     if ts.scheduler is not None and extra.get("scheduler") is not None:
