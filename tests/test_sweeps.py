@@ -361,17 +361,22 @@ class DiesMidway(nn.Module):
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize("per_trial", [1, 2])
 def test_with_snapshot_every_a_dead_workers_trial_resumes_from_its_snapshot_and_equals_an_unbroken_one(workers,
-                                                                                                     tmp_path):
+                                                                                                     tmp_path,
+                                                                                                     per_trial):
     """The issue's "with max_restarts ... the trial resumes instead": the same trial goes on from step 6 on the
-    healed worker (not a new trial from step 0), and ends with the weights and records of a trial never broken."""
+    healed worker (not a new trial from step 0), and ends with the weights and records of a trial never broken.
+    In a group of two the dead rank's peer, stuck in the group's gradient reduction, is killed too, and the group
+    resumes whole."""
     flag = str(tmp_path / "died")
     generation = workers.generation
 
     def sweep():
-        return nbddp.sweep(lambda: DiesMidway(flag), tensors(), val_data=tensors(32, 1), space={"lr": [0.05]},
+        # each rank trains 4 steps an epoch in either group size (its 7th forward is after the step-6 snapshot)
+        return nbddp.sweep(lambda: DiesMidway(flag), tensors(64 * per_trial), val_data=tensors(32, 1), space={"lr": [0.05]},
                            n_trials=1, sampler=grid(lr=[0.05]), epochs=3, batch_size=16, seed=3, live=False,
-                           max_restarts=1, snapshot_every=2)
+                           max_restarts=1, snapshot_every=2, workers_per_trial=per_trial)
 
     broken = sweep()
     assert workers.generation > generation  # the dead worker was replaced
