@@ -89,20 +89,18 @@ def test_a_model_object_has_no_arguments_to_sweep():
         spaces.build_space({"width": [4]}, make_net(), None, {})
 
 
-@pytest.mark.parametrize("options, shown", [
-    ({"mesh": {"dp": 1, "pp": 2}}, "strategy='ddp', mesh={'dp': 1, 'pp': 2}"),
-    ({"strategy": nbddp.Pipeline(stages=2)}, "mesh=None lay one model over a mesh"),
-    ({"strategy": nbddp.TensorParallel()}, "mesh=None lay one model over a mesh"),
-])
-def test_a_sweep_refuses_model_parallel_strategies(options, shown):
-    with pytest.raises(ValueError, match=r"data-parallel over its group of workers_per_trial ranks.*"
-                                         + re.escape(shown) + r".*over all 2 running workers.*strategy='fsdp'"):
-        spaces.check_strategy(options, 2)
+@pytest.mark.parametrize("mesh, per_trial", [({"dp": 1, "pp": 2}, 1), ({"dp": 2, "tp": 2}, 2)])
+def test_a_sweeps_mesh_must_span_one_trial_group(mesh, per_trial):
+    with pytest.raises(ValueError, match=re.escape(f"nbddp.sweep(mesh={mesh}) spans {mesh['dp'] * max(mesh.get('pp', 1), mesh.get('tp', 1))} ranks, but each trial trains on its own group of workers_per_trial={per_trial}")
+                       + r".*Pass workers_per_trial="):
+        spaces.check_strategy({"mesh": mesh}, per_trial)
 
 
-def test_a_sweep_takes_the_data_parallel_strategies():
-    for strategy in ("ddp", "fsdp", nbddp.DDP(find_unused_parameters=True), nbddp.FSDP()):
-        spaces.check_strategy({"strategy": strategy}, 2)  # raises nothing
+def test_a_sweep_takes_every_strategy_of_dist_fit():
+    for strategy in ("ddp", "fsdp", nbddp.DDP(find_unused_parameters=True), nbddp.FSDP(), nbddp.Pipeline(stages=2),
+                     nbddp.TensorParallel()):
+        spaces.check_strategy({"strategy": strategy}, 2)  # raises nothing: the fit's own checks follow
+    spaces.check_strategy({"mesh": {"dp": 1, "tp": 2}}, 2)
 
 
 def test_a_study_that_goes_the_other_way_is_refused():
@@ -250,9 +248,11 @@ def test_the_best_model_equals_a_dist_fit_alone_with_the_best_parameters(workers
     assert result.best_value == history.epochs[-1]["val_loss"]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", nbddp.FSDP(reshard_after_forward=False)])
+@pytest.mark.parametrize("strategy", ["fsdp", nbddp.FSDP(reshard_after_forward=False), nbddp.TensorParallel(),
+                                      nbddp.Pipeline(stages=2, microbatches=2)])
 def test_a_trial_trains_sharded_over_its_group_and_equals_a_dist_fit_alone(workers, strategy):
-    """FSDP in a trial's group of two: the best weights gathered whole equal those of the same fit run alone."""
+    """FSDP, tensor parallel or a pipeline in a trial's group of two (its mesh made of the group's ranks): the best
+    weights gathered whole equal those of the same fit run alone."""
     data = tensors()
     result = nbddp.sweep(make_net, data, space={"lr": [0.05]}, sampler=grid(lr=[0.05]), metric="loss", n_trials=1,
                          workers_per_trial=2, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
@@ -260,6 +260,10 @@ def test_a_trial_trains_sharded_over_its_group_and_equals_a_dist_fit_alone(worke
     history = nbddp.dist_fit(make_net, data, lr=0.05, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
     for (name, mine), theirs in zip(result.best_model.state_dict().items(), history.model.state_dict().values()):
         assert torch.equal(mine, theirs), name
+    if not isinstance(strategy, (str, nbddp.FSDP)):  # the trial did lay the model out: DDP's weights differ
+        ddp = nbddp.dist_fit(make_net, data, lr=0.05, epochs=1, batch_size=8, seed=2, live=False).model
+        assert any(not torch.equal(a, b) for a, b in zip(result.best_model.state_dict().values(),
+                                                          ddp.state_dict().values()))
 
 
 def test_an_interrupted_sweep_returns_what_it_has(workers):
