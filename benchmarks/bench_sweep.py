@@ -7,7 +7,9 @@ rates x 2 widths (--quick: 2 x 2), the same for both sides. One torch thread per
 so each side has one core per worker. Each side's workers are warmed by a
 2-step fit before the clock (``warm_up``).
 
-* ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers;
+* ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers, no pruner (Optuna's
+  ``NopPruner``), so that it trains exactly the steps the sequential side does (``steps`` in each side's figures;
+  until 2026-12-03 15:20 the sweep ran with Optuna's default ``MedianPruner``, which pruned a trial in most runs);
 * ``sequential``: 8 ``dist_fit`` calls on 1 worker, one after another.
 
 The test suite's smoke run (``run_all.run(quick=True, reuse_workers=True)``)
@@ -91,7 +93,8 @@ def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
         cpu0 = cpu_tree.snapshot()
         t0 = time.perf_counter()
         result = nbddp.sweep(make_mlp, train, val_data=val, space={"lr": lrs, "width": WIDTHS},
-                             n_trials=len(lrs) * len(WIDTHS), sampler=sampler, live=False, **cfg)
+                             n_trials=len(lrs) * len(WIDTHS), sampler=sampler, pruner=optuna.pruners.NopPruner(),
+                             live=False, **cfg)
         wall = time.perf_counter() - t0
         cpu = cpu_tree.spent(cpu0, cpu_tree.snapshot())
     finally:
@@ -190,7 +193,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                       # each rep's sides ran back to back: their ratio is the figure least moved by other load
                       "paired_speedups": [common.ratio(q["wall_s"], w["wall_s"])
                                           for q, w in zip(out["sequential"], out["sweep"])],
-                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # optuna's default MedianPruner
+                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # 0: no pruner (NopPruner)
+                      "steps": {side: [r.get("steps") for r in out[side]] for side in ("sweep", "sequential")},
                       "load_1min": [r["load_1min"] for side in ("sweep", "sequential") for r in out[side]],
                       "gap_median_s": common.median(totals) if totals else None,
                       "gap_max_s": max(totals) if totals else None,
