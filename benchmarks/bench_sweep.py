@@ -7,7 +7,9 @@ rates x 2 widths (--quick: 2 x 2), the same for both sides. One torch thread per
 so each side has one core per worker. Each side's workers are warmed by a
 2-step fit before the clock (``warm_up``).
 
-* ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers;
+* ``sweep``: ``nbddp.sweep(..., n_trials=8, workers_per_trial=1)`` on 2 workers, no pruner (Optuna's
+  ``NopPruner``), so that it trains exactly the steps the sequential side does (``steps`` in each side's figures;
+  until 2026-12-03 15:20 the sweep ran with Optuna's default ``MedianPruner``, which pruned a trial in most runs);
 * ``sequential``: 8 ``dist_fit`` calls on 1 worker, one after another.
 
 The test suite's smoke run (``run_all.run(quick=True, reuse_workers=True)``)
@@ -33,7 +35,7 @@ from pathlib import Path as _Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, cpu_tree  # noqa: E402
 
 NAME = "sweep"
 LRS = [3e-4, 1e-3, 3e-3, 1e-2]
@@ -63,6 +65,19 @@ def warm_up(train) -> None:
     nbddp.dist_fit(make_mlp, train, max_steps=2, batch_size=64, live=False)
 
 
+def torch_threads() -> list[int]:
+    """Each worker's torch intra-op threads: the same on both sides (one per worker), so a core each."""
+    import nbddp
+
+    return nbddp.run(_threads)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
     import optuna
 
@@ -73,15 +88,29 @@ def run_sweep(train, val, cfg: dict, lrs: list[float]) -> dict:
         t0 = time.perf_counter()
         warm_up(train)
         warm_s = time.perf_counter() - t0
+        threads = torch_threads()
         sampler = optuna.samplers.GridSampler({"lr": lrs, "width": WIDTHS}, seed=0)
+        cpu0 = cpu_tree.snapshot()
         t0 = time.perf_counter()
         result = nbddp.sweep(make_mlp, train, val_data=val, space={"lr": lrs, "width": WIDTHS},
-                             n_trials=len(lrs) * len(WIDTHS), sampler=sampler, live=False, **cfg)
+                             n_trials=len(lrs) * len(WIDTHS), sampler=sampler, pruner=optuna.pruners.NopPruner(),
+                             live=False, **cfg)
         wall = time.perf_counter() - t0
+        cpu = cpu_tree.spent(cpu0, cpu_tree.snapshot())
     finally:
         common.nbddp_stop()
     return {"wall_s": wall, "states": list(result.trials["state"]), "gaps_s": gaps(result),
-            "best_value": result.best_value, "start_s": start_s, "warm_s": warm_s}
+            "best_value": result.best_value, "start_s": start_s, "warm_s": warm_s, "cpu_s": cpu,
+            "torch_threads": threads, "steps": int(sum(h.last_step for h in result.histories.values())),
+            "tail_idle_s": tail_idle(result)}
+
+
+def tail_idle(result) -> float | None:
+    """How long one group sat idle at the end, with no trial left to take, while the other ran its last one: the
+    trials' unequal sizes (width 128 costs about 3x width 64), not overhead; it explains a run's ratio."""
+    ends = [max(result.histories[n].timings.get("end_wall", 0.0) for n in result.trials[result.trials["group"] == g]
+                ["trial"] if n in result.histories) for g in sorted(set(result.trials["group"]))]
+    return max(ends) - min(ends) if len(ends) > 1 else None
 
 
 PARTS = (  # the gap from one trial's end to the next one's first step on the same worker, in order (History.timings)
@@ -125,11 +154,17 @@ def run_sequential(train, val, cfg: dict, lrs: list[float], smoke: bool = False)
     workers = nbddp.status()["world_size"]
     try:
         warm_up(train)
+        threads = torch_threads()
+        cpu0 = cpu_tree.snapshot()
         t0 = time.perf_counter()
+        steps = 0
         for lr in lrs:
             for width in WIDTHS:
-                nbddp.dist_fit(lambda width=width: make_mlp(width), train, val_data=val, lr=lr, live=False, **cfg)
-        return {"wall_s": time.perf_counter() - t0, "workers": workers}
+                h = nbddp.dist_fit(lambda width=width: make_mlp(width), train, val_data=val, lr=lr, live=False, **cfg)
+                steps += h.last_step
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "workers": workers, "cpu_s": cpu_tree.spent(cpu0, cpu_tree.snapshot()),
+                "torch_threads": threads, "steps": steps}
     finally:
         common.nbddp_stop()
 
@@ -147,7 +182,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         for side in (["sweep", "sequential"] if rep % 2 == 0 else ["sequential", "sweep"]):
             res = run_sweep(train, val, cfg, lrs) if side == "sweep" else run_sequential(train, val, cfg, lrs, smoke)
             res["load_1min"] = os.getloadavg()[0]  # the machine's load as this side ended (2 cores here)
-            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s (load {res['load_1min']:.2f})")
+            roles = {k: round(v, 2) for k, v in res["cpu_s"]["roles"].items()} if res.get("cpu_s") else {}
+            common.log(f"[sweep] rep {rep} {side}: {res['wall_s']:.2f} s (load {res['load_1min']:.2f}), CPU s {roles}")
             out[side].append(res)
     sweep_s = common.median(r["wall_s"] for r in out["sweep"])
     seq_s = common.median(r["wall_s"] for r in out["sequential"])
@@ -157,11 +193,14 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                       # each rep's sides ran back to back: their ratio is the figure least moved by other load
                       "paired_speedups": [common.ratio(q["wall_s"], w["wall_s"])
                                           for q, w in zip(out["sequential"], out["sweep"])],
-                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # optuna's default MedianPruner
+                      "pruned": [r["states"].count("pruned") for r in out["sweep"]],  # 0: no pruner (NopPruner)
+                      "steps": {side: [r.get("steps") for r in out[side]] for side in ("sweep", "sequential")},
                       "load_1min": [r["load_1min"] for side in ("sweep", "sequential") for r in out[side]],
                       "gap_median_s": common.median(totals) if totals else None,
                       "gap_max_s": max(totals) if totals else None,
-                      "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {}}
+                      "gap_parts_median_s": gap_parts(all_gaps) if all_gaps else {},
+                      "cpu_per_trial_s": cpu_per_trial(out, len(lrs) * len(WIDTHS)),
+                      "tail_idle_s": [r.get("tail_idle_s") for r in out["sweep"]]}
     if not quick:  # the smoke run leaves these out: Ray's start-up alone is longer than the whole quick run
         from benchmarks import machine_ceiling
 
@@ -172,6 +211,21 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
         out["summary"].update(ray_summary(out))
     common.log(f"[sweep] {out['summary']}")
     return out
+
+
+def cpu_per_trial(out: dict, trials: int) -> dict:
+    """Each side's median CPU seconds per trial by role (``cpu_tree``): the kernel, the controller, the engines
+    (training included) and the engines' threads other than the training one. With 2 busy workers on 2 cores, what
+    the kernel, controller and side threads use is taken from training; the 1-worker side gets it from the idle
+    core."""
+    per = {}
+    for side in ("sweep", "sequential"):
+        runs = [r["cpu_s"] for r in out[side] if r.get("cpu_s")]
+        if runs:
+            roles = {name for c in runs for name in c["roles"]} | {"engine_side_threads"}
+            per[side] = {name: common.median((c["roles"].get(name, 0.0) if name != "engine_side_threads" else
+                                              c["engine_side_threads"]) / trials for c in runs) for name in roles}
+    return per
 
 
 def ray_side(train, val, cfg: dict, lrs: list[float], fits: int) -> dict:

@@ -16,7 +16,11 @@ Timed apart: ``ray.init`` (the start-up: GCS, raylet, the first workers),
 then each ``Tuner.fit`` of the 8 trials. The first fit starts the trial
 processes, which import torch; later fits in the same Ray session find them
 when Tune reuses its actors. ``ray.shutdown`` is timed too but counted in
-neither.
+neither. Each fit's time is also broken down per trial (``breakdown``): from
+the trials' own moments (process start, entry, first step, last
+validation, time inside ``tune.report``), Ray's ``time_total_s``, and the
+fit's wall, what lies outside the trainables (actor start-up, scheduling,
+results, teardown).
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def available() -> str | None:
 
 
 def trial(config: dict[str, Any], train: Any, val: Any, epochs: int, batch_size: int, seed: int) -> None:
-    """One trial as ``dist_fit`` runs it on one worker: AdamW, cross-entropy, a validation per epoch."""
+    """One trial as ``dist_fit`` runs it on one worker: AdamW, cross-entropy, a validation per epoch.
+
+    Each report also carries this trial's own moments (wall clock, one host): its process's start, the
+    trainable's entry, the first and the last step's end, and the seconds spent inside ``tune.report``
+    so far, for ``breakdown``."""
+    entered = time.time()
     import torch
     import torch.nn.functional as F
     from ray import tune
@@ -59,6 +68,7 @@ def trial(config: dict[str, Any], train: Any, val: Any, epochs: int, batch_size:
     model = make_mlp(config["width"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
     loader = DataLoader(TensorDataset(*train), batch_size=batch_size, shuffle=True)
+    moments = {"t_process_start": process_start(), "t_entry": entered, "t_first_step": time.time(), "report_s": 0.0}
     for epoch in range(epochs):
         model.train()
         for x, y in loader:
@@ -68,7 +78,45 @@ def trial(config: dict[str, Any], train: Any, val: Any, epochs: int, batch_size:
         model.eval()
         with torch.no_grad():
             val_loss = F.cross_entropy(model(val[0]), val[1]).item()
-        tune.report({"val_loss": val_loss, "epoch": epoch})
+        moments["t_train_end"] = time.time()
+        t0 = time.perf_counter()
+        tune.report({"val_loss": val_loss, "epoch": epoch, **moments})
+        moments["report_s"] += time.perf_counter() - t0
+
+
+def process_start() -> float:
+    """This process's start, wall clock (Linux ``/proc``; 0.0 elsewhere): a Ray worker may be older than its trial."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+def breakdown(metrics: list[dict[str, Any]], fit_start: float, fit_end: float, slots: int = 2) -> dict[str, Any]:
+    """Where one ``Tuner.fit``'s time went, per trial (medians), from each trial's last report and the fit's ends.
+
+    ``process_to_entry_s``: for a trial in a process started during the fit, from that process's start to the
+    trainable's first line (Ray's worker boots, the actor is made, the trainable and its data are unpickled);
+    ``setup_s``: torch, the model, the loader; ``train_s``: first step to the last validation (the reports inside);
+    ``report_s``: inside ``tune.report``; ``outside_per_trial_s``: the fit's CPU slots (``slots`` x its wall) not
+    spent inside a trainable, per trial: actor start-up, scheduling, result handling, teardown."""
+    from benchmarks import common
+
+    rows = [{"process_to_entry_s": m["t_entry"] - m["t_process_start"] if m["t_process_start"] >= fit_start else None,
+             "setup_s": m["t_first_step"] - m["t_entry"], "train_s": m["t_train_end"] - m["t_first_step"],
+             "report_s": m["report_s"], "new_process": m["t_process_start"] >= fit_start,
+             "time_total_s": m.get("time_total_s")} for m in metrics]
+    inside = sum(m["t_train_end"] - m["t_entry"] for m in metrics)
+    out = {k: common.median(r[k] for r in rows if r[k] is not None)
+           for k in ("process_to_entry_s", "setup_s", "train_s", "report_s")}
+    out.update(new_processes=sum(r["new_process"] for r in rows), trials=len(rows),
+               time_total_s=common.median(r["time_total_s"] for r in rows if r["time_total_s"] is not None),
+               outside_per_trial_s=(slots * (fit_end - fit_start) - inside) / max(len(rows), 1))
+    return out
 
 
 @contextmanager
@@ -111,9 +159,11 @@ def run(train: Any, val: Any, cfg: dict[str, Any], lrs: list[float], widths: lis
                                    tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
                                    run_config=tune.RunConfig(storage_path=os.path.join(temp, "results"),
                                                              name=f"fit{i}", verbose=0))
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
                 grid = tuner.fit()
                 out["fits_s"].append(time.perf_counter() - t0)
+                out.setdefault("breakdown", []).append(breakdown([r.metrics for r in grid if not r.error], wall0,
+                                                                 time.time()))
                 out["states"].append(["failed" if r.error else "complete" for r in grid])
                 out["best_value"] = grid.get_best_result().metrics["val_loss"]
     finally:

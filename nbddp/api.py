@@ -363,9 +363,9 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
     Args:
         model, data, **fit_kwargs: as for ``dist_fit`` (``val_data``,
             ``metrics``, ``epochs``, ``batch_size``, ...). A trial trains
-            data-parallel over its group: DDP, or ``strategy="fsdp"`` /
-            ``nbddp.FSDP(...)``; ``mesh`` and model-parallel strategies are
-            refused. ``max_restarts`` (default 1): how many times a trial
+            over its group with any ``dist_fit`` strategy: DDP, FSDP, or
+            ``nbddp.TensorParallel``/``nbddp.Pipeline``/``mesh`` laid over the
+            group's ranks (a mesh must span ``workers_per_trial``). ``max_restarts`` (default 1): how many times a trial
             whose worker died runs again; with ``snapshot_every`` it resumes
             from its newest snapshot instead. ``block=False`` returns a
             ``SweepHandle`` (``.stop()``, ``.wait()``, ``.done()``, ``.trials``).

@@ -89,20 +89,18 @@ def test_a_model_object_has_no_arguments_to_sweep():
         spaces.build_space({"width": [4]}, make_net(), None, {})
 
 
-@pytest.mark.parametrize("options, shown", [
-    ({"mesh": {"dp": 1, "pp": 2}}, "strategy='ddp', mesh={'dp': 1, 'pp': 2}"),
-    ({"strategy": nbddp.Pipeline(stages=2)}, "mesh=None lay one model over a mesh"),
-    ({"strategy": nbddp.TensorParallel()}, "mesh=None lay one model over a mesh"),
-])
-def test_a_sweep_refuses_model_parallel_strategies(options, shown):
-    with pytest.raises(ValueError, match=r"data-parallel over its group of workers_per_trial ranks.*"
-                                         + re.escape(shown) + r".*over all 2 running workers.*strategy='fsdp'"):
-        spaces.check_strategy(options, 2)
+@pytest.mark.parametrize("mesh, per_trial", [({"dp": 1, "pp": 2}, 1), ({"dp": 2, "tp": 2}, 2)])
+def test_a_sweeps_mesh_must_span_one_trial_group(mesh, per_trial):
+    with pytest.raises(ValueError, match=re.escape(f"nbddp.sweep(mesh={mesh}) spans {mesh['dp'] * max(mesh.get('pp', 1), mesh.get('tp', 1))} ranks, but each trial trains on its own group of workers_per_trial={per_trial}")
+                       + r".*Pass workers_per_trial="):
+        spaces.check_strategy({"mesh": mesh}, per_trial)
 
 
-def test_a_sweep_takes_the_data_parallel_strategies():
-    for strategy in ("ddp", "fsdp", nbddp.DDP(find_unused_parameters=True), nbddp.FSDP()):
-        spaces.check_strategy({"strategy": strategy}, 2)  # raises nothing
+def test_a_sweep_takes_every_strategy_of_dist_fit():
+    for strategy in ("ddp", "fsdp", nbddp.DDP(find_unused_parameters=True), nbddp.FSDP(), nbddp.Pipeline(stages=2),
+                     nbddp.TensorParallel()):
+        spaces.check_strategy({"strategy": strategy}, 2)  # raises nothing: the fit's own checks follow
+    spaces.check_strategy({"mesh": {"dp": 1, "tp": 2}}, 2)
 
 
 def test_a_study_that_goes_the_other_way_is_refused():
@@ -250,9 +248,11 @@ def test_the_best_model_equals_a_dist_fit_alone_with_the_best_parameters(workers
     assert result.best_value == history.epochs[-1]["val_loss"]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", nbddp.FSDP(reshard_after_forward=False)])
+@pytest.mark.parametrize("strategy", ["fsdp", nbddp.FSDP(reshard_after_forward=False), nbddp.TensorParallel(),
+                                      nbddp.Pipeline(stages=2, microbatches=2)])
 def test_a_trial_trains_sharded_over_its_group_and_equals_a_dist_fit_alone(workers, strategy):
-    """FSDP in a trial's group of two: the best weights gathered whole equal those of the same fit run alone."""
+    """FSDP, tensor parallel or a pipeline in a trial's group of two (its mesh made of the group's ranks): the best
+    weights gathered whole equal those of the same fit run alone."""
     data = tensors()
     result = nbddp.sweep(make_net, data, space={"lr": [0.05]}, sampler=grid(lr=[0.05]), metric="loss", n_trials=1,
                          workers_per_trial=2, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
@@ -260,6 +260,10 @@ def test_a_trial_trains_sharded_over_its_group_and_equals_a_dist_fit_alone(worke
     history = nbddp.dist_fit(make_net, data, lr=0.05, strategy=strategy, epochs=1, batch_size=8, seed=2, live=False)
     for (name, mine), theirs in zip(result.best_model.state_dict().items(), history.model.state_dict().values()):
         assert torch.equal(mine, theirs), name
+    if not isinstance(strategy, (str, nbddp.FSDP)):  # the trial did lay the model out: DDP's weights differ
+        ddp = nbddp.dist_fit(make_net, data, lr=0.05, epochs=1, batch_size=8, seed=2, live=False).model
+        assert any(not torch.equal(a, b) for a, b in zip(result.best_model.state_dict().values(),
+                                                          ddp.state_dict().values()))
 
 
 def test_an_interrupted_sweep_returns_what_it_has(workers):
@@ -361,17 +365,22 @@ class DiesMidway(nn.Module):
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize("per_trial", [1, 2])
 def test_with_snapshot_every_a_dead_workers_trial_resumes_from_its_snapshot_and_equals_an_unbroken_one(workers,
-                                                                                                     tmp_path):
+                                                                                                     tmp_path,
+                                                                                                     per_trial):
     """The issue's "with max_restarts ... the trial resumes instead": the same trial goes on from step 6 on the
-    healed worker (not a new trial from step 0), and ends with the weights and records of a trial never broken."""
+    healed worker (not a new trial from step 0), and ends with the weights and records of a trial never broken.
+    In a group of two the dead rank's peer, stuck in the group's gradient reduction, is killed too, and the group
+    resumes whole."""
     flag = str(tmp_path / "died")
     generation = workers.generation
 
     def sweep():
-        return nbddp.sweep(lambda: DiesMidway(flag), tensors(), val_data=tensors(32, 1), space={"lr": [0.05]},
+        # each rank trains 4 steps an epoch in either group size (its 7th forward is after the step-6 snapshot)
+        return nbddp.sweep(lambda: DiesMidway(flag), tensors(64 * per_trial), val_data=tensors(32, 1), space={"lr": [0.05]},
                            n_trials=1, sampler=grid(lr=[0.05]), epochs=3, batch_size=16, seed=3, live=False,
-                           max_restarts=1, snapshot_every=2)
+                           max_restarts=1, snapshot_every=2, workers_per_trial=per_trial)
 
     broken = sweep()
     assert workers.generation > generation  # the dead worker was replaced

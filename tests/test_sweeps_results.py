@@ -139,3 +139,26 @@ def test_a_pruned_trials_group_waits_for_its_signal_to_be_sent_not_a_fixed_time(
     lost = Future()  # a nanny that never answers: the group is not held past the deadline
     sweep.landing[0] = (lost, scheduler.time.perf_counter() - 0.001)
     assert sweep._landed(0)
+
+
+def test_a_trials_published_records_wake_the_schedule_and_are_read_without_polling_the_task():
+    """The first rank's published data (ipyparallel's own ``Metadata``, updated in place by the client's IO thread)
+    sets the schedule's event as it lands, keeps what had landed before the swap, and is read with a dict lookup."""
+    import threading
+
+    from ipyparallel.client.client import Metadata
+
+    from nbddp.protocol.messages import PUBLISH_KEYS
+    from nbddp.sweeps.published import latest, wake_on_publish
+
+    client = SimpleNamespace(metadata={"m1": Metadata()})
+    client.metadata["m1"]["data"][PUBLISH_KEYS["plan"]] = "the plan"  # landed before the swap
+    ar, wake = SimpleNamespace(msg_ids=["m1"]), threading.Event()
+    wake_on_publish(client, ar, wake)
+    assert latest(client, ar, "progress") is None and latest(client, ar, "plan") == "the plan" and not wake.is_set()
+    io = threading.Thread(target=lambda: client.metadata["m1"]["data"].update({PUBLISH_KEYS["progress"]: "records"}))
+    io.start()  # what Client._dispatch_iopub does with a data_message
+    assert wake.wait(5.0)
+    io.join()
+    assert latest(client, ar, "progress") == "records"
+    assert latest(client, SimpleNamespace(msg_ids=["gone"]), "progress") is None  # a task the client forgot

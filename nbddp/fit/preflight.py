@@ -237,8 +237,12 @@ def check_shard(cfg: FitConfig, n: int, world: int) -> None:
 def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_fn: Callable | None = None,
             optimizer: Any = None, scheduler: Callable | None = None, metrics: Mapping[str, Callable] | None = None,
             step_fn: Callable | None = None, batch_size: int | None = None, keep: str | None = None,
-            return_weights: bool = True, **options: Any) -> FitPlan:
-    """Check everything, then pack the arguments for the workers."""
+            return_weights: bool = True, world: int | None = None, **options: Any) -> FitPlan:
+    """Check everything, then pack the arguments for the workers.
+
+    ``world``: the ranks one fit trains on, when not every worker (a sweep's trial group): the mesh and the
+    data shards are checked for that many."""
+    world = world or session.world_size
     elastic = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
                             options.pop("retry_on", None))
     min_workers = options.pop("min_workers", None)
@@ -266,9 +270,9 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
     check_units(model, cfg)
-    check_topology(model, cfg, session.world_size, step_fn, stream=bool(getattr(spec, "stream", False)))
+    check_topology(model, cfg, world, step_fn, stream=bool(getattr(spec, "stream", False)))
     if n_train is not None:
-        check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, session.world_size))
+        check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, world))
     # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole
     keys = session.resident.key_specs([spec, val_spec], by_value=elastic.enabled)
     launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),

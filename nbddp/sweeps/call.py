@@ -92,7 +92,7 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
         stall_timeout = s.options.stall_timeout
     spaces.check_run(n_trials, mode, workers_per_trial, s.world_size)
     check_live(live)
-    spaces.check_strategy(fit_kwargs, s.world_size)
+    spaces.check_strategy(fit_kwargs, workers_per_trial)
     max_restarts, snapshot_every = spaces.pop_restarts(fit_kwargs)
     sweep_space = spaces.build_space(space, model, fit_kwargs.get("step_fn"), fit_kwargs)
     spaces.check_metric(metric, fit_kwargs.get("val_data"), fit_kwargs.get("metrics"), fit_kwargs.get("step_fn"))
@@ -164,7 +164,8 @@ def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int
     from nbddp.fit.preflight import prepare
 
     def ship() -> Any:  # again after a worker was replaced: the new one holds no resident data
-        plan = prepare(s, model, data, return_weights=True, **fit_kwargs)
+        # a trial trains on its group: a model-parallel mesh and the data shards are laid out for that many ranks
+        plan = prepare(s, model, data, return_weights=True, world=len(groups[0]), **fit_kwargs)
         plan.launch = replace(plan.launch, returns="state_dict")
         return plan
 

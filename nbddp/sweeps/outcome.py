@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from nbddp.fit.history import History
-from nbddp.jobs.rank_tasks import classify
+from nbddp.jobs.rank_tasks import classify, is_consequence
 from nbddp.sweeps import resume
 
 
@@ -95,8 +95,10 @@ def _collect(sweep: Any, run: Any) -> tuple[dict[int, Any], Any]:
             failures.append(classify(rank, exc, by_rank.get(rank))[0])
     if not failures:
         return results, None
-    # the cause first: a rank's own error, then a death, and a peer's broken connection last
-    failures.sort(key=lambda f: (f.exc_type == "PeerFailed", f.exc_type == "WorkerDied"))
+    # the cause first: a rank's own error, then a death (a peer killed stuck after an own error is one too), and
+    # last a peer's consequence: PeerFailed, or gloo's "Connection closed by peer" in a group of two whose other
+    # rank died (that trial resumes or is retried, as a death)
+    failures.sort(key=lambda f: (is_consequence(f), f.exc_type == "WorkerDied"))
     return results, failures[0]
 
 

@@ -2,7 +2,8 @@
 
 One kernel thread (``nbddp-sweep``) runs the whole schedule, so Optuna is
 only ever called from it. Every tick (``TICK_S``), or at once when a trial's
-task returns (a done-callback wakes it), it:
+task returns (a done-callback wakes it) or its first rank publishes records
+(``sweeps/published.py``), it:
 
 1. looks at each running trial's first rank: new records (the same
    published window ``dist_fit`` streams) are reported to Optuna at their
@@ -30,14 +31,15 @@ from nbddp.fit.history import History
 from nbddp.protocol.messages import published
 from nbddp.shipping import pickling as shipping
 from nbddp.sweeps import resume
+from nbddp.sweeps.published import latest, wake_on_publish
 from nbddp.sweeps.result import TrialRow, line
 from nbddp.sweeps.stale import Heartbeats, ask
 
-# the schedule's poll of the trials' records (which a rank publishes every publish_interval_s, 0.25 s by default);
-# a task's return, a stop and a prune signal's delivery wake it at once. It was 0.01: on 2 cores, with a worker
-# on each, the kernel's polling took CPU from the trials (0.1 s of the schedule thread per 8-trial bench sweep,
-# 0.035 s at 0.05)
-TICK_S = 0.05
+# the schedule's own pace, for what no event announces (stalls, storage heartbeats, a stuck peer's grace): a
+# trial's published records (sweeps/published.py), a task's return, a stop and a prune signal's delivery wake it at
+# once. It was a 10 ms, then a 50 ms poll of the records: on 2 cores, with a worker on each, that polling took CPU
+# from the trials
+TICK_S = 0.25
 LANDING_S = 5.0  # the most a group waits for its prune signal's delivery to be confirmed (see ``_landed``)
 GRACE_S = 2.0  # a trial rank failed: its group's other ranks, stuck in a collective after that long, are killed
 
@@ -198,6 +200,7 @@ class SweepRun:
             s.sources.attach(self.plan.model_parcels.get(p.local), p), bind) for p in members}
         for ar in ars.values():  # called on the client's IO thread: only an Event set, which cannot raise
             ar.add_done_callback(lambda _ar: self._wake.set())
+        wake_on_publish(s.client, ars[self.groups[g][0]], self._wake)  # the first rank carries the records
         return ars, [p.engine_id for p in members]
 
     def _watch(self, g: int, run: Running) -> None:
@@ -234,7 +237,7 @@ class SweepRun:
                 return
 
     def _take_records(self, run: Running) -> None:
-        msg = published(run.ars[self.groups[run.row.group][0]], "progress")
+        msg = latest(self.session.client, run.ars[self.groups[run.row.group][0]], "progress")
         for seq, kind, record in (msg.window if msg is not None else []):
             if seq >= run.seen:
                 run.seen = seq + 1

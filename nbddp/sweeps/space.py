@@ -134,24 +134,27 @@ def check_metric(metric: Any, val_data: Any, metrics: Any, step_fn: Any) -> None
                          f"{sorted(reported)}; pick one of them")
 
 
-def check_strategy(options: dict[str, Any], world: int) -> None:
-    """A trial trains data-parallel over its own group: DDP (the default, or ``nbddp.DDP(...)``) or FSDP (``"fsdp"``,
-    ``nbddp.FSDP(...)``: the model sharded over the group's ranks). Both need only the group's process group.
+def check_strategy(options: dict[str, Any], workers_per_trial: int) -> None:
+    """A trial trains over its own group of ``workers_per_trial`` ranks, with any of ``dist_fit``'s strategies.
 
-    Model-parallel settings (``mesh``, ``nbddp.Pipeline``, ``nbddp.TensorParallel``) are refused: their stages,
-    tensor-parallel plan and data shards are laid out and checked over every running worker (``dist_fit``'s
-    world), and a trial's group is a part of it; an unknown strategy is left to ``dist_fit``'s own check.
+    DDP and FSDP are data-parallel over the group; a model-parallel setting
+    (``mesh``, ``nbddp.Pipeline``, ``nbddp.TensorParallel``) lays one model over
+    the group's ranks, its mesh built from them (``DeviceMesh.from_group`` on
+    the workers, as the scaling report's subgroups do). The fit's own checks
+    then run for a world of ``workers_per_trial`` (``preflight.prepare``); a
+    mesh given here must span exactly one group, which is checked first so that
+    the error names the sweep's setting rather than the running workers.
     """
-    from nbddp.protocol.parallel_settings import is_model_parallel
-
-    strategy, mesh = options.get("strategy", "ddp"), options.get("mesh")
-    if mesh is not None or is_model_parallel(strategy):
-        raise ValueError(f"nbddp.sweep trains each trial data-parallel over its group of workers_per_trial ranks: "
-                         f"strategy='ddp', nbddp.DDP(...), 'fsdp' or nbddp.FSDP(...). strategy={strategy!r}, "
-                         f"mesh={mesh!r} lay one model over a mesh, which nbddp lays out and checks over all {world} "
-                         "running workers, never over a trial's group: not supported in a sweep. Shard a trial's "
-                         "model with strategy='fsdp' (and workers_per_trial > 1), or run the model-parallel fit alone "
-                         "with dist_fit")
+    mesh = options.get("mesh")
+    if isinstance(mesh, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in mesh.values()):
+        size = 1
+        for value in mesh.values():
+            size *= value
+        if size != workers_per_trial:
+            raise ValueError(f"nbddp.sweep(mesh={mesh}) spans {size} ranks, but each trial trains on its own group of "
+                             f"workers_per_trial={workers_per_trial}: the product of the mesh's sizes must be "
+                             f"workers_per_trial. Pass workers_per_trial={size} (it must divide the running workers), "
+                             f"or a mesh of {workers_per_trial} ranks")
 
 
 def pop_restarts(options: dict[str, Any]) -> tuple[int, Any]:
