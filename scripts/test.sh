@@ -30,9 +30,11 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   tier=("${QUICK[@]}")
 fi
-# Two test processes, each with its own 2 workers, a file at a time (module fixtures start once);
+# Test processes, each with its own 2 workers, a file at a time (module fixtures start once): three for the
+# whole suite, whose Slurm, notebook and fault tests spend much of their time waiting (the Slurm file used 0.64
+# of a core), two for the quick tier, which is CPU-bound on 2 cores; NBDDP_TEST_PROCS=N overrides,
 # NBDDP_TEST_PROCS=1 runs everything in this one process.
-procs=${NBDDP_TEST_PROCS:-2}
+procs=${NBDDP_TEST_PROCS:-$([ ${#tier[@]} -gt 0 ] && echo 2 || echo 3)}
 parallel=()
 if [ "$procs" -gt 1 ]; then
   parallel=(-n "$procs" --dist loadfile)

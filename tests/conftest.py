@@ -64,7 +64,10 @@ _WEIGHTS = {"slow": 60.0, "notebook": 20.0, "browser": 20.0, "slurm": 15.0, "net
 
 
 def _weight(item: pytest.Item) -> float:
-    return max((w for name, w in _WEIGHTS.items() if name in item.keywords), default=0.5)
+    """A marked test by its marker; else about a second on the shared workers, and a unit test next to nothing
+    (so that, in the quick tier, files of many cheap unit tests do not start before the files of real fits)."""
+    uses_workers = bool({"workers", "warm", "ip"} & set(getattr(item, "fixturenames", ())))
+    return max((w for name, w in _WEIGHTS.items() if name in item.keywords), default=1.0 if uses_workers else 0.05)
 
 
 def pytest_collection_modifyitems(config, items):

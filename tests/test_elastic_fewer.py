@@ -113,7 +113,9 @@ class _Numbers(IterableDataset):
             yield torch.full((8,), float(i)), torch.zeros(1)
 
 
+@pytest.mark.heavy
 def test_a_stream_made_on_the_workers_is_refused_there_naming_min_workers(workers):
+    """Heavy: an elastic fit starts the warm spare engine, which imports torch and nbddp's training code (about 10 s)."""
     with pytest.raises(WorkerError, match=r"min_workers=\.\.\.\) needs map-style data.*\(_Numbers\)"):
         nbddp.dist_fit(Net(), _Numbers, batch_size=8, max_steps=2, live=False, max_restarts=1, min_workers=1)
 

@@ -77,7 +77,9 @@ def _asks_for_another_world():
     dist.init_process_group("gloo", world_size=8, rank=0)
 
 
+@pytest.mark.heavy
 def test_init_and_destroy_from_user_code_meet_nbddps_group(workers):
+    """Heavy: the process group destroyed and formed again by user code on both workers."""
     assert nbddp.run(_init_and_destroy_like_a_script) == [(True, 2.0, True)] * 2
     with pytest.raises(nbddp.WorkerError, match=r"init_process_group\(backend='nccl'\): the workers' process group "
                                                 r"uses 'gloo'.*nbddp.start\(backend='nccl'\)"):
@@ -115,7 +117,9 @@ hf_digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 """
 
 
+@pytest.mark.heavy
 def test_hf_trainer_trains_distributed_in_a_ddp_cell(workers, tmp_path):
+    """Heavy: transformers imported into both workers, and its Trainer built and run there."""
     pytest.importorskip("transformers")
     nbddp.push(OUT=str(tmp_path / "hf"))
     nbddp.run_cell(HF_CELL, stream=False)
@@ -180,7 +184,9 @@ fabric_digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 """
 
 
+@pytest.mark.heavy
 def test_lightning_fabric_ddp_uses_the_workers_ranks_without_spawning(workers):
+    """Heavy: Lightning imported into both workers."""
     pytest.importorskip("lightning")
     import psutil
 

@@ -160,7 +160,9 @@ def test_a_factory_that_loads_the_dataset_on_each_worker_ships_nothing(workers, 
     assert h.transfers["shipped_bytes"] < 64 * 1024, h.transfers  # the model, the function and its file names
 
 
+@pytest.mark.heavy
 def test_nbddp_imports_datasets_only_when_given_such_a_dataset():
+    """Heavy: two fresh Python processes import torch and nbddp, one of them datasets."""
     import subprocess
 
     code = ("import sys, torch\n"

@@ -199,7 +199,9 @@ def test_status_shows_one_row_per_rank(ip, workers, capsys):
     assert html.count("<tr>") == 3 and "<th>fit running</th>" in html
 
 
+@pytest.mark.heavy
 def test_status_during_a_background_fit_marks_ranks_busy(ip, workers, digits, capsys):
+    """Heavy: a background fit long enough to be seen busy in %ddp status."""
     import torch.nn as nn
 
     (x, y), _ = digits

@@ -197,7 +197,9 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (outputs.argmax(1) == targets).float()
 
 
+@pytest.mark.heavy
 def test_evaluate_f1_and_auroc_equal_torchmetrics_in_one_process(workers):
+    """Heavy: torchmetrics imported into both workers for the first time in a test process (about 10 CPU-seconds)."""
     torchmetrics = pytest.importorskip("torchmetrics")
     from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 

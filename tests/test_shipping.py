@@ -73,8 +73,9 @@ def test_bf16_and_empty_tensors_survive():
     assert back["e"].shape == (0, 4) and back["s"].item() == 3.5
 
 
+@pytest.mark.heavy
 def test_notebook_class_with_super_loads_in_a_process_without_it(tmp_path):
-    """A class defined in __main__ (as in a notebook) travels by value."""
+    """A class defined in __main__ (as in a notebook) travels by value. Heavy: two fresh Python processes import torch."""
     script = tmp_path / "make.py"
     script.write_text(
         "import torch.nn as nn, pickle, sys\n"
