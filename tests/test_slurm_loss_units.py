@@ -61,9 +61,8 @@ def _file(step):
     return {"path": f"/dev/shm/s/{name}", "have": [name], "needs": [name]}
 
 
-H1 = {"host": "n1", "snapshots": {8: "/dev/shm/s/step-00000008.pt", 6: "/dev/shm/s/step-00000006.pt"},
-      "pieces": {8: _file(8), 6: _file(6)}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
-H2 = {"host": "n2", "snapshots": {}, "pieces": {}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
+H1 = {"host": "n1", "pieces": {8: _file(8), 6: _file(6)}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
+H2 = {"host": "n2", "pieces": {}, "checkpoints": {4: ("/shared/c/step-00000004.pt", 100.0)}}
 
 
 def test_the_newest_step_every_rank_can_read_is_chosen():
@@ -72,7 +71,7 @@ def test_the_newest_step_every_rank_can_read_is_chosen():
     # one host (a one-node job back on its node): its snapshot is newer than the checkpoint
     assert job_loss.choose({"n1": H1}, since=50.0) == ("/dev/shm/s/step-00000008.pt", "snapshot in /dev/shm")
     # no snapshot on any node of the new job: the shared checkpoint, if this fit wrote it
-    bare = {**H1, "snapshots": {}, "pieces": {}}
+    bare = {**H1, "pieces": {}}
     assert job_loss.choose({"n1": bare, "n2": H2}, since=50.0) == ("/shared/c/step-00000004.pt", "checkpoint_dir")
     # a checkpoint written before this fit began is an earlier fit's: never resumed from
     assert job_loss.choose({"n1": bare, "n2": H2}, since=150.0) is None
@@ -86,9 +85,9 @@ def test_a_sharded_snapshot_whose_files_only_the_nodes_together_hold_is_chosen()
     """n1 kept rank 0's files and the index, n3 (a node of the lost job) the copy of rank 1's: neither is whole."""
     needs = [".metadata", "__0_0.distcp", "__1_0.distcp", "loop.pt"]
     folder = "/dev/shm/s/step-00000012"
-    n1 = {"host": "n1", "snapshots": {}, "checkpoints": {},
+    n1 = {"host": "n1", "checkpoints": {},
           "pieces": {12: {"path": folder, "have": [".metadata", "__0_0.distcp", "loop.pt"], "needs": needs}}}
-    n3 = {"host": "n3", "snapshots": {}, "checkpoints": {},
+    n3 = {"host": "n3", "checkpoints": {},
           "pieces": {12: {"path": folder, "have": ["__1_0.distcp"], "needs": None}}}
     assert job_loss.choose({"n1": n1, "n3": n3}, since=0.0) == (folder, job_loss.SNAPSHOT)
     # without n3, rank 1's file is on no node: the shared checkpoint it is
@@ -106,7 +105,6 @@ def test_held_lists_whole_snapshots_and_checkpoints(tmp_path):
     (snaps / "step-00000008.pt").write_bytes(b"half a write")  # a rank killed mid-write: not whole
     torch.save({"step": 4}, ckpts / "step-00000004.pt")
     found = held(str(snaps), str(ckpts))
-    assert found["snapshots"] == {6: str(snaps / "step-00000006.pt")}
     assert found["pieces"] == {6: {"path": str(snaps / "step-00000006.pt"), "have": ["step-00000006.pt"],
                                    "needs": ["step-00000006.pt"]}}
     assert list(found["checkpoints"]) == [4] and found["checkpoints"][4][0] == str(ckpts / "step-00000004.pt")
@@ -140,7 +138,7 @@ def _job_run(holdings, step_lost_at=12, checkpoint_dir=None):
     return _run(session=session, plan=plan, started_at=time.perf_counter()), event
 
 
-PART = {"host": "n1", "snapshots": {}, "checkpoints": {}, "pieces": {  # rank 0's files of a sharded snapshot
+PART = {"host": "n1", "checkpoints": {}, "pieces": {  # rank 0's files of a sharded snapshot
     8: {"path": "/dev/shm/s/step-00000008", "have": [".metadata", "__0_0.distcp", "loop.pt"],
         "needs": [".metadata", "__0_0.distcp", "__1_0.distcp", "loop.pt"]}, 6: _file(6) | {"have": []}}}
 

@@ -52,6 +52,16 @@ def sharded_files(path: str) -> set[str] | None:
     return {info.relative_path for info in metadata.storage_data.values()} | {SHARDED_METADATA, SHARDED_LOOP_FILE}
 
 
+def write_private(final: str, data: Any, tmp_marker: str = ".tmp-") -> None:
+    """``data`` (bytes-like) as ``final``, 0600 whatever the umask, under ``final + tmp_marker + pid`` until whole:
+    a reader never sees part of it (the peer copies of a snapshot's files, ``peer_copies``, ``shard_copies``)."""
+    tmp = f"{final}{tmp_marker}{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, final)
+
+
 def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
 

@@ -97,16 +97,10 @@ def receive_file(directory: str, step: int, src: int, group: Any, keep: int | No
     dist.recv(data, src, group=group)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     final = ckpt.path_for(directory, step)
-    tmp = f"{final}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.numpy().tobytes())
-    os.replace(tmp, final)
+    ckpt.write_private(final, data.numpy())
     if keep is not None:
         ckpt.prune(directory, keep)
     return final
-
-
 
 
 def fetch_newest(directory: str, rank: int, world: int) -> str | None:

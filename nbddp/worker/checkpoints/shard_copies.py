@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nbddp.worker.checkpoints import files as ckpt
+from nbddp.worker.checkpoints import files as ckpt, sharded
 from nbddp.worker.checkpoints.peer_copies import peer_of
 
 PART = ".part-"  # a copy being written: never listed
@@ -55,10 +54,7 @@ class ShardCopies:
         Rank 0 makes its own host's (``sharded.save_async``); DCP would make the others with the thread's umask.
         """
         if self.first_here and self.rank != 0:
-            tmp = ckpt.dir_for(self.directory, step) + ".tmp"
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
-            os.makedirs(tmp, mode=0o700)
+            sharded.fresh_folder(self.directory, step)
 
     def job(self, finish: Any, step: int, group: Any) -> Any:
         """What this rank's writer thread does for the snapshot of ``step``: DCP's write, then the copies."""
@@ -71,7 +67,7 @@ class ShardCopies:
             if finish is not None:
                 finish()  # DCP's write (on every rank, once any rank's is over); rank 0 publishes its host's
             if self.first_here and self.rank != 0:
-                publish(final + ".tmp", final)
+                sharded.publish(final + ".tmp", final)
         except BaseException as exc:  # noqa: BLE001 - raised below, once the peers are not left waiting
             error = exc
         dist.barrier(group=group)  # every host's folder is published: the copies go into it
@@ -84,14 +80,6 @@ class ShardCopies:
             ckpt.prune(self.directory, self.keep)
         if error is not None:
             raise error
-
-
-def publish(tmp: str, final: str) -> None:
-    """This host's part of a snapshot under its final name, owner-only (what ``sharded.save_async`` does on rank 0)."""
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o600)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
 
 
 def own_files(folder: str, rank: int) -> list[str]:
@@ -144,12 +132,7 @@ def write_bytes(folder: str, name: str, data: torch.Tensor) -> None:
     """``data`` as ``folder/name``: the folder made owner-only if missing, the file 0600, renamed once whole."""
     os.makedirs(os.path.dirname(folder), mode=0o700, exist_ok=True)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    final = os.path.join(folder, name)
-    tmp = f"{final}{PART}{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.numpy().tobytes())
-    os.replace(tmp, final)
+    ckpt.write_private(os.path.join(folder, name), data.numpy(), tmp_marker=PART)
 
 
 def listing(directory: str | None) -> dict[int, dict[str, Any]]:
@@ -164,7 +147,7 @@ def listing(directory: str | None) -> dict[int, dict[str, Any]]:
     for path in ckpt.list_checkpoints(directory):
         if os.path.isdir(path):
             have = sorted(n for n in os.listdir(path) if PART not in n)
-            needs = ckpt.sharded_files(path) if os.path.isfile(os.path.join(path, ckpt.SHARDED_METADATA)) else None
+            needs = ckpt.sharded_files(path)  # None where this host has no .metadata
             out[ckpt.step_of(path)] = {"path": path, "have": have, "needs": sorted(needs) if needs else None}
         elif ckpt.is_complete(path):
             name = os.path.basename(path)

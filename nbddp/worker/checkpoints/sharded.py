@@ -78,9 +78,7 @@ def save_async(directory: str, step: int, model: Any, optimizer: Any, extra: dic
     final = ckpt.dir_for(directory, step)
     tmp = final + ".tmp"
     if rank == 0:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
-        os.makedirs(tmp, mode=0o700)
+        fresh_folder(directory, step)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
     loop_state = writer.stage(extra)
@@ -92,12 +90,28 @@ def save_async(directory: str, step: int, model: Any, optimizer: Any, extra: dic
         future.result()
         if rank == 0:
             torch.save(loop_state, os.path.join(tmp, LOOP_FILE))
-            for name in os.listdir(tmp):  # owner-only, whatever the umask of DCP's thread
-                os.chmod(os.path.join(tmp, name), 0o600)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            publish(tmp, final)
 
     return finish
+
+
+def fresh_folder(directory: str, step: int) -> str:
+    """An empty owner-only temporary folder for ``step``'s snapshot on this host (a save that died half way
+    left one); its path. DCP would make it with its thread's umask."""
+    tmp = ckpt.dir_for(directory, step) + ".tmp"
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp, mode=0o700)
+    return tmp
+
+
+def publish(tmp: str, final: str) -> None:
+    """A host's snapshot folder under its final name, its files owner-only whatever the umask of DCP's thread:
+    rank 0's host's here, every other host's in ``shard_copies``."""
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o600)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
 
 
 def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str, Any]:

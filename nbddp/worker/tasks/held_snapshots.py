@@ -20,12 +20,11 @@ from nbddp.worker.checkpoints import files as ckpt, shard_copies
 
 
 def held(snapshot_dir: str | None, checkpoint_dir: str | None) -> dict[str, object]:
-    """This host's name, its whole snapshots as ``{step: path}``, what it holds of each snapshot, whole or in part
-    (``pieces``: ``shard_copies.listing``), and its checkpoints as ``{step: (path, mtime)}``.
+    """This host's name, what it holds of each snapshot, whole or in part (``pieces``: ``shard_copies.listing``),
+    and its whole checkpoints as ``{step: (path, mtime)}``.
 
     The mtime tells the kernel which checkpoints this fit wrote (``checkpoint_dir`` may hold older ones).
     """
-    return {"host": socket.gethostname(), "snapshots": ckpt.whole(snapshot_dir),
-            "pieces": shard_copies.listing(snapshot_dir),
+    return {"host": socket.gethostname(), "pieces": shard_copies.listing(snapshot_dir),
             "checkpoints": {k: (p, os.path.getmtime(p)) for k, p in ckpt.whole(checkpoint_dir).items()}}
 
