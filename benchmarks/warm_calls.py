@@ -65,8 +65,8 @@ def bare_execute(view: Any, code: str) -> None:
 
     ipyparallel waits for each engine's output without a limit: seen once in a full test run, an output
     message that never came held the call until the test's timeout. nbddp waits for it at most
-    ``OUTPUT_WAIT_S`` (nbddp/jobs/rank_output.py), so the floor does the same."""
-    from nbddp.jobs.rank_output import OUTPUT_WAIT_S
+    ``OUTPUT_WAIT_S`` (nbddp/cells/rank_output.py), so the floor does the same."""
+    from nbddp.cells.rank_output import OUTPUT_WAIT_S
 
     ar = view.execute(code, block=False)
     ar.get(timeout=60)

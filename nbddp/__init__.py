@@ -81,10 +81,10 @@ _LAZY = {
     "predict": "nbddp.api",
     "evaluate": "nbddp.api",
     "PredictHandle": "nbddp.inference.predict_run",
-    "run_cell": "nbddp.jobs.cells",
-    "push": "nbddp.jobs.cells",
-    "pull": "nbddp.jobs.cells",
-    "run_script": "nbddp.jobs.scripts",
+    "run_cell": "nbddp.cells.cell_code",
+    "push": "nbddp.cells.cell_code",
+    "pull": "nbddp.cells.cell_code",
+    "run_script": "nbddp.cells.scripts",
     "export_checkpoint": "nbddp.api",
     "compile_cache": "nbddp.fit.compile_cache",
     "RecompileWarning": "nbddp.fit.compile_report",
@@ -130,14 +130,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.callbacks.base import stop_fit
     from nbddp.callbacks.early_stopping import EarlyStopping
     from nbddp.fit.history import plot_histories
-    from nbddp.jobs.cells import pull, push, run_cell
+    from nbddp.cells.cell_code import pull, push, run_cell
     from nbddp.api import debug
     from nbddp.protocol.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
                               SlurmError, WorkerDied, WorkerError, WorkerStalled)
     from nbddp.fit.handle import FitHandle
     from nbddp.fit.history import History
     from nbddp.measure.scaling import scaling_report
-    from nbddp.jobs.scripts import run_script
+    from nbddp.cells.scripts import run_script
     from nbddp.protocol.parallel_settings import DDP, FSDP
     from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
     from nbddp.monitor.stacks import stacks

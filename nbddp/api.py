@@ -9,7 +9,7 @@ from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.session.session import get_session
 from nbddp.session.start_options import check_stall_timeout
-from nbddp.jobs.waiting import wait_interruptibly
+from nbddp.execution.work import wait_interruptibly
 
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
@@ -86,7 +86,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
     """
-    from nbddp.jobs.function_calls import call_everywhere
+    from nbddp.cells.function_calls import call_everywhere
 
     if not callable(fn):
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "

@@ -15,7 +15,7 @@
 ==========================================  =====================================
 
 Nothing here runs work itself: every sub-command is one call into
-``nbddp.api``, ``nbddp.jobs.cells`` or ``nbddp.monitor.status``. Misuse raises IPython's
+``nbddp.api``, ``nbddp.cells.cell_code`` or ``nbddp.monitor.status``. Misuse raises IPython's
 ``UsageError``.
 """
 
@@ -168,8 +168,8 @@ class DDPMagics(Magics):
         getattr(self, f"_do_{command}")(args)
 
     def _run_cell(self, cell: str, args: Any) -> None:
-        from nbddp.jobs.cells import run_cell
-        from nbddp.jobs.job import UnknownRanks
+        from nbddp.cells.cell_code import run_cell
+        from nbddp.execution.calls import UnknownRanks
 
         try:
             run_cell(cell, parse_ranks(args.ranks), stream=not args.no_stream)
@@ -204,7 +204,7 @@ class DDPMagics(Magics):
         _show(status_table())
 
     def _do_push(self, args: Any) -> None:
-        from nbddp.jobs.cells import push
+        from nbddp.cells.cell_code import push
 
         ns = self.shell.user_ns
         missing = [n for n in args.names if n not in ns]
@@ -214,7 +214,7 @@ class DDPMagics(Magics):
         push(**{n: ns[n] for n in args.names})
 
     def _do_script(self, args: Any) -> None:
-        from nbddp.jobs.scripts import run_script
+        from nbddp.cells.scripts import run_script
 
         run_script(args.path, *args.args)
 
@@ -236,8 +236,8 @@ class DDPMagics(Magics):
             raise UsageError(f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
 
     def _do_pull(self, args: Any) -> None:
-        from nbddp.jobs.cells import pull
-        from nbddp.jobs.job import UnknownRanks
+        from nbddp.cells.cell_code import pull
+        from nbddp.execution.calls import UnknownRanks
 
         try:
             self.shell.user_ns.update(pull(*args.names, rank=args.rank))

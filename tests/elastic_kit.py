@@ -102,3 +102,31 @@ class KillLayer(nn.Module):
             if dist.get_rank() == self.who and self.calls == self.call and _disarm(self.marker):
                 os.kill(os.getpid(), signal.SIGKILL)
         return x
+
+
+class FakeRun:
+    """A stand-in for the fit ``Recovery`` relaunches (``nbddp.elastic.recovery.Relaunchable``), without workers:
+    what it was told to show, and the configuration it would launch with next."""
+
+    def __init__(self, session=None, config=None, policy=None, restarts=None, world_size=2, started_at=0.0):
+        from nbddp.execution.policy import FailurePolicy
+
+        self.session, self.config = session, config
+        self.policy = policy or FailurePolicy()
+        self.stop_requested = self.hard_stopped = False
+        self.restarts = list(restarts or [])  # the live view's restart lines
+        self.world_size, self.started_at, self.updates = world_size, started_at, 0
+
+    @property
+    def stopping(self):
+        return self.stop_requested or self.hard_stopped
+
+    def reconfigure(self, cfg, world_size):
+        self.config, self.world_size = cfg, world_size
+
+    def show_restart(self, line, replace_last=False, status=None):
+        if replace_last and self.restarts:
+            self.restarts[-1] = line
+        else:
+            self.restarts.append(line)
+        self.updates += 1

@@ -129,7 +129,7 @@ def test_compile_cache_save_needs_something_compiled(workers, tmp_path):
 
 
 def test_a_failed_save_leaves_no_temporary_file(workers, tmp_path, monkeypatch):
-    import nbddp.jobs.function_calls as function_calls
+    import nbddp.cells.function_calls as function_calls
 
     monkeypatch.setattr(function_calls, "call_everywhere",
                         lambda *a: [(b"graphs", {"inductor": 1}), (b"graphs", {"inductor": 1})])
@@ -196,7 +196,7 @@ def test_only_avoidable_recompiles_are_warned_about():
 
 def test_a_compiling_rank_is_shown_with_its_time_and_its_waiting_peer_is_not_stalled():
     """The kernel's side of "compiling is a phase": the rank's beats advance (its monitor counts each as progress)."""
-    from nbddp.monitor.stalls import StallWatch
+    from nbddp.execution.stalls import StallWatch
     from nbddp.protocol.messages import Beat
 
     now = [100.0]

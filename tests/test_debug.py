@@ -144,7 +144,7 @@ def test_code_keeps_its_file_and_its_lines_travel_once_per_worker_per_content():
 
 def test_a_paused_rank_and_the_ranks_waiting_for_it_are_never_stalled():
     from nbddp.protocol.messages import Beat
-    from nbddp.monitor.stalls import StallWatch
+    from nbddp.execution.stalls import StallWatch
 
     now = [0.0]
     watch = StallWatch([0, 1], clock=lambda: now[0])

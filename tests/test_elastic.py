@@ -61,7 +61,7 @@ def test_bad_elastic_options_are_named_with_the_fix(kwargs, error, match):
 def test_snapshot_every_takes_steps_epochs_and_durations(given, read):
     policy = check_elastic(2, given, None)
     assert policy.snapshot_every == read and type(policy.snapshot_every) is type(read)
-    assert check_elastic(0, None, None).enabled is False
+    assert check_elastic(0, None, None).restarts is False
 
 
 def test_what_is_retried():

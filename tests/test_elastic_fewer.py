@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
 import nbddp
+from elastic_kit import FakeRun
 from faultkit import Net
 from nbddp.elastic.fewer_ranks import check_min_workers, go_on, going_on_with, reason
 from nbddp.protocol.errors import ClusterError, RankFailure, WorkerError
@@ -120,14 +121,13 @@ def test_a_stream_made_on_the_workers_is_refused_there_naming_min_workers(worker
         nbddp.dist_fit(Net(), _Numbers, batch_size=8, max_steps=2, live=False, max_restarts=1, min_workers=1)
 
 
-def _run(world: int, alive: list[int], closing: bool = False) -> SimpleNamespace:
+def _run(world: int, alive: list[int], closing: bool = False) -> FakeRun:
     formed = []
     session = SimpleNamespace(world_size=world, workers=SimpleNamespace(ids=alive),
                               supervisor=SimpleNamespace(closing=closing, regrow_to=None),
                               form_group=lambda reprobe, engines: formed.append(engines))
-    run = SimpleNamespace(session=session, plan=SimpleNamespace(cfg=FitConfig(grad_accum=3, data_world=4)),
-                          live_state=SimpleNamespace(restarts=["rank 1 lost ..."], world_size=world),
-                          view=SimpleNamespace(update=lambda run: None), formed=formed)
+    run = FakeRun(session, FitConfig(grad_accum=3, data_world=4), restarts=["rank 1 lost ..."], world_size=world)
+    run.formed = formed
     return run
 
 
@@ -137,7 +137,7 @@ def test_a_heal_that_failed_with_every_worker_there_or_while_stopping_is_not_a_r
     for run in (_run(4, [0, 1, 2, 3]), _run(4, [0, 1, 2], closing=True)):
         with pytest.raises(ClusterError, match="joining the group timed out"):
             go_on(recovery, run, lost, failed, {})
-        assert run.formed == [] and run.plan.cfg.grad_accum == 3
+        assert run.formed == [] and run.config.grad_accum == 3
 
 
 def test_three_survivors_of_four_go_on_as_two_ranks_accumulating_twice_as_much():
@@ -145,7 +145,7 @@ def test_three_survivors_of_four_go_on_as_two_ranks_accumulating_twice_as_much()
     event = {"rank": 1, "step_lost_at": 40, "cause": "killed by signal 9 (SIGKILL)"}
     go_on(SimpleNamespace(policy=SimpleNamespace(min_workers=2)), run, WorkerError(RankFailure(1, "WorkerDied", "died")),
           ClusterError("an engine did not start; the launcher failed"), event)
-    assert run.formed == [[0, 2]] and run.plan.cfg.grad_accum == 6 and run.plan.cfg.data_world == 4
-    assert run.live_state.restarts == ["rank 1 lost at step 40 (killed by signal 9 (SIGKILL)); no replacement could "
+    assert run.formed == [[0, 2]] and run.config.grad_accum == 6 and run.config.data_world == 4
+    assert run.restarts == ["rank 1 lost at step 40 (killed by signal 9 (SIGKILL)); no replacement could "
                                        "start (an engine did not start); going on with 2 of 4 ranks, accumulating 6 "
                                        "batches per step"]

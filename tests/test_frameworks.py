@@ -18,7 +18,7 @@ import torch
 
 import nbddp
 from interrupts import interrupt_when
-from nbddp.jobs import rank_output as output
+from nbddp.cells import rank_output as output
 pytestmark = pytest.mark.timeout(300)
 
 

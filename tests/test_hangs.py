@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import nbddp
 from faultkit import FailingData, Net, good_fit, mark, rank, read_mark, record_time, regression_data
-from nbddp.monitor import stalls
+from nbddp.execution import stalls
 from nbddp.protocol.errors import ClusterError, NotStartedError, WorkerError, WorkerStalled
 
 pytestmark = pytest.mark.timeout(240)
@@ -193,10 +193,10 @@ def test_start_sets_the_default_stall_timeout_and_dist_fit_overrides_it(workers)
     try:
         assert nbddp.status()["stall_timeout"] == 120.0
         handle = nbddp.dist_fit(Net(), regression_data(), batch_size=16, max_steps=4, live=False, block=False)
-        assert handle._run.stall_timeout == 120.0 and handle.wait().status == "completed"
+        assert handle._run.policy.stall_timeout == 120.0 and handle.wait().status == "completed"
         handle = nbddp.dist_fit(Net(), regression_data(), batch_size=16, max_steps=4, live=False, block=False,
                                 stall_timeout=30)
-        assert handle._run.stall_timeout == 30.0 and handle.wait().status == "completed"
+        assert handle._run.policy.stall_timeout == 30.0 and handle.wait().status == "completed"
     finally:
         workers.options.stall_timeout = None
 
@@ -512,7 +512,7 @@ def test_in_a_cell_a_finished_rank_or_one_in_a_collective_is_ahead():
 
 
 def test_faulthandlers_dump_gives_the_main_threads_task_frames():
-    from nbddp.monitor.stacks import main_thread_text
+    from nbddp.execution.rank_stacks import main_thread_text
 
     dump = ('Thread 0x00007f0000000002 (most recent call first):\n'
             '  File "/lib/threading.py", line 320 in wait\n\n'

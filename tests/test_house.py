@@ -251,3 +251,78 @@ def test_a_moved_module_name_still_works_with_a_warning():
         warnings.simplefilter("always")
         assert nbddp.modules.ship_by_value is by_value.ship_by_value
     assert any(issubclass(w.category, DeprecationWarning) and "nbddp.shipping" in str(w.message) for w in seen)
+
+
+EXECUTION = ("nbddp.execution",)
+SENDING = {"apply_async", "apply_sync", "apply", "map_async", "map_sync", "execute", "run"}  # ipyparallel's View
+
+
+def _sends(path: Path) -> list[str]:
+    """``x.apply_async(...)``-style calls in ``path`` (ipyparallel's ways to send a task), as ``file:line name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SENDING
+                and node.func.attr in ("apply_async", "apply_sync", "map_async", "map_sync")
+                or _view_call(node)):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}")
+    return found
+
+
+def _view_call(node: ast.AST) -> bool:
+    """``client[...].apply(...)`` / ``.execute`` / ``.run``: a view made by subscripting, then a task sent on it."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SENDING
+            and isinstance(node.func.value, ast.Subscript))
+
+
+def test_only_the_execution_package_sends_tasks_to_engines():
+    """Every task the kernel sends goes through ``nbddp/execution/send.py`` (one AsyncResult per engine, the fault
+    contract applied to it); the worker side sends none."""
+    found = [hit for name, path in MODULES.items() if not inside(name, EXECUTION + WORKER) for hit in _sends(path)]
+    assert found == []
+    inside_execution = [hit for name, path in MODULES.items() if inside(name, EXECUTION) for hit in _sends(path)]
+    assert inside_execution and all("execution/send.py" in hit for hit in inside_execution), inside_execution
+
+
+def test_the_send_rule_would_see_a_task_sent_elsewhere(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(client, p, g):\n    client[p].apply_async(g)\n    client[[1, 2]].apply(g)\n"
+                     "    view.apply_sync(g)\n    df.apply(g)\n")
+    probe.rename(ROOT / "tests" / "_house_probe.py")
+    try:
+        hits = _sends(ROOT / "tests" / "_house_probe.py")
+    finally:
+        (ROOT / "tests" / "_house_probe.py").unlink()
+    assert [h.split()[-1] for h in hits] == ["apply_async", "apply", "apply_sync"]  # not a DataFrame's apply
+
+
+OUTCOME_WORDS = ("EngineError", "Connection closed by peer", "PeerFailed")  # how a death and a consequence are told
+
+
+def test_one_module_decides_what_became_of_a_rank():
+    """Whether a rank died, raised, or failed because of a peer is decided in ``nbddp/execution/outcome.py`` alone:
+    no other kernel module reads ipyparallel's ``EngineError`` or the words of a peer's failure."""
+    found = []
+    for name, path in MODULES.items():
+        if inside(name, WORKER) or name == "nbddp.execution.outcome":
+            continue
+        text = path.read_text()
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        body = ast.get_docstring(ast.parse(text)) or ""
+        found += [f"{path.relative_to(ROOT)}: {w}" for w in OUTCOME_WORDS if w in code.replace(body, "")]
+    assert found == []
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["nbddp", "worker"] and len(parts) > 3 else ".".join(parts[:2])
+
+
+def test_no_two_packages_import_each_other():
+    edges: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        for target in targets:
+            a, b = _package_of(name), _package_of(target)
+            if a != b:
+                edges.setdefault(a, set()).add(b)
+    mutual = sorted({tuple(sorted((a, b))) for a, outs in edges.items() for b in outs if a in edges.get(b, set())})
+    assert mutual == []

@@ -230,12 +230,12 @@ def test_text_view_on_a_terminal_rewrites_one_line_and_ends_with_the_summary_onc
 def _bare_run():
     from nbddp.debugging.rank_lines import DebugBoard
     from nbddp.fit.fit_run import FitRun
-    from nbddp.jobs.rank_tasks import RankTasks
+    from nbddp.execution.rank_tasks import RankTasks
 
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
-    from nbddp.elastic.policy import ElasticPolicy
+    from nbddp.execution.policy import FailurePolicy
 
-    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), elastic=ElasticPolicy())
+    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), policy=FailurePolicy())
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})
     run.tasks = RankTasks(session, {0: ar}, "dist_fit", fit=True)

@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 import nbddp
 from interrupts import interrupt_when
 from nbddp.monitor import status as health
-from nbddp.jobs import rank_output as output
+from nbddp.cells import rank_output as output
 from nbddp.protocol.errors import FitRunningError
 
 

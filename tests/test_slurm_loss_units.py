@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from elastic_kit import FakeRun
 from nbddp.cluster.slurm.queue import GONE, JobState
 from nbddp.cluster.slurm.watch import SlurmJobs
 from nbddp.elastic import job_loss, snapshot_folder
-from nbddp.elastic.policy import ElasticPolicy
+from nbddp.execution.policy import FailurePolicy
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.worker.tasks.held_snapshots import held
@@ -33,11 +34,14 @@ def test_which_job_ends_are_retried(state, retried, cause):
 
 
 def _run(**kw):
-    return SimpleNamespace(**{"stop_requested": False, "hard_stopped": False, **kw})
+    run = FakeRun()
+    for name, value in kw.items():
+        setattr(run, name, value)
+    return run
 
 
 def test_a_job_end_that_is_not_retried_says_why_and_what_is():
-    recovery = Recovery(ElasticPolicy(max_restarts=2))
+    recovery = Recovery(FailurePolicy(max_restarts=2))
     exc = SlurmError("Slurm job 42 was cancelled (scancel, or an administrator): CANCELLED", "42", "CANCELLED")
     assert not recovery.should_retry(_run(), exc)
     assert "not retried (max_restarts=2): CANCELLED: scancel is a decision" in str(exc)
@@ -45,10 +49,10 @@ def test_a_job_end_that_is_not_retried_says_why_and_what_is():
 
 
 def test_a_lost_job_is_retried_until_max_restarts_are_used():
-    recovery = Recovery(ElasticPolicy(max_restarts=1))
+    recovery = Recovery(FailurePolicy(max_restarts=1))
     exc = SlurmError("Slurm job 42 lost a node: NODE_FAIL (NodeDown)", "42", "NODE_FAIL")
     assert recovery.should_retry(_run(), exc)
-    assert not Recovery(ElasticPolicy()).should_retry(_run(), exc)  # max_restarts=0: today's error, as it was
+    assert not Recovery(FailurePolicy()).should_retry(_run(), exc)  # max_restarts=0: today's error, as it was
     assert not recovery.should_retry(_run(stop_requested=True), exc)
     recovery.restarts.append({"job": "41"})
     assert not recovery.should_retry(_run(), exc)
@@ -131,11 +135,10 @@ def _job_run(holdings, step_lost_at=12, checkpoint_dir=None):
     placements = [SimpleNamespace(host=h, engine_id=i) for i, h in enumerate(holdings)]
     session = SimpleNamespace(placements=placements, client={i: _Engine(v) for i, v in enumerate(holdings.values())})
     cfg = SimpleNamespace(snapshot_dir="/dev/shm/s", checkpoint_dir=checkpoint_dir, resume=False)
-    plan = SimpleNamespace(cfg=cfg, elastic=ElasticPolicy(max_restarts=1))
     import time
 
     event = {"job": "42", "cause": "NODE_FAIL", "step_lost_at": step_lost_at, "new_job": "43"}
-    return _run(session=session, plan=plan, started_at=time.perf_counter()), event
+    return _run(session=session, config=cfg, policy=FailurePolicy(max_restarts=1), started_at=time.perf_counter()), event
 
 
 PART = {"host": "n1", "checkpoints": {}, "pieces": {  # rank 0's files of a sharded snapshot
@@ -167,10 +170,7 @@ def test_nothing_surviving_for_every_rank_is_an_error_that_says_what_would_have(
 def _live_run(stop=False):
     cancelled = []
     jobs = SimpleNamespace(cancel=lambda: cancelled.append(True) or "")
-    view = SimpleNamespace(updates=0)
-    view.update = lambda run: setattr(view, "updates", view.updates + 1)
-    run = _run(session=SimpleNamespace(workers=SimpleNamespace(jobs=jobs)), view=view,
-               live_state=SimpleNamespace(restarts=["head; submitting a new job"]))
+    run = _run(session=SimpleNamespace(workers=SimpleNamespace(jobs=jobs)), restarts=["head; submitting a new job"])
     run.stop_requested = stop
     return run, cancelled
 
@@ -179,11 +179,11 @@ def test_the_new_job_is_shown_in_the_live_view_and_a_stop_cancels_it():
     run, cancelled = _live_run()
     line = job_loss.LiveJobLine(run, "Slurm job 42 lost at step 9 (NODE_FAIL)")
     line.show(JobState("43", "PENDING", "Resources"), 12.0, 0, 2)
-    assert run.live_state.restarts == ["Slurm job 42 lost at step 9 (NODE_FAIL); new Slurm job 43: PENDING "
+    assert run.restarts == ["Slurm job 42 lost at step 9 (NODE_FAIL); new Slurm job 43: PENDING "
                                        "(Resources), 0:12"]
     line.show(JobState("43", "RUNNING", nodes="n[1-2]"), 15.0, 1, 2)
-    assert run.live_state.restarts[-1].endswith("RUNNING on n[1-2], 1 of 2 engines registered, 0:15")
-    assert run.view.updates == 2
+    assert run.restarts[-1].endswith("RUNNING on n[1-2], 1 of 2 engines registered, 0:15")
+    assert run.updates == 2
     run.stop_requested = True
     with pytest.raises(ClusterError, match="stopped while Slurm job 43 was PENDING"):
         line.show(JobState("43", "PENDING", "Resources"), 16.0, 0, 2)
@@ -263,8 +263,9 @@ def test_a_surviving_snapshot_is_relaunched_from_the_snapshots_a_checkpoint_by_i
     monkeypatch.setattr(job_loss, "resume_point", lambda run, event: found)
     relaunched = []
     jobs = SimpleNamespace(retired=set(), ids=["42", "43"])
-    run = _run(session=SimpleNamespace(workers=SimpleNamespace(jobs=jobs)), view=SimpleNamespace(update=lambda r: None),
-               live_state=SimpleNamespace(restarts=[], status=""), relaunch=lambda resume: relaunched.append(resume))
-    recovery = SimpleNamespace(restarts=[], pending=None)
+    run = _run(session=SimpleNamespace(workers=SimpleNamespace(jobs=jobs)), relaunch=lambda resume: relaunched.append(resume))
+    recovery = Recovery(FailurePolicy(max_restarts=1))
     event = job_loss.relaunch(recovery, run, SlurmError("lost", "42", "NODE_FAIL"), [12])
     assert relaunched == [resume] and event["resumed_from"] == found[1] and event["new_job"] == "43"
+    assert recovery.restarts == [event] and recovery.pending is not None and event["replace_s"] is not None
+    assert run.restarts == ["Slurm job 42 lost at step 12 (NODE_FAIL); submitting a new job"]

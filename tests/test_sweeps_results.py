@@ -17,10 +17,14 @@ WIDTH = optuna.distributions.CategoricalDistribution([4, 8])
 
 
 class Task:
-    """An ipyparallel AsyncResult that ended: its value, or the error ``get`` raises."""
+    """An ipyparallel AsyncResult that ended: the error ``get`` raises."""
 
     def __init__(self, error: BaseException):
         self.error = error
+        self.metadata = {}
+
+    def ready(self) -> bool:
+        return True
 
     def get(self, timeout: float = 0) -> None:
         raise self.error
@@ -30,12 +34,23 @@ def interrupted_trial(stopping: bool):
     """A trial whose only rank raised KeyboardInterrupt: the stop's SIGINT came before the trial's own handler."""
     from ipyparallel.error import RemoteError
 
+    from nbddp.execution.policy import FailurePolicy
+    from nbddp.execution.rank_tasks import RankTasks
+    from nbddp.sweeps.trial_run import TrialRun
+
     study = optuna.create_study()
     trial = study.ask({"lr": LR})
-    sweep = SimpleNamespace(session=SimpleNamespace(placements=[SimpleNamespace(rank=0, pid=4242, host="here")]),
-                            study=study, stopping=stopping, sampler_done=False)
+    placement = SimpleNamespace(rank=0, pid=4242, host="here", engine_id=0)
+    session = SimpleNamespace(placements=[placement], workers=None, debugger=SimpleNamespace(paused=lambda: []),
+                              group=SimpleNamespace(by_rank=lambda: {0: placement}, placements=[placement]),
+                              supervisor=SimpleNamespace(kill_ranks=lambda ranks: [], recover=lambda ids: None))
+    sweep = SimpleNamespace(session=session, study=study, stopping=stopping, sampler_done=False, groups=[[0]],
+                            policy=FailurePolicy(max_restarts=1, retry_stalls=False), wake=lambda: None)
     error = RemoteError("KeyboardInterrupt", "", "Traceback (most recent call last):\n  in loop.fit\nKeyboardInterrupt")
-    run = SimpleNamespace(row=TrialRow(trial.number, dict(trial.params)), ars={0: Task(error)}, trial=trial, stalled="")
+    run = TrialRun(sweep, trial, TrialRow(trial.number, dict(trial.params), group=0), cfg=None, bind={}, walls={})
+    tasks = RankTasks(session, {0: Task(error)}, run.describe(), fit=True, policy=sweep.policy, lose=lambda ids: None)
+    run.begin(tasks, [0], cfg=None)
+    assert tasks.poll()  # decided: the outcome is settled from here
     return sweep, run
 
 

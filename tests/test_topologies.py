@@ -437,7 +437,7 @@ def test_the_tp_plan_finds_the_usual_pairs():
 
 def test_a_rank_waiting_in_a_collective_is_waiting_and_its_peer_is_stalled():
     from nbddp.protocol.messages import Beat
-    from nbddp.monitor.stalls import MIN_STALL_S, StallWatch
+    from nbddp.execution.stalls import MIN_STALL_S, StallWatch
 
     now = [0.0]
     watch = StallWatch([0, 1], clock=lambda: now[0])

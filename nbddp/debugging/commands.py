@@ -33,6 +33,7 @@ from nbddp.debugging.conversation import Conversation, Interactive, NoPrompt, Sc
 from nbddp.debugging.prompt import waiting_note
 from nbddp.protocol.errors import NothingToDebug
 from nbddp.shipping.source_lines import describe_where
+from nbddp.execution.send import to_engine, to_ranks
 
 CONNECT_S = 10.0  # post-mortem tasks have this long to connect
 END_S = 10.0
@@ -112,7 +113,7 @@ def kept_failures(session: Any) -> dict[int, tuple[Any, Any]]:
     """rank (as it failed) -> (``messages.KeptFailure``, the placement that holds it now), for every idle rank."""
     from nbddp.worker.tasks.debugging import kept
 
-    ars = {p: session.client[p.engine_id].apply_async(kept) for p in session.placements}
+    ars = {p: to_engine(session.client, p.engine_id, kept) for p in session.placements}
     found = {}
     for p, ar in ars.items():
         try:
@@ -135,7 +136,7 @@ def start_post_mortems(session: Any, rank: int | None) -> dict[int, Any]:
     if rank is not None and rank not in kept:
         raise ValueError(f"rank {rank} keeps no failure to debug. {what_exists(session)}")
     chosen = [rank] if rank is not None else sorted(kept)
-    ars = {r: session.client[kept[r][1].engine_id].apply_async(post_mortem_task) for r in chosen}
+    ars = {r: to_engine(session.client, kept[r][1].engine_id, post_mortem_task) for r in chosen}
     deadline = time.monotonic() + CONNECT_S
     while time.monotonic() < deadline:
         here = {ln.rank for ln in session.debugger.poll()}
@@ -171,8 +172,8 @@ def clear(s: Any) -> str:
     s.wait_healed(raise_error=False)
     with s.lock:
         s.ensure_ready()
-        ars = [s.client[p.engine_id].apply_async(clear_task) for p in s.placements]
-    cleared = sorted(r for r in (ar.get(timeout=10.0) for ar in ars) if r is not None)
+        ars = to_ranks(s.client, s.placements, clear_task, lambda p: ())
+    cleared = sorted(r for r in (ar.get(timeout=10.0) for ar in ars.values()) if r is not None)
     if not cleared:
         return "nbddp: no rank kept a failure"
     return f"nbddp: dropped the failure kept on rank {', '.join(map(str, cleared))}"

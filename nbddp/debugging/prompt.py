@@ -1,7 +1,8 @@
 """The prompt that opens in the waiting cell when a rank stops at ``breakpoint()``.
 
-A blocking fit, cell or call waits in the kernel (``jobs/waiting.py``,
-``jobs/job.py``); on every tick it calls ``attend``, which opens the
+A blocking fit, cell or call waits in the kernel (``nbddp/execution/work.py``,
+``nbddp/execution/calls.py``); on every tick it calls ``attend`` (through
+``Session.attend``), which opens the
 conversation with the paused ranks right there, or, with nobody to type,
 tells each rank where it stopped and lets it go on.
 """

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable
 
 from nbddp.shipping.source_lines import describe_where
+from nbddp.execution.send import on_engines
 
 HELLO_TIMEOUT_S = 2.0
 
@@ -162,9 +163,9 @@ class DebugBoard:
         unreached = [p.engine_id for p in placements if p.engine_id not in reach]  # they say "no prompt could open"
         try:
             if reach and address is not None:
-                client[reach].apply_sync(set_address, *address)
+                on_engines(client, reach, set_address, *address)
             if unreached:
-                client[unreached].apply_sync(set_address, None)
+                on_engines(client, unreached, set_address, None)
         except Exception:  # noqa: BLE001 - an engine lost right after joining: the next call's fault path tells
             pass
 

@@ -100,7 +100,7 @@ def go_on(recovery: Any, run: Any, lost: WorkerError, failed: ClusterError, even
         ClusterError: ``failed`` itself, when the workers are all there (the heal failed otherwise).
         WorkerError: ``lost``, noted, when fewer than ``min_workers`` could go on.
     """
-    s, cfg, minimum = run.session, run.plan.cfg, recovery.policy.min_workers
+    s, cfg, minimum = run.session, run.config, recovery.policy.min_workers
     if s.workers is None or s.supervisor.closing:  # nbddp.stop() meanwhile: nothing to go on with
         raise failed
     before, alive = s.world_size, list(s.workers.ids)
@@ -117,11 +117,9 @@ def go_on(recovery: Any, run: Any, lost: WorkerError, failed: ClusterError, even
     first = cfg.grad_accum * before // cfg.data_world  # the person's grad_accum (before: on `before` ranks)
     accum = first * (cfg.data_world // world)
     s.form_group(reprobe=True, engines=alive[:world])
-    run.plan.cfg = dataclasses.replace(cfg, grad_accum=accum)
-    run.live_state.world_size = world
+    run.reconfigure(dataclasses.replace(cfg, grad_accum=accum), world)
     event.update(world_size=world, grad_accum=accum, no_replacement=reason(failed))
-    run.live_state.restarts[-1] = going_line(event, cfg.data_world)
-    run.view.update(run)
+    run.show_restart(going_line(event, cfg.data_world), replace_last=True)
 
 
 def going_line(event: dict[str, Any], data_world: int, start_step: int | None = None) -> str:

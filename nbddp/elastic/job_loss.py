@@ -23,6 +23,7 @@ from typing import Any
 
 from nbddp.cluster.slurm.queue import GONE, WAITING_STATES, cancel
 from nbddp.cluster.slurm.watch import fmt_clock
+from nbddp.execution.send import silent_engines, to_engine
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.protocol.notices import notify
 from nbddp.protocol.snapshot_pieces import newest_covered, path_of
@@ -93,28 +94,22 @@ def not_retried(exc: SlurmError, max_restarts: int) -> str | None:
 def relaunch(recovery: Any, run: Any, exc: SlurmError, steps: list[int]) -> dict[str, Any]:
     """Submit a new job, wait for it (shown live), and launch the same fit again from what survived.
 
-    Returns the restart's event (``History.restarts``); ``recovery.resumed`` completes it.
+    Returns the restart's event (``History.restarts``); ``recovery.fit_resumed`` completes it.
     """
     noticed = time.monotonic()
     s = run.session
     jobs = s.workers.jobs
-    event = {"rank": None, "job": exc.job_id, "cause": cause(exc.state), "step_lost_at": max(steps),
-             "step_resumed_from": None, "new_job": None, "resumed_from": None, "replace_s": None, "seconds": None,
-             "time": time.time()}
-    recovery.restarts.append(event)
+    event = recovery.lost(None, cause(exc.state), max(steps), job=exc.job_id, new_job=None, resumed_from=None)
     head = f"Slurm job {exc.job_id} lost at step {event['step_lost_at']} ({event['cause']})"
-    run.live_state.restarts.append(f"{head}; submitting a new job")
-    run.live_state.status = "recovering"
-    run.view.update(run)
+    run.show_restart(f"{head}; submitting a new job", status="recovering")
     jobs.retired.add(exc.job_id)
     if exc.state in WAITING_STATES:  # requeued: its engines must not start again beside the new job's
         cancel([exc.job_id])
     _forget_lost_engines(s)
     new_job_ready(run, head, exc)
     event["new_job"] = jobs.ids[-1] if jobs.ids else None
-    event["replace_s"] = round(time.monotonic() - noticed, 3)
+    recovery.relaunched(event, noticed)
     resume, event["resumed_from"] = resume_point(run, event)
-    recovery.pending = (event, noticed)
     # a snapshot: the relaunch takes it as after a lost rank (the same rule picks the same step), copying its files
     # to the new job's nodes that lack them; a checkpoint: from checkpoint_dir, which every node reads
     run.relaunch(resume=None if event["resumed_from"] == SNAPSHOT else resume)
@@ -135,7 +130,7 @@ def new_job_ready(run: Any, head: str, exc: SlurmError) -> None:
     try:
         s.wait_healed(raise_error=True)
     except ClusterError as failed:
-        if run.stop_requested or run.hard_stopped:
+        if run.stopping:
             raise SlurmError(f"{head}; the fit was stopped while its new job waited in Slurm's queue, so nbddp "
                              "cancelled that job. The model keeps the weights it had before the call; run "
                              "nbddp.restart() to submit a new job.", exc.job_id, exc.state) from failed
@@ -160,21 +155,20 @@ class LiveJobLine:
 
     def show(self, job: Any, waited: float, have: int, n: int, final: str = "") -> None:
         run = self.run
-        if run.stop_requested or run.hard_stopped:
+        if run.stopping:
             run.session.workers.jobs.cancel()
             raise ClusterError(f"stopped while Slurm job {job.job_id} was {job.state}")
         words = job.headline() + (f", {have} of {n} engines registered" if job.running or final else "")
-        run.live_state.restarts[-1] = f"{self.head}; new {words}, {fmt_clock(waited)}"
-        run.view.update(run)
+        run.show_restart(f"{self.head}; new {words}, {fmt_clock(waited)}", replace_last=True)
 
 
 def resume_point(run: Any, event: dict[str, Any]) -> tuple[Any, str]:
     """(``resume=`` for the relaunch, where that is in words): the newest state every rank of the new job reads."""
     from nbddp.worker.tasks.held_snapshots import held
 
-    s, cfg = run.session, run.plan.cfg
+    s, cfg = run.session, run.config
     one_per_host = {p.host: p.engine_id for p in s.placements}
-    asked = {host: s.client[eid].apply_async(held, cfg.snapshot_dir, cfg.checkpoint_dir)
+    asked = {host: to_engine(s.client, eid, held, cfg.snapshot_dir, cfg.checkpoint_dir)
              for host, eid in one_per_host.items()}
     holdings = {host: ar.get(timeout=FORGET_S) for host, ar in asked.items()}
     began = time.time() - (time.perf_counter() - run.started_at)
@@ -183,7 +177,7 @@ def resume_point(run: Any, event: dict[str, Any]) -> tuple[Any, str]:
         return found
     if event["step_lost_at"] == 0:  # lost before a first step: nothing is lost by starting as the first launch did
         return cfg.resume, "the start: no step had been taken"
-    raise SlurmError(nothing_survived(event, holdings, cfg.checkpoint_dir, run.plan.elastic.max_restarts),
+    raise SlurmError(nothing_survived(event, holdings, cfg.checkpoint_dir, run.policy.max_restarts),
                      event["job"], event["cause"])
 
 
@@ -244,25 +238,12 @@ def _forget_lost_engines(session: Any) -> None:
     When every job of the session is lost, so is every engine, and none is asked; otherwise those that
     do not answer a ping within 5 s are the lost ones.
     """
-    from nbddp.worker.tasks.entry import ping
-
     workers = session.workers
     if not set(workers.jobs.ids) - workers.jobs.retired:
         workers.forget_dead(list(workers.ids), timeout=FORGET_S)
         return
-    asked, lost = {}, []
-    for eid in workers.ids:
-        try:
-            asked[eid] = workers.client[eid].apply_async(ping)
-        except Exception:  # noqa: BLE001 - unregistered meanwhile
-            continue
-    deadline = time.monotonic() + 5.0  # every engine was asked at once: one bound for all the answers
-    for eid, ar in asked.items():
-        try:
-            ar.get(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - dead with its job
-            lost.append(eid)
-    workers.forget_dead(lost, timeout=FORGET_S)
+    # an engine unregistered meanwhile counts as lost too: forgetting it again does nothing
+    workers.forget_dead(silent_engines(workers.client, list(workers.ids), 5.0), timeout=FORGET_S)
 
 
 def add_note(exc: SlurmError, text: str) -> None:

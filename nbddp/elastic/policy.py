@@ -1,8 +1,9 @@
 """``dist_fit``'s elastic options checked: how many restarts, how often a snapshot, which errors are retried.
 
 Checked in the kernel before anything is shipped, so a typo costs an error
-message. Only the snapshot interval travels to the workers (in
-``FitConfig.snapshot_every``); what is retried is decided here, in the kernel.
+message; the result is the fit's ``FailurePolicy`` (``nbddp/execution/policy.py``),
+which decides what is retried. Only the snapshot interval travels to the
+workers (in ``FitConfig.snapshot_every``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 import datetime
 import numbers
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from nbddp.protocol.errors import WorkerDied, WorkerError, WorkerStalled
-from nbddp.jobs.rank_tasks import is_consequence
+from nbddp.execution.policy import FailurePolicy
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|minutes?|h|hours?)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -22,35 +21,8 @@ FORMS = ("an int of optimizer steps (snapshot_every=200), 'epoch', a duration ('
          "datetime.timedelta), or 'auto' (the default: every 30 s or more, so that writing costs at most 2 %)")
 
 
-@dataclass(frozen=True)
-class ElasticPolicy:
-    """What one fit does when a rank is lost (``max_restarts=0``: nothing, today's behaviour)."""
-
-    max_restarts: int = 0
-    snapshot_every: Any = None  # for FitConfig: int steps, "epoch", float seconds, "auto"; None when not elastic
-    retry_on: tuple[type, ...] = ()
-    min_workers: int | None = None  # go on with fewer ranks when no replacement can start (elastic/fewer_ranks.py)
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_restarts > 0
-
-    def retries(self, exc: BaseException) -> bool:
-        """Whether this failure is worth a restart: a lost process, a broken collective, a stall, or ``retry_on``.
-
-        An exception the person's code raised is not: a bug does the same thing again.
-        """
-        if isinstance(exc, (WorkerDied, WorkerStalled)):
-            return True
-        if not isinstance(exc, WorkerError):
-            return False  # the controller or the Slurm job is gone: nothing to relaunch on
-        if exc.exc_type in {t.__name__ for t in self.retry_on}:
-            return True
-        return is_consequence(exc.failure)  # every rank failed only because a peer went away
-
-
-def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> ElasticPolicy:
-    """``dist_fit(max_restarts=, snapshot_every=, retry_on=)`` as an ``ElasticPolicy``.
+def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> FailurePolicy:
+    """``dist_fit(max_restarts=, snapshot_every=, retry_on=)`` as the fit's ``FailurePolicy``.
 
     Raises:
         TypeError / ValueError: naming the option, the value and the fix.
@@ -67,8 +39,8 @@ def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> Elas
         if given:
             raise ValueError(f"dist_fit({given[0]}=...) takes effect only in a fit that restarts after a "
                              f"lost rank; pass max_restarts=N (N >= 1) too, or leave {' and '.join(given)} out")
-        return ElasticPolicy()
-    return ElasticPolicy(int(max_restarts), snapshot_interval(snapshot_every), types)
+        return FailurePolicy()
+    return FailurePolicy(int(max_restarts), snapshot_interval(snapshot_every), types)
 
 
 def snapshot_interval(value: Any) -> int | str | float:

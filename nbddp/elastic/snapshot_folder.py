@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import time
 from typing import Any
 
 from nbddp.shipping.shm_files import shm_dir
+from nbddp.execution.send import once_per_other_host
 
 REMOTE_REMOVE_S = 5.0  # the fit's end waits at most this long for the other hosts
 
@@ -39,22 +39,11 @@ def remove(path: str | None, session: Any = None) -> list[str]:
         return []
     shutil.rmtree(path, ignore_errors=True)
     group = getattr(session, "group", None)
-    one_per_host = {p.host: p.engine_id for p in (group.placements if group else ()) if not p.local}
-    workers = session.workers if one_per_host else None
+    placements = list(group.placements) if group else []
+    workers = session.workers if any(not p.local for p in placements) else None
     if workers is None or workers.job_problem() is not None:  # (a lost job's engines are gone with their folders)
         return []
     from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
 
-    asked = []
-    for host, engine in one_per_host.items():
-        try:
-            asked.append((host, session.client[engine].apply_async(remove_snapshot_folder, path)))
-        except Exception:  # noqa: BLE001 - a lost engine: nothing to remove through it
-            continue
-    deadline = time.monotonic() + REMOTE_REMOVE_S
-    for _, ar in asked:
-        try:
-            ar.get(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - best effort: that host's folder stays until its /dev/shm is cleared
-            pass
-    return [host for host, _ in asked]
+    # best effort: a host whose engine is gone keeps its folder until its /dev/shm is cleared
+    return once_per_other_host(session.client, placements, remove_snapshot_folder, path, timeout=REMOTE_REMOVE_S)

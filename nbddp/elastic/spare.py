@@ -27,6 +27,7 @@ from typing import Any
 
 from nbddp.cluster.engines import START_TIMEOUT_S
 from nbddp.shipping.shm_files import shm_dir
+from nbddp.execution.send import to_engine
 
 
 class Spare:
@@ -127,8 +128,8 @@ class Spare:
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(token)
         try:
-            ar = workers.client[eid].apply_async(warm_spare, eid, workers.controller_host, path, token, os.getpid(),
-                                                 self.session.file_prefix)
+            ar = to_engine(workers.client, eid, warm_spare, eid, workers.controller_host, path, token, os.getpid(),
+                           self.session.file_prefix)
             while not ar.ready() and self._waiting(t0):  # a stop() does not wait for the imports
                 time.sleep(0.05)
             if not ar.ready():

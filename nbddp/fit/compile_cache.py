@@ -47,7 +47,7 @@ def compile_cache(save: str | os.PathLike | None = None, load: str | os.PathLike
 def _save(session: Any, path: str) -> dict[str, Any]:
     import torch
 
-    from nbddp.jobs.function_calls import call_everywhere
+    from nbddp.cells.function_calls import call_everywhere
     from nbddp.worker.tasks.compile_cache import save_artifacts
 
     blobs: list[bytes] = []
@@ -103,7 +103,7 @@ def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
 
 def _load(session: Any, path: str) -> dict[str, Any]:
     from nbddp.protocol.compile_settings import session_cache_dir
-    from nbddp.jobs.function_calls import call_everywhere
+    from nbddp.cells.function_calls import call_everywhere
     from nbddp.worker.tasks.compile_cache import load_artifacts
 
     _, blobs = read_file(path)

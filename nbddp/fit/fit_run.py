@@ -1,7 +1,7 @@
 """A fit in flight, on the kernel's side: launch, watch, stop, bring the weights back.
 
-``FitRun`` launches one task per rank (``worker.entry.fit_task``) and
-watches them in a background thread (``tasks.RankTasks``), feeding rank 0's
+``FitRun`` launches one task per rank (``nbddp.worker.tasks.entry.fit_task``) and
+watches them in a background thread (``nbddp.execution.rank_tasks.RankTasks``), feeding rank 0's
 stream of records to the ``History`` and the live view. The calling cell
 either waits (``block=True``, where Kernel > Interrupt becomes a coordinated
 stop) or gets a ``FitHandle`` at once.
@@ -19,14 +19,18 @@ from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit import compile_report
 from nbddp.fit.handle import FitHandle
+from nbddp.fit.fit_result import fit_timings, rank_rows
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
+from nbddp.protocol.fit_options import FitConfig
 from nbddp.protocol.messages import FitResult, RankInfo, published
 from nbddp.protocol.notices import notify
 from nbddp.fit.preflight import FitPlan
-from nbddp.monitor.stalls import StuckStop
-from nbddp.jobs.rank_tasks import ELASTIC_GRACE_S, RankTasks
-from nbddp.profiling.time_split import split_ranks
+from nbddp.execution.policy import FailurePolicy
+from nbddp.execution.rank_tasks import RankTasks
+from nbddp.execution.send import to_ranks
+from nbddp.execution.stalls import StuckStop
+from nbddp.execution.work import Work
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
@@ -39,19 +43,19 @@ SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (be
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or FitHandle.stop())"
 
 
-class FitRun:
+class FitRun(Work):
     """One fit in flight: tasks on every rank, a watcher thread, the live view."""
 
     def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None,
                  hooks: FitHooks | None = None):
-        self.session = session
+        super().__init__(session, "a dist_fit")
         self.plan = plan
         self.view = view
-        self.stall_timeout = stall_timeout  # seconds without progress that fail the fit (WorkerStalled)
-        self.recovery = Recovery(plan.elastic)  # max_restarts: a lost rank replaced, the same fit going on
+        # the fit's failure policy: max_restarts and retry_on from the fit, stall_timeout from it or nbddp.start()
+        self.policy: FailurePolicy = dataclasses.replace(plan.policy, stall_timeout=stall_timeout)
+        self.recovery = Recovery(self.policy)  # max_restarts: a lost rank replaced, the same fit going on
         self.history = self.new_history([])
         self.error: BaseException | None = None
-        self.done_event = threading.Event()
         self.stop_requested = False
         self.stop_reason: str | None = None  # who asked for the stop (History.stop_reason)
         self.hooks = hooks or FitHooks([], [], {})  # loggers and callbacks, in the kernel
@@ -82,20 +86,10 @@ class FitRun:
         self.requests = ProfileRequests(session, self.link)  # handle.profile(steps): asked while the fit runs
 
     # ---- the work protocol (Session.running) -----------------------------------
-    @property
-    def finished(self) -> bool:
-        return self.done_event.is_set()
-
-    def wait_done(self, timeout: float) -> bool:
-        return self.done_event.wait(timeout)
-
-    def describe(self) -> str:
-        return "a dist_fit"
-
     def launch(self) -> None:
         """Start every rank's task and the watcher; if that fails, the shipped files go and the session is free."""
         try:
-            if self.plan.elastic.enabled:  # the snapshots' folder, owned by this fit, removed when it ends
+            if self.policy.restarts:  # the snapshots' folder, owned by this fit, removed when it ends
                 fit_scope.begin(self.session, self.plan.cfg)
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
@@ -105,7 +99,7 @@ class FitRun:
         except BaseException:
             self.plan.discard()
             fit_scope.end(self.session, self.plan.cfg)
-            self.session.running = None
+            self.release_workers()
             raise
 
     def start_tasks(self, cfg: Any, launch: Any) -> None:
@@ -115,12 +109,11 @@ class FitRun:
         s = self.session
         plan = self.plan
         s.follow_kernel_paths()
-        ars = {p.rank: s.client[p.engine_id].apply_async(fit_task, s.sources.attach(plan.parcels[p.local], p), cfg,
-                                                         launch, s.sources.attach(plan.model_parcels.get(p.local), p))
-               for p in s.placements}
-        self.tasks = RankTasks(s, ars, "dist_fit", fit=True, stall_timeout=self.stall_timeout)
-        if plan.elastic.enabled:  # a survivor that raises on its own is kept, not replaced
-            self.tasks.grace_s = ELASTIC_GRACE_S
+        ars = to_ranks(s.client, s.placements, fit_task,
+                       lambda p: (s.sources.attach(plan.parcels[p.local], p), cfg, launch,
+                                  s.sources.attach(plan.model_parcels.get(p.local), p)))
+        # with restarts, the policy's grace is longer: a survivor that raises on its own is kept, not replaced
+        self.tasks = RankTasks(s, ars, "dist_fit", fit=True, policy=self.policy)
 
     def relaunch(self, resume: Any = None) -> None:
         """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``).
@@ -137,7 +130,40 @@ class FitRun:
                          dataclasses.replace(self.plan.launch, generation=s.generation, resident=()))
         # a replaced engine's first set-up and step import and build for seconds: stall_timeout applies again
         # from the relaunch's first record (_take_records)
-        self.tasks.stalls.stall_timeout = None
+        self.tasks.pause_stall_timeout()
+
+    # ---- what a relaunch needs of the fit (elastic.recovery.Relaunchable) -----------------------
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested or self.hard_stopped
+
+    @property
+    def config(self) -> FitConfig:
+        return self.plan.cfg
+
+    def reconfigure(self, cfg: FitConfig, world_size: int) -> None:
+        self.plan.cfg = cfg
+        self.live_state.world_size = world_size
+
+    def steps_reached(self) -> list[int]:
+        # the ranks' last heartbeats, read once more as the failure was built (they come about once a second)
+        seen = self.tasks.positions() if self.tasks is not None else []
+        return [p.get("step") or 0 for p in seen + self.live_state.positions] + [self.history.last_step]
+
+    def show_restart(self, line: str, replace_last: bool = False, status: str | None = None) -> None:
+        if replace_last and self.live_state.restarts:
+            self.live_state.restarts[-1] = line
+        else:
+            self.live_state.restarts.append(line)
+        if status is not None:
+            self.live_state.status = status
+        self.view.update(self)
+
+    def records(self) -> list[tuple[str, dict[str, Any]]]:
+        return self.history.records()
+
+    def keep_records(self, records: list[tuple[str, dict[str, Any]]]) -> None:
+        self.history = self.new_history(records)
 
     def new_history(self, records: list[tuple[str, dict[str, Any]]]) -> History:
         """A History of this fit holding ``records`` (``(kind, record)``), its restarts listed."""
@@ -166,7 +192,7 @@ class FitRun:
             # a rank that stalled cannot take the stop: it is killed after a grace counted from here, not from
             # the request, since a stop asked during set-up is held until training starts (a slow set-up is no stall)
             if self.tasks is not None:
-                self.tasks.stalls.stop_at = time.monotonic()
+                self.tasks.stopping()
             self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
@@ -183,12 +209,11 @@ class FitRun:
         """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
         self._take_records()
         self.requests.collect(self.tasks.ars)
-        stalls = self.tasks.stalls
         if self.hooks.answering:  # the ranks wait for the kernel's on_epoch_end: that is no stall
-            stalls.watch.hold()
-        stalls.tick()
-        self.live_state.stalled = list(stalls.stalled)
-        self.live_state.positions = stalls.watch.positions()
+            self.tasks.hold_stalls()
+        self.tasks.check_stalls()
+        self.live_state.stalled = self.tasks.stalled()
+        self.live_state.positions = self.tasks.positions()
         self.live_state.paused = self.session.debugger.paused()
         if self._training_started or self.live_state.stalled or self.live_state.paused:
             self.view.update(self)
@@ -201,7 +226,7 @@ class FitRun:
             self._plan_seen = True
             self.live_state.plan = plan
             self.hooks.start(plan)
-            self.recovery.resumed(self, plan.start_step)  # after a relaunch: where it resumed
+            self.recovery.fit_resumed(self, plan.start_step)  # after a relaunch: where it resumed
         if msg is None:
             return
         if not self._training_started:
@@ -223,11 +248,10 @@ class FitRun:
                 self.history.add(kind, record)
                 self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
-        if self._seen and self.tasks.stalls.stall_timeout is None and self.stall_timeout is not None:
+        if self._seen and self.tasks.stall_timeout_paused:
             # a record: every rank took a step together, so a relaunch's set-up is over; that is progress for
             # every rank (a fresh engine's heartbeats may still say "setup")
-            self.tasks.stalls.watch.hold()
-            self.tasks.stalls.stall_timeout = self.stall_timeout
+            self.tasks.restore_stall_timeout()
         self.hooks.tick(self.history.last_step)
 
     def _watch(self) -> None:
@@ -236,7 +260,7 @@ class FitRun:
         except StuckStop as exc:  # stopped, but a stalled rank could not: its weights never came back
             self.session.resident.clear()
             self.history.status = self.live_state.status = "interrupted"
-            self.tasks.stalls.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
+            self.tasks.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
                                      "this call; History.status is 'interrupted'.")
             self.hooks.close(self.history)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
@@ -253,8 +277,7 @@ class FitRun:
                 self.requests.collect(self.tasks.ars)
             self.requests.close()
             self.link.close()  # the kernel's client of rank 0's store, if any: the fit needs it no more
-            if self.session.running is self:  # (a restart may have begun other work since)
-                self.session.running = None
+            self.release_workers()  # (a restart may have begun other work since)
             self.plan.discard()
             fit_scope.end(self.session, self.plan.cfg)  # snapshots removed on every host of the group
             try:  # before done_event: a blocking cell returns only once the final state is drawn
@@ -278,9 +301,9 @@ class FitRun:
     def _finish(self, results: dict[int, FitResult]) -> None:
         t0 = time.perf_counter()
         head = results[0]
-        history = self.new_history(self.recovery.kept + [(kind, record) for _, kind, record in head.records])
+        history = self.new_history(self.recovery.before_resume + [(kind, record) for _, kind, record in head.records])
         history.status = "interrupted" if any(r.status == "interrupted" for r in results.values()) else "completed"
-        history.ranks = self._rank_rows(head, results)
+        history.ranks = rank_rows(head, results, self.live_state.placements)
         history.compile_report = compile_report.gather(results)
         if self.plan.cfg.profile is not None:
             history.profile = gathered_profile(results, self.plan.cfg.profile, self.session.world_size)
@@ -291,7 +314,8 @@ class FitRun:
             finally:
                 parcel.discard()
         loaded = time.perf_counter()
-        history.timings = self._timings(head, t0, loaded)
+        history.timings = fit_timings(self.plan, head, t0, loaded, self.started_at,
+                                      self.session.placements[0].local)
         history.transfers = {"shipped_bytes": max(p.nbytes for p in self.plan.parcels.values())
                              + max((p.nbytes for p in self.plan.model_parcels.values()), default=0),
                              "returned_bytes": parcel.nbytes if parcel is not None else 0}
@@ -316,42 +340,6 @@ class FitRun:
         target.load_state_dict(state)
         del state
         return target
-
-    def _rank_rows(self, head: FitResult, results: dict[int, FitResult]) -> list[dict[str, Any]]:
-        """One dict per rank: where it ran (the kernel knows), what it measured (rank 0's last reduction), and
-        its time split (from its own result: the time after the last reduction included)."""
-        figures = {r["rank"]: r for r in head.ranks}
-        placements = self.live_state.placements
-        splits = split_ranks([results[p.rank].phase_s if p.rank in results else {} for p in placements])
-        rows = [{"rank": p.rank, "host": p.host, "device": p.device,
-                 **{k: v for k, v in figures.get(p.rank, {}).items() if k not in ("rank", "phase_s")},
-                 "time_split": split}
-                for p, split in zip(placements, splits)]
-        for row in rows:  # what this fit added, whatever earlier work left resident (the order of fits cancels out)
-            if "peak_mem" in row and "base_mem" in row:
-                row["fit_peak_mem"] = row["peak_mem"] - row["base_mem"]
-        return rows
-
-    def _timings(self, head: FitResult, t0: float, loaded: float) -> dict[str, float]:
-        worker = head.timings
-        local = self.session.placements[0].local
-        timings = {
-            "ship_s": self.plan.ship_s,
-            "setup_s": worker["setup_s"],
-            "train_s": worker["train_s"],
-            "publish_s": worker.get("publish_s", 0.0),  # of train_s: rank 0 streaming records to the kernel
-            # from rank 0's last step to the weights in the notebook's model: same clock on one host
-            "return_s": (time.time() - worker["end_wall"]) if local else worker.get("pack_s", 0.0) + loaded - t0,
-            "pack_s": worker.get("pack_s", 0.0),  # rank 0 writing the weights out
-            "load_s": loaded - t0,  # the kernel reading them into the model
-            "total_s": loaded - self.started_at,
-            **{k: worker[k] for k in ("snapshot_s", "snapshots", "snapshot_write_s", "snapshot_wait_s",
-                                      "snapshot_copy_s", "snapshot_copy_bytes") if k in worker},  # an elastic fit's snapshots
-            # rank 0 waiting for the synchronous callbacks (on_epoch_end): seconds, and how many points
-            **{k: worker[k] for k in ("answer_wait_s", "answer_points") if k in worker},
-        }
-        timings["overhead_s"] = timings["total_s"] - timings["train_s"]
-        return timings
 
     def result(self) -> History:
         """The History (or the fit's error), after the workers' notices, raised here in the calling cell."""

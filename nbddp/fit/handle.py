@@ -8,7 +8,7 @@ from typing import Any
 
 from nbddp.callbacks.base import hook_stop
 from nbddp.fit.history import History
-from nbddp.jobs.waiting import wait_interruptibly
+from nbddp.execution.work import wait_interruptibly
 from nbddp.protocol.errors import NbddpError
 
 

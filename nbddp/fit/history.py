@@ -112,6 +112,11 @@ class History:
         target = {"step": self.steps, "epoch": self.epochs, "val": self.validations}[kind]
         target.append(record)
 
+    def records(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every record as ``(kind, record)``: the steps, then the epochs, then the validations."""
+        return ([("step", r) for r in self.steps] + [("epoch", r) for r in self.epochs]
+                + [("val", r) for r in self.validations])
+
     @property
     def last_step(self) -> int:
         return self.steps[-1]["step"] if self.steps else 0

@@ -18,7 +18,8 @@ from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.messages import FitLaunch
 from nbddp.elastic.fewer_ranks import check_min_workers
-from nbddp.elastic.policy import ElasticPolicy, check_elastic
+from nbddp.elastic.policy import check_elastic
+from nbddp.execution.policy import FailurePolicy
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
@@ -35,7 +36,7 @@ class FitPlan:
     model_parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # the model alone (sharded training)
     ship_s: float = 0.0
     data_keys: list[str] = field(default_factory=list)  # resident on the workers once this fit succeeds
-    elastic: ElasticPolicy = field(default_factory=ElasticPolicy)  # max_restarts, snapshot_every, retry_on
+    policy: FailurePolicy = field(default_factory=FailurePolicy)  # max_restarts, snapshot_every, retry_on, min_workers
 
     def discard(self) -> None:
         for parcel in [*self.parcels.values(), *self.model_parcels.values()]:
@@ -243,7 +244,7 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     ``world``: the ranks one fit trains on, when not every worker (a sweep's trial group): the mesh and the
     data shards are checked for that many."""
     world = world or session.world_size
-    elastic = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
+    policy = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
                             options.pop("retry_on", None))
     min_workers = options.pop("min_workers", None)
     returned = check_model(model)
@@ -261,9 +262,9 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
     keep_loader_settings(spec.loader, batch_size, options)
     cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32),
-                      snapshot_every=elastic.snapshot_every, **options)
+                      snapshot_every=policy.snapshot_every, **options)
     if min_workers is not None:  # going on with fewer ranks: the shards they began with, read by fewer
-        elastic = replace(elastic, min_workers=check_min_workers(min_workers, elastic.max_restarts, session.world_size,
+        policy = replace(policy, min_workers=check_min_workers(min_workers, policy.max_restarts, session.world_size,
                                                                  cfg.strategy, bool(getattr(spec, "stream", False))))
         cfg.data_world = session.world_size
     check_device_rules(cfg.precision, cfg.sync_batchnorm, {p.device.split(":")[0] for p in session.placements},
@@ -274,14 +275,14 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     if n_train is not None:
         check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, world))
     # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole
-    keys = session.resident.key_specs([spec, val_spec], by_value=elastic.enabled)
+    keys = session.resident.key_specs([spec, val_spec], by_value=policy.restarts)
     launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
                        resident=session.resident.to_keep(keys), keep=keep)
     parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": loss_fn, "optimizer": optimizer,
              "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
     plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
                    factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys,
-                   elastic=elastic)
+                   policy=policy)
     if not is_replicated(cfg.strategy) and returned is not None:
         parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
         ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)

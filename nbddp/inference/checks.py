@@ -69,11 +69,11 @@ class Kept:
 
 def kept_model(session: Any, name: str, what: str) -> Kept:
     """``model="name"``: every rank must hold a module under ``name`` that predict can run, asked before anything runs."""
-    from nbddp.jobs.job import run_job
+    from nbddp.execution.calls import call_on_ranks
     from nbddp.worker.tasks.predict import kept_kind
 
-    held = run_job(session, f"{what}(model={name!r}) (looking it up)",
-                   lambda p: session.client[p.engine_id].apply_async(kept_kind, name, session.generation))
+    held = call_on_ranks(session, f"{what}(model={name!r}) (looking it up)", kept_kind,
+                         lambda p: (name, session.generation)).wait()
     missing = [r for r, h in sorted(held.items()) if not h["kind"]]
     if missing:
         raise ValueError(f"{what}(model={name!r}): rank(s) {', '.join(map(str, missing))} hold nothing named {name!r}. "

@@ -1,9 +1,9 @@
 """A ``predict``/``evaluate`` call in flight: one task per rank, watched in a thread, the outputs put together.
 
 Like ``fit/fit_run.py``'s ``FitRun``, in small: the ranks' tasks are watched
-by ``jobs.rank_tasks.RankTasks`` (a rank that raises is a ``WorkerError``
+by ``nbddp.execution.rank_tasks.RankTasks`` (a rank that raises is a ``WorkerError``
 naming it at once; stalls are seen; a dead controller is named), and the
-calling cell waits with ``jobs.waiting.wait_interruptibly`` or gets a
+calling cell waits with ``nbddp.execution.work.wait_interruptibly`` or gets a
 ``PredictHandle`` (``block=False``).
 
 On the kernel's host, a predict returning tensors gets one shared output
@@ -25,8 +25,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from nbddp.jobs.rank_tasks import RankTasks
-from nbddp.jobs.waiting import wait_interruptibly
+from nbddp.execution.rank_tasks import RankTasks
+from nbddp.execution.send import to_ranks
+from nbddp.execution.work import Work, wait_interruptibly
 from nbddp.inference.checks import PredictPlan
 from nbddp.inference.outputs_back import put_together
 from nbddp.inference.progress import ProgressLine, total_batches
@@ -37,9 +38,10 @@ from nbddp.shipping import pickling as shipping
 HARD_STOP_WAIT_S = 30.0
 
 
-class PredictRun:
+class PredictRun(Work):
     def __init__(self, session: Any, plan: PredictPlan, live: bool):
-        self.session, self.plan = session, plan
+        super().__init__(session, f"a {plan.what}")
+        self.plan = plan
         copies = session.world_size // plan.mp  # every rank of a model copy reads the copy's batches
         total = total_batches(plan.n, copies, plan.launch.batch_size)
         self.progress = ProgressLine(plan.what, total * plan.mp if total is not None else None, live)
@@ -50,20 +52,9 @@ class PredictRun:
         self.hard_stopped = False
         self.timings: dict[str, float] = {"ship_s": plan.ship_s}
         self.started_at = time.perf_counter() - plan.ship_s
-        self.done_event = threading.Event()
         self.thread: threading.Thread | None = None
 
-    # ---- the work protocol (Session.running, jobs.waiting) -------------------------
-    @property
-    def finished(self) -> bool:
-        return self.done_event.is_set()
-
-    def wait_done(self, timeout: float) -> bool:
-        return self.done_event.wait(timeout)
-
-    def describe(self) -> str:
-        return f"a {self.plan.what}"
-
+    # ---- the work protocol (Session.running, nbddp.execution.work) -------------------
     def launch(self) -> None:
         """Start every rank's task and the watcher (call holding the session's lock, after ``ensure_ready``)."""
         from nbddp.worker.tasks.predict import evaluate_task, predict_task
@@ -75,8 +66,8 @@ class PredictRun:
             if shares_file(launch, s.placements):
                 self.plan.launch = launch = replace(launch, out_file=output_file.create(s.file_prefix))
             s.follow_kernel_paths()
-            ars = {p.rank: s.client[p.engine_id].apply_async(task, s.sources.attach(self.plan.parcels[p.local], p),
-                                                             launch) for p in s.placements}
+            ars = to_ranks(s.client, s.placements, task,
+                           lambda p: (s.sources.attach(self.plan.parcels[p.local], p), launch))
         except BaseException:
             self._discard_outputs()
             self.plan.discard()
@@ -91,7 +82,7 @@ class PredictRun:
         if self.finished or self.stop_requested:
             return
         self.stop_requested = True
-        self.tasks.stalls.stop_at = time.monotonic()  # a rank that cannot take the stop is killed after a grace
+        self.tasks.stopping()  # a rank that cannot take the stop is killed after a grace
         self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
@@ -111,8 +102,7 @@ class PredictRun:
             self.error = exc
         finally:
             self._discard_outputs()
-            if self.session.running is self:
-                self.session.running = None
+            self.release_workers()
             self.plan.discard()
             self.progress.finish(self.status)
             self.done_event.set()

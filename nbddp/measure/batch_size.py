@@ -2,7 +2,7 @@
 
 A trial is one step (forward, backward, optimizer step; under the fit's
 strategy, precision, accumulation and activation checkpointing) on every
-rank at once, from the shipped arguments (``worker.planner.trial_task``).
+rank at once, from the shipped arguments (``nbddp.worker.tasks.trials.trial_task``).
 Every rank reports ``"fits"`` or ``"oom"``; the kernel agrees for all: a
 size fits only when it fits on every rank. The search doubles from
 ``start`` until a size fails (or the bound: the shard size and
@@ -12,25 +12,22 @@ its microbatches, and a rank's shard is that of its data-parallel rank.
 
 Under DDP a trial reduces no gradients, so no rank waits for one that ran
 out of memory. Under FSDP the forward itself is collective: a rank out of
-memory can leave its peers waiting in an all-gather; those are killed and
-replaced (the supervisor's usual path, ~10 s) and the size counts as not
-fitting.
+memory can leave its peers waiting in an all-gather; after the failure
+policy's grace those are killed and replaced (the supervisor's usual path,
+~10 s) and the size counts as not fitting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from nbddp.protocol.errors import WorkerError
-from nbddp.jobs.job import Job
+from nbddp.execution.calls import RankCall
 from nbddp.protocol.messages import TrialResult
 from nbddp.session.session import get_session
 from nbddp.protocol.parallel_settings import data_parallel_size
 from nbddp.fit.parallel_checks import batch_unit
-
-HANG_GRACE_S = 5.0  # after a rank ran out of memory, how long its peers may take to report too
 
 
 def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
@@ -56,25 +53,16 @@ class Trials:
 
         s, plan = self.session, self.plan
         cfg = dataclasses.replace(plan.cfg, batch_size=b, drop_last=True)
-        job = Job(s, f"find_batch_size (trying {b})")
-        hung = {"at": None}
-
-        def watch() -> None:  # a rank out of memory under FSDP can leave peers in a collective: kill them
-            done = job.tasks.results.values()
-            if any(r.outcome == "oom" for r in done) and job.tasks.pending:
-                hung["at"] = hung["at"] or time.monotonic()
-                if time.monotonic() - hung["at"] > HANG_GRACE_S:
-                    s.supervisor.replace_ranks(job.tasks.pending)
-
+        # a rank out of memory under FSDP can leave its peers in a collective: killed after the grace
+        call = RankCall(s, f"find_batch_size (trying {b})", failed_result=lambda r: r.outcome == "oom")
         with s.lock:
             s.ensure_ready()
-            job.launch(lambda p: s.client[p.engine_id].apply_async(
-                trial_task, s.sources.attach(plan.parcels[p.local], p), cfg, plan.launch,
-                s.sources.attach(plan.model_parcels.get(p.local), p)))
+            call.launch(trial_task, lambda p: (s.sources.attach(plan.parcels[p.local], p), cfg, plan.launch,
+                                               s.sources.attach(plan.model_parcels.get(p.local), p)))
         try:
-            results = list(job.wait(on_tick=watch).values())
+            results = list(call.wait().values())
         except WorkerError:
-            results = list(job.tasks.results.values())
+            results = list(call.tasks.results.values())
             if not any(r.outcome == "oom" for r in results):
                 raise  # not memory: the model or the data is broken, and searching would not help
             s.wait_healed()

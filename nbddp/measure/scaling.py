@@ -22,7 +22,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbddp.jobs.job import Job
+from nbddp.execution.calls import RankCall
 from nbddp.session.session import get_session
 from nbddp.fit.parallel_checks import scaling_sizes
 from nbddp.profiling.time_split import shares, split_ranks
@@ -154,21 +154,21 @@ def scaling_report(model: Any, data: Any, *, steps: int = 20, warmup: int = 5, *
             raise ValueError(f"scaling_report({name}=...) must be an int >= {1 if name == 'steps' else 0}, got {value!r}")
     s = get_session()
     s.ensure_started()
-    job = Job(s, "scaling_report")
+    call = RankCall(s, "scaling_report")
     with s.lock:
         s.ensure_ready()
         plan = prepare(s, model, data, return_weights=False, **fit_options)
         # a model-parallel strategy: one rank (the model whole), then whole groups of ranks
         sizes = scaling_sizes(plan.cfg.strategy, plan.cfg.mesh, s.world_size, world_sizes(s.world_size))
         try:
-            job.launch(lambda p: s.client[p.engine_id].apply_async(
-                scaling_task, s.sources.attach(plan.parcels[p.local], p), plan.cfg, plan.launch,
-                s.sources.attach(plan.model_parcels.get(p.local), p), sizes, warmup, steps))
+            call.launch(scaling_task, lambda p: (s.sources.attach(plan.parcels[p.local], p), plan.cfg, plan.launch,
+                                                 s.sources.attach(plan.model_parcels.get(p.local), p), sizes,
+                                                 warmup, steps))
         except BaseException:
             plan.discard()
             raise
     try:
-        measured = job.wait()[0]
+        measured = call.wait()[0]
     finally:
         plan.discard()
     return ScalingReport(rows=_rows(measured), batch_size=plan.cfg.batch_size, device=s.placements[0].device)

@@ -13,6 +13,7 @@ from typing import Any
 from nbddp.protocol.messages import Health
 from nbddp.session.session import get_session
 from nbddp.cluster.slurm.watch import job_lines
+from nbddp.execution.send import to_engines
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -69,8 +70,8 @@ def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str, str]]:
     out: dict[int, tuple[str, str, str]] = {}
     ars = {}
     if not busy:
-        ars = {p.engine_id: session.client[p.engine_id].apply_async(health)
-               for p in session.placements if p.engine_id in registered}
+        ars = to_engines(session.client, [p.engine_id for p in session.placements if p.engine_id in registered],
+                         health)
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     for p in session.placements:
         if p.engine_id not in registered:

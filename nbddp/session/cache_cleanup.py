@@ -10,6 +10,7 @@ on another host (Slurm, SSH) can only be removed by a process there, so
 from __future__ import annotations
 
 from typing import Any
+from nbddp.execution.send import once_per_other_host
 
 REMOTE_CLEANUP_S = 5.0  # stop() waits at most this long for the other hosts to remove their cache
 
@@ -25,19 +26,5 @@ def remove_remote_caches(session: Any, timeout: float = REMOTE_CLEANUP_S) -> lis
 
     from nbddp.protocol.compile_settings import session_cache_dir
 
-    one_per_host = {p.host: p.engine_id for p in reversed(session.placements) if not p.local}
-    if not one_per_host:
-        return []
     path = session_cache_dir(session.file_prefix)
-    asked = []
-    for host, engine in one_per_host.items():
-        try:
-            asked.append((host, session.client[engine].apply_async(shutil.rmtree, path, True)))
-        except Exception:  # noqa: BLE001 - a lost engine: nothing to clean through it
-            continue
-    for _, ar in asked:
-        try:
-            ar.get(timeout=timeout)
-        except Exception:  # noqa: BLE001 - best effort: the directory stays on that host
-            pass
-    return [host for host, _ in asked]
+    return once_per_other_host(session.client, session.placements, shutil.rmtree, path, True, timeout=timeout)

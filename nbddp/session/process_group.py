@@ -23,6 +23,7 @@ from nbddp.protocol import placement as topology
 from nbddp.protocol.errors import ClusterError
 from nbddp.shipping.shm_files import shm_dir
 from nbddp.session.start_options import StartOptions
+from nbddp.execution.send import on_engines, to_engine, to_ranks
 
 JOIN_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 60.0
@@ -97,8 +98,8 @@ class GroupFormer:
         kernel_pid = os.getpid() if self.workers.owned else 0
         client = self.workers.client
         try:
-            ars = {eid: client[eid].apply_async(probe, eid, host, self.token_path, self.token, kernel_pid,
-                                                self.file_prefix) for eid in self.workers.ids}
+            ars = {eid: to_engine(client, eid, probe, eid, host, self.token_path, self.token, kernel_pid,
+                                  self.file_prefix) for eid in self.workers.ids}
             probes = [ar.get(timeout=PROBE_TIMEOUT_S) for ar in ars.values()]
         finally:  # read only while probing: a kernel killed later leaves no token file behind
             with contextlib.suppress(FileNotFoundError):
@@ -118,12 +119,11 @@ class GroupFormer:
         init_method, master, port, ifnames = self._rendezvous(placements, probes, options, generation)
         threads = options.threads or 0  # 0: each engine counts the CPUs of its own host (protocol/cpus.py)
         client = self.workers.client
-        ars = [client[p.engine_id].apply_async(
-            join_process_group, p, backend, init_method, generation, options.timeout, threads, ifnames[p.rank],
-            self.file_prefix, master, port)
-            for p in placements]
+        ars = to_ranks(client, placements, join_process_group,
+                       lambda p: (p, backend, init_method, generation, options.timeout, threads, ifnames[p.rank],
+                                  self.file_prefix, master, port))
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        joined = [ar.get(timeout=max(1.0, deadline - time.monotonic())) for ar in ars]
+        joined = [ar.get(timeout=max(1.0, deadline - time.monotonic())) for ar in ars.values()]
         self._remove_old_stores(generation)
         return GroupState(generation=generation, backend=backend, placements=tuple(placements), probes=tuple(probes),
                           init_method=init_method, master_addr=master, master_port=port,
@@ -152,7 +152,7 @@ class GroupFormer:
             return f"file://{path}", "127.0.0.1", free_port("127.0.0.1"), {p.rank: ifname for p in placements}
         master = topology.master_address(placements)
         ifnames = topology.socket_interfaces(placements, probes, options.interface)
-        port = self.workers.client[placements[0].engine_id].apply_sync(free_port, master)
+        port = to_engine(self.workers.client, placements[0].engine_id, free_port, master).get()
         return f"tcp://{master}:{port}", master, port, ifnames
 
     def _remove_old_stores(self, generation: int) -> None:
@@ -166,6 +166,6 @@ class GroupFormer:
         from nbddp.worker.tasks.process_group import leave_process_group
 
         try:
-            self.workers.client[self.workers.ids].apply_sync(leave_process_group)
+            on_engines(self.workers.client, self.workers.ids, leave_process_group)
         except Exception:  # noqa: BLE001 - best effort on an attached cluster
             pass

@@ -36,6 +36,7 @@ from nbddp.session.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, che
                                  threads_per_worker, validate_start)
 from nbddp.session.supervisor import Supervisor
 from nbddp.protocol.allocator_setting import reason_to_leave_alone
+from nbddp.execution.send import on_engines
 
 
 class Session:
@@ -260,8 +261,14 @@ class Session:
             return
         local = [p.engine_id for p in self.placements if p.local]
         if local:
-            self.client[local].apply_sync(follow_paths, paths, wanted[1])
+            on_engines(self.client, local, follow_paths, paths, wanted[1])
         self._paths_sent = wanted
+
+    def attend(self, work: Any) -> None:
+        """From the cell that waits for ``work``: open the debugger prompt for its ranks paused at ``breakpoint()``."""
+        from nbddp.debugging.prompt import attend
+
+        attend(work)
 
     def wait_healed(self, raise_error: bool = True) -> None:
         """Wait for a heal under way, without holding the lock; raise its error if it failed."""

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from nbddp.elastic.replacements import await_replacements
+from nbddp.execution.send import silent_engines
 from nbddp.protocol.errors import ClusterError, SlurmError
 
 PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
@@ -143,8 +144,6 @@ class Supervisor:
 
     def _heal(self, killed: list[int], job_wait: dict[str, Any] | None = None) -> None:
         """Replace ``killed`` engines and dead or unresponsive ones; form the group again."""
-        from nbddp.worker.tasks.entry import ping
-
         s = self.session
         workers = s.workers
         want = max(s.world_size, self.regrow_to or 0) or (s.options.n or 2)
@@ -152,15 +151,8 @@ class Supervisor:
         workers.forget_dead(killed)
         if killed:
             time.sleep(PEER_SETTLE_S)
-        ars = {eid: workers.client[eid].apply_async(ping) for eid in workers.ids}
-        deadline = time.monotonic() + PING_TIMEOUT_S
-        alive, unresponsive = [], []
-        for eid, ar in ars.items():
-            try:
-                ar.get(timeout=max(0.1, deadline - time.monotonic()))
-                alive.append(eid)
-            except Exception:  # noqa: BLE001 - dead or stuck: replaced
-                unresponsive.append(eid)
+        unresponsive = silent_engines(workers.client, workers.ids, PING_TIMEOUT_S)  # dead or stuck: replaced
+        alive = [eid for eid in workers.ids if eid not in unresponsive]
         extra = sorted(alive)[want:]  # keep the world size stable
         if unresponsive or extra:
             workers.kill(unresponsive + extra)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from nbddp.jobs.waiting import is_interrupt
+from nbddp.execution.work import is_interrupt
 from nbddp.session.session import get_session
 from nbddp.sweeps import resume
 from nbddp.sweeps import space as spaces
@@ -22,6 +22,7 @@ from nbddp.sweeps.groups import close_trial_groups, open_trial_groups
 from nbddp.sweeps.result import SweepResult
 from nbddp.sweeps.scheduler import SweepRun
 from nbddp.sweeps.view import SweepView, check_live
+from nbddp.execution.policy import FailurePolicy
 
 
 def optuna_module() -> Any:
@@ -103,8 +104,8 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
         result = SweepResult(rows=[], metric=metric, mode=mode, study=study)
         return result if block else SweepHandle(None, lambda: (restore(), result)[1])
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
-    run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs)
-    run.stall_timeout, run.max_restarts, run.snapshot_every = stall_timeout, max_restarts, snapshot_every
+    policy = FailurePolicy(max_restarts, snapshot_every, stall_timeout=stall_timeout, retry_stalls=False)
+    run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs, policy)
     view = SweepView(live, stop=run.request_stop)
     try:
         with s.lock:
@@ -159,7 +160,7 @@ def _settle_stale(study: Any) -> None:
 
 
 def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int, groups: list[list[int]],
-          metric: str, mode: str, fit_kwargs: dict[str, Any]) -> SweepRun:
+          metric: str, mode: str, fit_kwargs: dict[str, Any], policy: FailurePolicy) -> SweepRun:
     """Check and ship the fit's arguments once, open the groups on every rank: the schedule, ready to start."""
     from nbddp.fit.preflight import prepare
 
@@ -177,7 +178,7 @@ def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int
     except BaseException:
         plan.discard()
         raise
-    run = SweepRun(s, plan, sweep_space, study, left, groups, metric, token, mode)
+    run = SweepRun(s, plan, sweep_space, study, left, groups, metric, token, mode, policy)
     run.reship = ship
     return run
 
@@ -209,8 +210,7 @@ def _close(s: Any, run: SweepRun) -> None:
         for trial in [*run.resuming, *run.running.values()]:  # held, or cut short by an error: snapshots go
             resume.release(trial)
         run.plan.discard()
-        if s.running is run:
-            s.running = None
+        run.release_workers()
     if any(r.state == "complete" for r in run.rows):
         s.resident.mark(run.plan.data_keys)
 

@@ -1,7 +1,7 @@
 """The trial groups of a sweep, opened on every rank and closed again, in the kernel's terms.
 
 ``open_trial_groups`` is one task on every rank (the same fault contract as a
-``%%ddp`` cell: a rank that fails is raised here, before any trial starts);
+``%%ddp`` cell, a rank that fails is raised here, before any trial starts);
 it returns the token the trials name their group by. After a worker was
 replaced the sweep opens them again under a new token: the old groups went
 with the old process-group generation.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from nbddp.jobs.job import Job
+from nbddp.execution.calls import RankCall
+from nbddp.execution.send import to_ranks
 
 CLOSE_TIMEOUT_S = 10.0
 
@@ -22,11 +23,11 @@ def open_trial_groups(s: Any, groups: list[list[int]]) -> str:
     from nbddp.worker.tasks.sweep import open_groups
 
     token = f"sweep-{uuid.uuid4().hex[:12]}"
-    job = Job(s, "nbddp.sweep (opening the trial groups)")
+    call = RankCall(s, "nbddp.sweep (opening the trial groups)")
     with s.lock:
         s.ensure_ready()
-        job.launch(lambda p: s.client[p.engine_id].apply_async(open_groups, token, s.generation, groups))
-    job.wait()
+        call.launch(open_groups, lambda p: (token, s.generation, groups))
+    call.wait()
     return token
 
 
@@ -35,7 +36,7 @@ def close_trial_groups(s: Any, token: str) -> None:
     from nbddp.worker.tasks.sweep import close_groups
 
     try:
-        for ar in [s.client[p.engine_id].apply_async(close_groups, token) for p in s.placements]:
+        for ar in to_ranks(s.client, s.placements, close_groups, lambda p: (token,)).values():
             ar.get(CLOSE_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - a killed or replaced engine holds no group to close
         pass

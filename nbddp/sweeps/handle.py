@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from nbddp.jobs.waiting import is_interrupt
+from nbddp.execution.work import is_interrupt
 from nbddp.sweeps.result import SweepResult, ranked
 
 

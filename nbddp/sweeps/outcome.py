@@ -7,8 +7,10 @@ A trial's tasks all returned (or raised) when this runs. The states:
 * ``pruned``: the pruner stopped it (the kernel signalled its engines);
 * ``stopped``: the person stopped the sweep while it ran (told as failed,
   so a resumed study runs it again);
-* ``failed``: a rank raised or died; the row keeps the rank and the remote
-  traceback, and the sweep goes on.
+* ``failed``: a rank raised, died or stalled (judged as for any work on the
+  ranks: ``nbddp/execution/outcome.py``); the row keeps the rank and the
+  remote traceback, and the sweep goes on (a dead worker's trial may run
+  again: ``resume.go_on``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nbddp.execution.rank_tasks import RankTasks
 from nbddp.fit.history import History
-from nbddp.jobs.rank_tasks import classify, is_consequence
+from nbddp.protocol.errors import WorkerError, WorkerStalled
 from nbddp.sweeps import resume
+from nbddp.sweeps.schedule import Schedule
+from nbddp.sweeps.trial_run import TrialRun
 
 
 def tell(sweep: Any, trial: Any, value: float | None = None, state: Any = None) -> None:
@@ -33,31 +38,28 @@ def tell(sweep: Any, trial: Any, value: float | None = None, state: Any = None) 
         sweep.sampler_done = True
 
 
-def settle(sweep: Any, run: Any) -> None:
-    """Settle ``run`` (a ``scheduler.Running``) for ``sweep`` (the ``SweepRun``)."""
+def settle(sweep: Schedule, run: TrialRun) -> None:
+    """Settle ``run`` for ``sweep``: its tasks' outcome is decided (``TrialRun.watch``)."""
     from optuna.trial import TrialState
 
-    results, failure = _collect(sweep, run)
+    tasks = run.attempt
+    results = tasks.results
+    error = run.stall or (_failed(tasks) if tasks.failures else None)
     row = run.row
-    if failure is not None and sweep.stopping and failure.exc_type == "KeyboardInterrupt":
+    if error is not None and sweep.stopping and error.exc_type == "KeyboardInterrupt":
         # the stop's signal reached a rank before its trial had put up its own handler: stopped, not failed
         row.state = "stopped"
         _discard(results)
         tell(sweep, run.trial, state=TrialState.FAIL)
         return
-    if failure is not None:
-        row.state, row.rank, row.error = "failed", failure.rank, f"{failure.exc_type}: {failure.message}\n{failure.remote_traceback}"
+    if error is not None:
+        row.state, row.rank, row.error = "failed", error.rank, f"{error.exc_type}: {error.message}\n{error.remote_traceback}"
         _discard(results)
-        if run.stalled:
-            row.error = run.stalled
-        died = [r for r, ar in run.ars.items() if r not in results and _died(ar)]
-        # killed stuck, or dead: the engines are replaced; only a death is worth another try
-        retry = bool(died) and failure.exc_type == "WorkerDied" and not run.stalled
-        if retry and resume.hold(sweep, run, died, failure):
+        if run.stall is not None:
+            row.error = stall_words(run.stall)
+        if resume.go_on(sweep, run, error):
             return  # RUNNING in the study: it resumes from its snapshot once the workers are healed
         tell(sweep, run.trial, state=TrialState.FAIL)
-        if died:
-            sweep.lost(run, died, retry=retry and sweep.snapshot_every is None)
         return
     head = results[sweep.groups[row.group][0]]
     history = History(world_size=len(results), batch_size=run.cfg.batch_size, restarts=run.restarts)
@@ -84,37 +86,19 @@ def settle(sweep: Any, run: Any) -> None:
     _discard(results)
 
 
-def _collect(sweep: Any, run: Any) -> tuple[dict[int, Any], Any]:
-    """Every rank's result, and the first rank's own failure (a peer's consequence is never the headline)."""
-    by_rank = {p.rank: p for p in sweep.session.placements}
-    results, failures = {}, []
-    for rank, ar in run.ars.items():
-        try:
-            results[rank] = ar.get(0)
-        except BaseException as exc:  # noqa: BLE001 - recorded on the trial's row
-            failures.append(classify(rank, exc, by_rank.get(rank))[0])
-    if not failures:
-        return results, None
-    # the cause first: a rank's own error, then a death (a peer killed stuck after an own error is one too), and
-    # last a peer's consequence: PeerFailed, or gloo's "Connection closed by peer" in a group of two whose other
-    # rank died (that trial resumes or is retried, as a death)
-    failures.sort(key=lambda f: (is_consequence(f), f.exc_type == "WorkerDied"))
-    return results, failures[0]
+def _failed(tasks: RankTasks) -> WorkerError:
+    """The trial's error, as ``RankTasks`` decides it for any work (its stuck ranks killed, the lost engines handed
+    to the sweep); a lost controller or Slurm job ends the sweep."""
+    error = tasks.fail()
+    if not isinstance(error, WorkerError):
+        raise error
+    return error
 
 
-def _died(ar: Any) -> bool:
-    """The rank's engine is gone (it died, or was killed stuck in a collective)."""
-    from ipyparallel.error import EngineError, RemoteError
-
-    try:
-        ar.get(0)
-    except EngineError:
-        return True
-    except RemoteError as exc:
-        return exc.ename == "EngineError"
-    except BaseException:  # noqa: BLE001 - its own error: the engine lives
-        return False
-    return False
+def stall_words(stall: WorkerStalled) -> str:
+    """A stalled trial's row: which rank, how long, where, and its stack."""
+    return (f"WorkerStalled: rank {stall.rank} {stall.message}; its ranks were killed and replaced\n"
+            f"{stall.remote_traceback}")
 
 
 def _last_value(records: list[Any], metric: str) -> float | None:

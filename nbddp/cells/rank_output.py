@@ -1,4 +1,4 @@
-"""Each rank's output in the notebook, line by line, labelled ``[rank N]``.
+"""Each rank's output in the notebook, line by line, labelled ``[rank N]``, and the calls that print it.
 
 Engine output reaches the kernel in batches (a 0.2 s flush interval); it is
 polled while a cell, call or script waits, and printed as complete lines.
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
+
+from nbddp.execution.calls import call_on_ranks
+from nbddp.execution.contracts import SessionLike
+from nbddp.protocol.placement import Placement
 
 OUTPUT_WAIT_S = 2.0
 
@@ -81,3 +85,21 @@ def _metadata(ar: Any, key: str) -> str:
 def write(kind: str, text: str) -> None:
     """Print ``text`` on the kernel's stdout or stderr, as the rank printed it (tests watch this)."""
     (sys.stderr if kind == "stderr" else sys.stdout).write(text)
+
+
+def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
+                 args_for: Callable[[Placement], tuple[Any, ...]], ranks: list[int] | None = None,
+                 output: bool | None = None) -> dict[int, Any]:
+    """Start the default workers if needed, run ``fn(*args_for(p))`` on ``ranks``, wait: results by rank.
+
+    ``output``: print what the ranks print, labelled ``[rank N]``, as it
+    arrives (True) or grouped by rank at the end (False); None prints nothing.
+    """
+    call = call_on_ranks(session, what, fn, args_for, ranks)
+    if output is None:
+        return call.wait()
+    printer = RankOutput(call.tasks.ars, live=output)
+    try:
+        return call.wait(on_tick=printer.tick)
+    finally:
+        printer.finish(call.tasks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.jobs.job import run_job
+from nbddp.cells.rank_output import run_on_ranks
 from nbddp.protocol.messages import ScriptResult
 from nbddp.session.session import get_session
 
@@ -42,7 +42,6 @@ def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
     argv = [str(a) for a in args]
     s = get_session()
     cwd = os.getcwd()
-    results = run_job(s, f"the script {os.path.basename(full)}",
-                      lambda p: s.client[p.engine_id].apply_async(remote_script, source, full, argv, cwd, s.generation),
-                      output=True)
+    results = run_on_ranks(s, f"the script {os.path.basename(full)}", remote_script,
+                           lambda p: (source, full, argv, cwd, s.generation), output=True)
     return [results[rank] for rank in sorted(results)]

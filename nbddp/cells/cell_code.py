@@ -5,7 +5,7 @@ the ``ranks`` given) as a string and runs in a namespace that persists on
 that rank, with ``rank``, ``local_rank``, ``world_size`` and ``device``
 defined and the process group ready. Output comes back labelled
 ``[rank N]``; a failing rank raises ``WorkerError`` at once; interrupts
-follow ``jobs.Job``.
+follow ``nbddp.execution.calls.RankCall``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import itertools
 from typing import Any
 
 from nbddp.shipping import pickling as shipping
-from nbddp.jobs.job import run_job
+from nbddp.cells.rank_output import run_on_ranks
+from nbddp.protocol.placement import Placement
 from nbddp.session.session import get_session
 from nbddp.shipping.source_lines import register_text
 
@@ -47,8 +48,7 @@ def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) 
     ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
     register_text(filename, code)  # nbddp.stacks() and the debugger show its lines
     s = get_session()
-    run_job(s, "%%ddp cell", lambda p: s.client[p.engine_id].apply_async(remote_cell, code, number, s.generation),
-            ranks, output=stream)
+    run_on_ranks(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation), ranks, output=stream)
 
 
 def push(**values: Any) -> None:
@@ -61,13 +61,13 @@ def push(**values: Any) -> None:
     what = f"%ddp push {' '.join(values)}"
     parcels: dict[bool, shipping.Parcel] = {}
 
-    def submit(p: Any) -> Any:
+    def args_for(p: Placement) -> tuple[Any, ...]:
         if p.local not in parcels:
             parcels[p.local] = shipping.pack(values, what=what, local=p.local)
-        return s.client[p.engine_id].apply_async(remote_push, s.sources.attach(parcels[p.local], p), s.generation)
+        return s.sources.attach(parcels[p.local], p), s.generation
 
     try:
-        run_job(s, what, submit)
+        run_on_ranks(s, what, remote_push, args_for)
     finally:
         for parcel in parcels.values():
             parcel.discard()
@@ -81,7 +81,7 @@ def pull(*names: str, rank: int = 0) -> dict[str, Any]:
         raise TypeError(f"pull() takes the variable names as strings, e.g. nbddp.pull('model', rank=0); got {names!r}")
     s = get_session()
     what = f"%ddp pull {' '.join(names)}"
-    reply = run_job(s, what, lambda p: s.client[p.engine_id].apply_async(remote_pull, list(names)), [rank])[rank]
+    reply = run_on_ranks(s, what, remote_pull, lambda p: (list(names),), [rank])[rank]
     if "missing" in reply:
         available = ", ".join(reply["available"]) or "none yet"
         raise NameError(f"%ddp pull: rank {rank} has no variable named {', '.join(map(repr, reply['missing']))}; "

@@ -1,80 +1,85 @@
-"""Work on the ranks that the calling cell waits for: ``%%ddp`` cells, ``run``, scripts, push and pull.
+"""Work on the ranks that the calling cell waits for: ``%%ddp`` cells, ``run``, scripts, push and pull, and the
+planner's short runs.
 
-A ``Job`` launches one task per chosen rank under the session's lock, holds
-the workers while it runs (``Session.running``), and waits with the fault
-contract of ``tasks.RankTasks``: the first failing rank is raised as a
-``WorkerError`` at once, ranks stuck in a collective are killed and replaced.
+A ``RankCall`` launches one task per chosen rank under the session's lock,
+holds the workers while it runs (``Session.running``), and waits with the
+fault contract of ``nbddp.execution.rank_tasks.RankTasks``: the first failing rank is raised
+as a ``WorkerError`` at once, ranks stuck in a collective are killed and
+replaced.
 
 Kernel > Interrupt: the first one is forwarded to the ranks still running as
 SIGINT (a ``KeyboardInterrupt`` in their code, as in a local cell); the
 second kills them, and the supervisor replaces them. A rank that stalled
-(``stalls``: stuck in a collective or in C code, where SIGINT cannot land)
-is killed a short grace after the first.
+(``nbddp/execution/stalls.py``: stuck in a collective or in C code, where
+SIGINT cannot land) is killed a short grace after the first.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-import time
 from typing import Any, Callable
 
-from nbddp.debugging.prompt import attend
+from nbddp.execution.contracts import SessionLike
+from nbddp.execution.rank_tasks import RankTasks
+from nbddp.execution.send import to_ranks
+from nbddp.execution.stalls import StuckStop
+from nbddp.execution.work import Work, is_interrupt
 from nbddp.protocol.errors import WorkerError
-from nbddp.jobs.rank_output import RankOutput
-from nbddp.monitor.stalls import StuckStop
-from nbddp.jobs.rank_tasks import RankTasks
-from nbddp.jobs.waiting import is_interrupt
+from nbddp.protocol.placement import Placement
 
 
-class Job:
-    def __init__(self, session: Any, what: str, ranks: list[int] | None = None):
-        """``ranks``: the ranks to run on (all by default); ``what`` names the work in messages."""
-        self.session = session
+class RankCall(Work):
+    def __init__(self, session: SessionLike, what: str, ranks: list[int] | None = None,
+                 failed_result: Callable[[Any], bool] | None = None):
+        """``ranks``: the ranks to run on (all by default); ``what`` names the work in messages;
+        ``failed_result``: see ``RankTasks``."""
+        super().__init__(session, what)
         self.what = what
         self.ranks = ranks
-        self.tasks: RankTasks | None = None
-        self._done = threading.Event()
+        self.failed_result = failed_result
+        self._tasks: RankTasks | None = None
         self._waiter: int | None = None  # the thread waiting in wait()
         self.interrupted = False
 
-    # ---- the work protocol (Session.running) -----------------------------------
     @property
-    def finished(self) -> bool:
-        return self._done.is_set()
+    def tasks(self) -> RankTasks:
+        """The ranks' tasks (after ``launch``)."""
+        if self._tasks is None:
+            raise RuntimeError(f"{self.what} was not launched")
+        return self._tasks
 
-    def wait_done(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
-
-    def describe(self) -> str:
-        return self.what
-
+    # ---- the work protocol (Session.running) -----------------------------------
     def request_stop(self) -> None:
         """Forward an interrupt to the ranks still running."""
         self.interrupted = True
-        self.tasks.stalls.stop_at = time.monotonic()
+        self.tasks.stopping()
         self.session.debugger.let_go(self, f"{self.what} is being interrupted")
-        by_rank = self.session.group.by_rank()
-        self.session.workers.signal([by_rank[r].engine_id for r in self.tasks.pending if r in by_rank], signal.SIGINT)
+        group = self.session.group
+        by_rank = group.by_rank() if group is not None else {}
+        workers = self.session.workers
+        if workers is not None:
+            workers.signal([by_rank[r].engine_id for r in self.tasks.pending if r in by_rank], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
         """Kill the ranks still running (the supervisor replaces them); from another thread, wait for the end."""
-        if self.tasks is None or self.finished:
+        if self._tasks is None or self.finished:
             return
-        self.session.supervisor.replace_ranks(self.tasks.pending)
+        self.session.supervisor.replace_ranks(self._tasks.pending)
         if threading.get_ident() != self._waiter:
-            self._done.wait(10.0)
+            self.done_event.wait(10.0)
 
     # ---- running -------------------------------------------------------------------
-    def launch(self, submit: Callable[[Any], Any]) -> list[Any]:
-        """Submit ``submit(placement) -> AsyncResult`` on every chosen rank; return the placements.
+    def launch(self, fn: Callable[..., Any], args_for: Callable[[Placement], tuple[Any, ...]]) -> list[Placement]:
+        """Send ``fn(*args_for(p))`` to every chosen rank ``p``; return the placements.
 
         Call holding the session's lock, after ``ensure_ready()``.
         """
         s = self.session
         chosen = placements_for(s, self.ranks)
         s.follow_kernel_paths()
-        self.tasks = RankTasks(s, {p.rank: submit(p) for p in chosen}, self.what)
+        self._tasks = RankTasks(s, to_ranks(s.client, chosen, fn, args_for), self.what,
+                                failed_result=self.failed_result)
         s.running = self
         return chosen
 
@@ -85,7 +90,7 @@ class Job:
         def tick() -> None:  # a rank paused at breakpoint(): the prompt opens in this cell
             if on_tick is not None:
                 on_tick()
-            attend(self)
+            self.attend()
 
         try:
             while True:
@@ -107,9 +112,8 @@ class Job:
                 raise KeyboardInterrupt(f"{self.what} interrupted on every rank ({exc})") from None
             raise
         finally:
-            self._done.set()
-            if self.session.running is self:
-                self.session.running = None
+            self.done_event.set()
+            self.release_workers()
 
 
 class UnknownRanks(ValueError):
@@ -120,11 +124,12 @@ class UnknownRanks(ValueError):
         super().__init__(f"ranks={ranks}: {detail}")
 
 
-def placements_for(session: Any, ranks: list[int] | None) -> list[Any]:
+def placements_for(session: SessionLike, ranks: list[int] | None) -> list[Placement]:
     """The placements of ``ranks`` (all ranks for None); a rank that does not exist is a clear error."""
     if ranks is None:
         return list(session.placements)
-    by_rank = session.group.by_rank()
+    group = session.group
+    by_rank = group.by_rank() if group is not None else {}
     unknown = [r for r in ranks if r not in by_rank]
     if unknown:
         raise UnknownRanks(ranks, f"no rank {', '.join(map(str, unknown))}; "
@@ -132,22 +137,12 @@ def placements_for(session: Any, ranks: list[int] | None) -> list[Any]:
     return [by_rank[r] for r in ranks]
 
 
-def run_job(session: Any, what: str, submit: Callable[[Any], Any], ranks: list[int] | None = None,
-            output: bool | None = None) -> dict[int, Any]:
-    """Start the default workers if needed, launch ``submit`` on ``ranks``, wait: results by rank.
-
-    ``output``: print what the ranks print, labelled ``[rank N]``, as it
-    arrives (True) or grouped by rank at the end (False); None prints nothing.
-    """
+def call_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
+                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: list[int] | None = None) -> RankCall:
+    """Start the default workers if needed, launch ``fn`` on ``ranks`` under the lock: the call, to ``wait`` for."""
     session.ensure_started()
-    job = Job(session, what, ranks)
+    call = RankCall(session, what, ranks)
     with session.lock:
         session.ensure_ready()
-        job.launch(submit)
-    if output is None:
-        return job.wait()
-    printer = RankOutput(job.tasks.ars, live=output)
-    try:
-        return job.wait(on_tick=printer.tick)
-    finally:
-        printer.finish(job.tasks)
+        call.launch(fn, args_for)
+    return call

@@ -11,7 +11,7 @@ A rank is *stalled* when its counter has not changed for
 another rank's position (micro-batch, then phase; a rank that finished is
 ahead of all): the others wait for it. In a fit, when every rank is at the
 same position and none advances, all are stalled. ``StallGuard`` applies
-this to one piece of work at every tick of its wait (``tasks.RankTasks``):
+this to one piece of work at every tick of its wait (``nbddp.execution.rank_tasks.RankTasks``):
 
 * the stalled ranks are shown (``stalled``; the live view draws them) and a
   hint is printed once;
@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nbddp.execution.contracts import SessionLike
+from nbddp.execution.rank_stacks import collect
 from nbddp.protocol.errors import RankFailure, WorkerStalled
 from nbddp.protocol.messages import Beat, innermost_frames, published
 from nbddp.protocol.notices import notify
@@ -161,9 +163,14 @@ def describe(stall: dict[str, Any], who: bool = True) -> str:
 
 
 class StallGuard:
-    """Stall detection for one piece of work (the tasks of a fit, a cell, a call or a script)."""
+    """Stall detection for one piece of work (the tasks of a fit, a cell, a call, a script or a sweep trial).
 
-    def __init__(self, session: Any, tasks: Any, fit: bool, stall_timeout: float | None = None,
+    ``tasks`` is the work's ``RankTasks``: the guard reads its ranks'
+    published beats, and what finished. Killed ranks are handed to
+    ``tasks.lose`` (healed at once, or after a sweep's running trials end).
+    """
+
+    def __init__(self, session: SessionLike, tasks: Any, fit: bool, stall_timeout: float | None = None,
                  notify: Callable[[str], None] | None = None):
         self.session, self.tasks, self.fit = session, tasks, fit
         self.stall_timeout = stall_timeout
@@ -184,8 +191,7 @@ class StallGuard:
             return
         self._next = now + TICK_S
         self.read()
-        board = getattr(self.session, "debugger", None)
-        if board is not None and board.paused():
+        if self.session.debugger.paused():
             self.watch.hold()
         if force:
             return
@@ -222,16 +228,17 @@ class StallGuard:
         return "\n".join(lines)
 
     def kill_running(self) -> list[int]:
-        """Kill the ranks still running (the stalled ones and those waiting for them); heal in the background."""
+        """Kill the ranks still running (the stalled ones and those waiting for them); they are replaced."""
         ranks = list(self.tasks.pending)
-        self.session.supervisor.replace_ranks(ranks)
+        self.tasks.lose(self.session.supervisor.kill_ranks(ranks))
         return ranks
 
     def fail(self, over: list[dict[str, Any]]) -> WorkerStalled:
         """``WorkerStalled`` for ``over``, with every running rank's stack; the running ranks are killed first."""
         stacks = self.current_stacks()
         killed = self.kill_running()
-        by_rank = self.session.group.by_rank() if self.session.group else {}
+        group = self.session.group
+        by_rank = group.by_rank() if group is not None else {}
         failures = []
         for s in over:
             p = by_rank.get(s["rank"])
@@ -249,14 +256,13 @@ class StallGuard:
                          "replacement workers are starting")
 
     def current_stacks(self) -> dict[int, str]:
-        """The ranks' last stacks; a running rank that sent none is asked now (rank_stacks.collect)."""
-        from nbddp.monitor.stacks import collect
-
+        """The ranks' last stacks; a running rank that sent none is asked now (``rank_stacks.collect``)."""
         stacks = self.watch.stacks()
         missing = [r for r in self.tasks.pending if r not in stacks]
-        if missing and self.session.group is not None:
+        group = self.session.group
+        if missing and group is not None:
             busy = {r: self.tasks.ars[r] for r in missing}
-            asked = collect(self.session, list(self.session.group.placements), busy, 3.0, ranks=missing)
+            asked, _ = collect(self.session, list(group.placements), busy, 3.0, ranks=missing)
             stacks.update({e.rank: e.text for e in asked if e.text})
         return stacks
 

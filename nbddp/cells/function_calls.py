@@ -5,24 +5,25 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
-from nbddp.jobs.job import run_job
+from nbddp.cells.rank_output import run_on_ranks
+from nbddp.execution.contracts import SessionLike
+from nbddp.protocol.placement import Placement
 
 
-def call_everywhere(session: Any, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+def call_everywhere(session: SessionLike, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank."""
     from nbddp.worker.tasks.entry import call_task
 
     name = getattr(fn, "__name__", "the function")
     parcels: dict[bool, shipping.Parcel] = {}
 
-    def submit(p: Any) -> Any:  # packed under the session's lock, once per kind of worker (local or remote)
+    def args_for(p: Placement) -> tuple[Any, ...]:  # packed under the session's lock, once per kind of worker
         if p.local not in parcels:
             parcels[p.local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=p.local)
-        return session.client[p.engine_id].apply_async(call_task, session.sources.attach(parcels[p.local], p),
-                                                      session.generation)
+        return session.sources.attach(parcels[p.local], p), session.generation
 
     try:
-        results = run_job(session, f"nbddp.run({name})", submit, output=True)
+        results = run_on_ranks(session, f"nbddp.run({name})", call_task, args_for, output=True)
     finally:
         for parcel in parcels.values():
             parcel.discard()

@@ -1,0 +1,106 @@
+"""Work on the ranks: the one base every kind implements, and waiting for it in the notebook.
+
+``Work`` is what holds the workers while it runs (``Session.running``): a fit
+(``nbddp/fit/fit_run.py``), a prediction (``nbddp/inference/predict_run.py``),
+a cell, call or script (``nbddp/execution/calls.py``), a sweep and each of
+its trials (``nbddp/sweeps/scheduler.py``). Each says what it is, can be
+asked to stop cleanly (``request_stop``: every rank at the same step) or
+hard (``hard_stop``: its ranks killed and replaced), and is done once its
+outcome is known.
+
+A blocking call (``dist_fit``, ``FitHandle.wait``, ``%%ddp``, ``run_script``)
+waits here. The first interrupt asks the work to stop cleanly (every rank at
+the same step); the second kills what still runs. Interrupts arrive as
+``KeyboardInterrupt``, or as torch elastic's ``SignalException`` once its
+launcher has run in this process.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+from nbddp.execution.contracts import SessionLike
+
+
+class Work(abc.ABC):
+    """One piece of work on the ranks (see the module docstring)."""
+
+    def __init__(self, session: SessionLike, description: str):
+        self.session = session
+        self.description = description  # "a dist_fit", "%%ddp cell": names the work in messages
+        self.done_event = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the work has ended (done, stopped or failed)."""
+        return self.done_event.is_set()
+
+    def wait_done(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds for the end; whether it ended."""
+        return self.done_event.wait(timeout)
+
+    def describe(self) -> str:
+        return self.description
+
+    def attend(self) -> None:
+        """From the waiting cell: open the debugger prompt for ranks of this work paused at ``breakpoint()``."""
+        self.session.attend(self)
+
+    def release_workers(self) -> None:
+        """The workers are free for other work (unless a restart gave them to other work meanwhile)."""
+        if self.session.running is self:
+            self.session.running = None
+
+    @abc.abstractmethod
+    def request_stop(self) -> None:
+        """The coordinated stop: every rank stops at the same point; the work then ends as stopped."""
+
+    @abc.abstractmethod
+    def hard_stop(self, reason: str = "a second interrupt") -> None:
+        """Kill the ranks still running (the supervisor replaces them)."""
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Kernel > Interrupt, as whatever SIGINT handler the kernel has raises it.
+
+    Usually ``KeyboardInterrupt``; but once torch's elastic launcher has run in
+    this process (``accelerate.notebook_launcher``, ``torch.distributed.run``
+    used in-process), SIGINT raises its ``SignalException`` instead.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    signal_exc = getattr(elastic, "SignalException", None)
+    return signal_exc is not None and isinstance(exc, signal_exc) and getattr(exc, "sigval", None) == signal.SIGINT
+
+
+def wait_interruptibly(work: Work, timeout: float | None = None, tick_s: float = 0.1,
+                       on_first_interrupt: Callable[[], None] | None = None) -> bool:
+    """Wait for ``work``; True when it ended, False when ``timeout`` passed first.
+
+    The first interrupt calls ``on_first_interrupt()`` (default:
+    ``work.request_stop()``) and goes on waiting; the second calls
+    ``work.hard_stop()``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interrupts = 0
+    while True:
+        try:
+            while not work.wait_done(tick_s):
+                work.attend()  # a rank paused at breakpoint(): the prompt opens here, in the waiting cell
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+            return True
+        except BaseException as exc:
+            if not is_interrupt(exc):
+                raise
+            interrupts += 1
+            if interrupts == 1:
+                (on_first_interrupt or work.request_stop)()
+            else:
+                work.hard_stop("a second interrupt")
