@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nbddp.protocol.parallel_settings import layout
+from nbddp.protocol.mesh_layout import layout
 from nbddp.worker.checkpoints import sharded as dcp
 from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.gradients import average_gradients, clip_global, replicated_dims
