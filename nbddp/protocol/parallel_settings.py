@@ -1,11 +1,12 @@
-"""``nbddp.Pipeline`` and ``nbddp.TensorParallel``: model-parallel settings; ``nbddp.DDP``, ``nbddp.FSDP``.
+"""nbddp's own strategies' settings: ``nbddp.DDP``, ``nbddp.FSDP``, ``nbddp.Pipeline``, ``nbddp.TensorParallel``.
 
-Plain data, checked in the kernel, like ``nbddp.FSDP``. The mesh a
-model-parallel strategy trains on, and where each rank sits in it, is
-``protocol/mesh_layout.py``'s.
-
-``resolve`` turns what the person wrote (``strategy=``, ``mesh=``) and the
-running world size into one strategy and one mesh, or a clear error.
+Plain data, checked in the kernel, read on the workers. Each class declares
+what it supports (``protocol/strategy_settings.py``: sharded, model-parallel,
+fewer ranks, streams, kept for predict, its worker class); the kernel's checks
+ask those questions. ``resolve_strategy`` turns ``strategy=`` into one of
+these (``"ddp"`` stays the string, ``"fsdp"`` is ``FSDP()``), and
+``settings_of`` answers for the string too. The mesh a model-parallel
+strategy trains on is ``protocol/mesh_layout.py``'s.
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ from typing import Any
 
 from nbddp.protocol.mesh_layout import count
 from nbddp.protocol.mesh_layout import layout
+from nbddp.protocol.strategy_settings import StrategySettings
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 TP_STYLES = ("colwise", "rowwise")
+
+# nbddp's own wording of what a model-parallel strategy does not support (``StrategySettings.require``)
+MODEL_PARALLEL_FEWER_RANKS = (
+    "dist_fit(min_workers=..., strategy={cls}(...)): going on with fewer ranks is built for strategy='ddp' (a "
+    "snapshot any rank reads whole) and 'fsdp' (DCP reshards its snapshot for fewer ranks); a pipeline's stages and "
+    "tensor-parallel slices need every rank they began with. Leave min_workers out (a lost rank is then replaced), or "
+    "train with strategy='ddp' or 'fsdp'")
+PIPELINE_STREAMS = (
+    "dist_fit(data=...) is a stream (an IterableDataset), and nbddp.Pipeline needs a map-style Dataset: its stages "
+    "must know a micro-batch's shapes before the first step, and every step's batch must be whole. Give a map-style "
+    "Dataset, or train the stream with nbddp.TensorParallel(), 'fsdp' or 'ddp'")
 
 
 def _dp(value: Any, where: str) -> Any:
@@ -39,7 +52,7 @@ def _dp(value: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class Pipeline(StrategySettings):
     """Pipeline parallelism: the model cut into ``stages``, each on its own rank, fed ``microbatches`` per batch.
 
     Args:
@@ -89,8 +102,12 @@ class Pipeline:
         object.__setattr__(self, "split", _split(self.split, self.stages))
         object.__setattr__(self, "dp", _dp(self.dp, "nbddp.Pipeline"))
 
-    name = property(lambda self: "pipeline")
-    mp_dim = property(lambda self: "pp")
+    name = "pipeline"
+    worker = "pipeline"
+    sharded = True
+    mp_dim = "pp"
+    kept_as = "pipeline"
+    refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS, "streams": PIPELINE_STREAMS}
 
 
 def _split(value: Any, stages: int) -> tuple[str, ...] | None:
@@ -114,7 +131,7 @@ def _split(value: Any, stages: int) -> tuple[str, ...] | None:
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(StrategySettings):
     """Tensor parallelism: each large ``nn.Linear`` split across the ``tp`` ranks of a group.
 
     Args:
@@ -139,8 +156,13 @@ class TensorParallel:
         object.__setattr__(self, "plan", _plan(self.plan))
         object.__setattr__(self, "dp", _dp(self.dp, "nbddp.TensorParallel"))
 
-    name = property(lambda self: "tensor")
-    mp_dim = property(lambda self: "tp")
+    name = "tensor"
+    worker = "tensor"
+    sharded = True
+    mp_dim = "tp"
+    streams = True
+    kept_as = "tensor"
+    refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS}
 
 
 def _plan(plan: Any) -> dict[str, Any] | None:
@@ -159,7 +181,8 @@ def _plan(plan: Any) -> dict[str, Any] | None:
 
 
 def is_model_parallel(strategy: Any) -> bool:
-    return isinstance(strategy, (Pipeline, TensorParallel))
+    """Whether ``strategy`` declares a model-parallel mesh dimension (``"ddp"``, the string, does not)."""
+    return getattr(strategy, "mp_dim", None) is not None
 
 
 def data_parallel_size(strategy: Any, mesh: dict[str, int] | None, world: int) -> int:
@@ -182,7 +205,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
-class DDP:
+class DDP(StrategySettings):
     """Replicated training with torch's ``DistributedDataParallel``, and its own settings.
 
     ``strategy="ddp"`` is ``nbddp.DDP()``. The settings are torch's, passed on
@@ -218,7 +241,11 @@ class DDP:
             raise ValueError(f"nbddp.DDP(bucket_cap_mb=...) is the size of a gradient bucket in MiB: a number > 0, or "
                              f"None for torch's default (25); got {cap!r}")
 
-    name = property(lambda self: "ddp")
+    name = "ddp"
+    worker = "ddp"
+    fewer_ranks = True
+    streams = True
+    kept_as = "module"
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for ``DistributedDataParallel`` (only those that differ from torch's defaults)."""
@@ -233,8 +260,23 @@ class DDP:
 
 
 def is_replicated(strategy: Any) -> bool:
-    """Whether ``strategy`` is plain data parallelism with DDP: ``"ddp"`` or an ``nbddp.DDP(...)``."""
-    return strategy == "ddp" or isinstance(strategy, DDP)
+    """Whether every rank holds the whole model: ``"ddp"``, or settings that are not sharded (``nbddp.DDP(...)``)."""
+    return strategy == "ddp" or (isinstance(strategy, StrategySettings) and not strategy.sharded)
+
+
+def settings_of(strategy: Any) -> StrategySettings:
+    """The settings object behind ``strategy``, to ask what it supports: ``"ddp"`` is ``DDP()``, ``"fsdp"`` ``FSDP()``.
+
+    Raises:
+        ValueError: anything else (checked in the kernel already: only a worker can see it).
+    """
+    if isinstance(strategy, StrategySettings):
+        return strategy
+    if strategy == "ddp":
+        return DDP()
+    if strategy == "fsdp":
+        return FSDP()
+    raise ValueError(f"unknown strategy {strategy!r}")
 
 
 def class_name(cls: Any) -> str:
@@ -245,7 +287,7 @@ def class_name(cls: Any) -> str:
 
 
 @dataclass(frozen=True)
-class FSDP:
+class FSDP(StrategySettings):
     """Sharded training: each rank holds 1/N of every parameter, gradient and optimizer state.
 
     Args:
@@ -284,9 +326,12 @@ class FSDP:
                 want = "True, False or None" if type(None) in allowed else "True or False"
                 raise TypeError(f"nbddp.FSDP({setting}=...) must be {want}, got {type(value).__name__} {value!r}")
 
-    @property
-    def name(self) -> str:
-        return "fsdp"
+    name = "fsdp"
+    worker = "fsdp"
+    sharded = True
+    fewer_ranks = True
+    streams = True
+    kept_as = "fsdp"
 
 
 def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[str] | None:
@@ -310,9 +355,19 @@ def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[s
 
 
 def resolve_strategy(value: Any) -> Any:
-    """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting."""
-    if isinstance(value, (FSDP, DDP)) or getattr(value, "mp_dim", None) in ("pp", "tp"):
-        return value
+    """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), a model-parallel setting, or any other
+    ``StrategySettings`` whose declarations nbddp can act on.
+
+    Raises:
+        TypeError / ValueError: naming what is wrong with ``strategy=`` and the fix.
+    """
+    if isinstance(value, StrategySettings):
+        if value.mp_dim is not None and not isinstance(value, (Pipeline, TensorParallel)):
+            raise ValueError(f"dist_fit(strategy={type(value).__name__}(...)) declares mp_dim={value.mp_dim!r}: a "
+                             "model-parallel strategy trains on nbddp's mesh machinery, so its settings class must "
+                             "subclass nbddp.Pipeline or nbddp.TensorParallel. Subclass one of them, or declare "
+                             "mp_dim = None for a data-parallel strategy")
+        return value.check_declarations()
     if value == "fsdp":
         return FSDP()
     if value == "ddp":
