@@ -39,6 +39,10 @@ class MeshStrategy(Strategy):
         self.mesh: Any = None  # worker.mesh.RankMesh, built in wrap
         self.rank = 0  # this rank's index among the fit's ranks
 
+    @classmethod
+    def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        return cls(device, settings, precision, mesh)
+
     @property
     def replicated(self) -> bool:
         """Replicas over ``dp`` that average gradients (``dp="ddp"`` with more than one of them)."""
