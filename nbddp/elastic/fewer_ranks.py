@@ -34,7 +34,7 @@ import numbers
 from typing import Any
 
 from nbddp.protocol.errors import ClusterError, WorkerError
-from nbddp.protocol.parallel_settings import FSDP, is_replicated
+from nbddp.protocol.parallel_settings import settings_of
 
 
 def check_min_workers(min_workers: Any, max_restarts: int, world: int, strategy: Any, stream: bool) -> int | None:
@@ -57,12 +57,8 @@ def check_min_workers(min_workers: Any, max_restarts: int, world: int, strategy:
     if max_restarts < 1:
         raise ValueError(f"dist_fit(min_workers={min_workers}) takes effect only in a fit that restarts after a lost "
                          "rank; pass max_restarts=N (N >= 1) too, or leave min_workers out")
-    if not (is_replicated(strategy) or strategy == "fsdp" or isinstance(strategy, FSDP)):
-        raise ValueError(f"dist_fit(min_workers=..., strategy={type(strategy).__name__}(...)): going on with fewer "
-                         "ranks is built for strategy='ddp' (a snapshot any rank reads whole) and 'fsdp' (DCP "
-                         "reshards its snapshot for fewer ranks); a pipeline's stages and tensor-parallel slices "
-                         "need every rank they began with. Leave min_workers out (a lost rank is then replaced), or "
-                         "train with strategy='ddp' or 'fsdp'")
+    settings_of(strategy).require("fewer_ranks", "min_workers=...", "Leave min_workers out (a lost rank is then "
+                                  "replaced)")
     if stream:
         raise ValueError("dist_fit(min_workers=...) needs map-style data: a stream's position cannot be dealt out "
                          "again to fewer ranks. Leave min_workers out (a lost rank is then replaced), or give a "

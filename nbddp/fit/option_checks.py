@@ -14,7 +14,8 @@ from typing import Any
 
 from nbddp.fit.compile_checks import resolve_compile
 from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
-from nbddp.protocol.parallel_settings import check_mesh_shape, is_replicated, module_classes, resolve_strategy
+from nbddp.protocol.mesh_layout import check_mesh_shape
+from nbddp.protocol.parallel_settings import is_replicated, module_classes, resolve_strategy
 from nbddp.protocol.profile_spec import profile_spec
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbddp.protocol.parallel_settings import Pipeline, TensorParallel, is_model_parallel, layout
+from nbddp.protocol.mesh_layout import layout
+from nbddp.protocol.parallel_settings import Pipeline, TensorParallel, is_model_parallel
 
 
 def _mesh_for(strategy: Any, mesh: dict[str, int] | None, world: int) -> dict[str, int]:
@@ -129,7 +130,7 @@ def scaling_sizes(strategy: Any, mesh: dict[str, int] | None, world: int, sizes:
 def batch_unit(strategy: Any, mesh: Any, world: int) -> int:
     """The step between batch sizes a fit accepts: a pipeline's microbatches, else 1."""
     from nbddp.protocol.parallel_settings import resolve_strategy
-    from nbddp.protocol.parallel_settings import check_mesh_shape
+    from nbddp.protocol.mesh_layout import check_mesh_shape
 
     resolved, _ = resolve(resolve_strategy(strategy), check_mesh_shape(mesh), world)
     return resolved.microbatches if isinstance(resolved, Pipeline) else 1

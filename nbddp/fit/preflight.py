@@ -23,7 +23,7 @@ from nbddp.execution.policy import FailurePolicy
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
-from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated
+from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated, settings_of
 
 
 @dataclass
@@ -210,19 +210,19 @@ def check_units(model: Any, cfg: FitConfig) -> None:
             raise ValueError(f"{where}: {exc}") from None
 
 
-def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False) -> None:
-    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``)."""
-    from nbddp.protocol.parallel_settings import Pipeline
+def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False,
+                   keep: str | None = None) -> None:
+    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``);
+    then what the fit asks of the strategy (a stream, ``keep=``), as it declares it."""
     from nbddp.fit.parallel_checks import check_batch, check_model, resolve
 
     cfg.strategy, cfg.mesh = resolve(cfg.strategy, cfg.mesh, world)
     check_batch(cfg.strategy, cfg.batch_size, step_fn, cfg.precision)
     check_model(model, cfg.strategy, cfg.mesh)
-    if stream and isinstance(cfg.strategy, Pipeline):
-        raise ValueError("dist_fit(data=...) is a stream (an IterableDataset), and nbddp.Pipeline needs a map-style "
-                         "Dataset: its stages must know a micro-batch's shapes before the first step, and every step's "
-                         "batch must be whole. Give a map-style Dataset, or train the stream with "
-                         "nbddp.TensorParallel(), 'fsdp' or 'ddp'")
+    if stream:
+        settings_of(cfg.strategy).require("streams", "data=...", "Give a map-style Dataset")
+    if keep is not None:  # predict(model=keep) runs what the fit leaves bound there
+        settings_of(cfg.strategy).require("kept_as", "keep=...", "Leave keep out")
 
 
 def check_shard(cfg: FitConfig, n: int, world: int) -> None:
@@ -271,7 +271,7 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
     check_units(model, cfg)
-    check_topology(model, cfg, world, step_fn, stream=bool(getattr(spec, "stream", False)))
+    check_topology(model, cfg, world, step_fn, stream=bool(getattr(spec, "stream", False)), keep=keep)
     if n_train is not None:
         check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, world))
     # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.fit_options import PRECISION_ALIASES, PRECISIONS, check_device_rules
 from nbddp.protocol.messages import KeptModel, PredictLaunch
+from nbddp.protocol.strategy_settings import KEPT_KINDS
 from nbddp.shipping import pickling as shipping
 
 OUTPUTS = ("tensor", "list")
@@ -54,15 +55,12 @@ def check_model(model: Any, what: str) -> None:
                     f"got {kind}")
 
 
-KEPT_KINDS = ("module", "fsdp", "pipeline", "tensor")
-
-
 @dataclass
 class Kept:
     """``model="name"``: what every rank holds under it, as the workers said (``worker/inference/kept.py``)."""
 
     model: KeptModel
-    kind: str  # "module" (a whole copy per rank), "fsdp", "pipeline", "tensor"
+    kind: str  # what the strategy declared it is kept as (``KEPT_KINDS``): "module" (a whole copy per rank), ...
     precision: str  # the fit's, or "" when no fit kept it
     mp: int = 1  # ranks per model copy (a pipeline's stages, a tensor-parallel group)
 

@@ -1,26 +1,38 @@
-"""``nbddp.Pipeline`` and ``nbddp.TensorParallel``: model-parallel settings, and the mesh they train on.
+"""nbddp's own strategies' settings: ``nbddp.DDP``, ``nbddp.FSDP``, ``nbddp.Pipeline``, ``nbddp.TensorParallel``.
 
-Plain data, checked in the kernel, like ``nbddp.FSDP``. A fit's ranks form a
-2-D mesh ``(dp, mp)``: ``mp`` ranks hold one copy of the model between them
-(the stages of a pipeline, ``"pp"``, or the shards of tensor parallelism,
-``"tp"``), and ``dp`` such groups train on different data (DDP or FSDP over
-``"dp"``). Rank ``r`` sits at ``(r // mp, r % mp)``: the ranks of one
-model-parallel group are neighbours (on one host, the fast links).
-
-``resolve`` turns what the person wrote (``strategy=``, ``mesh=``) and the
-running world size into one strategy and one mesh, or a clear error.
+Plain data, checked in the kernel, read on the workers. Each class declares
+what it supports (``protocol/strategy_settings.py``: sharded, model-parallel,
+fewer ranks, streams, kept for predict, its worker class); the kernel's checks
+ask those questions. ``resolve_strategy`` turns ``strategy=`` into one of
+these (``"ddp"`` stays the string, ``"fsdp"`` is ``FSDP()``), and
+``settings_of`` answers for the string too. The mesh a model-parallel
+strategy trains on is ``protocol/mesh_layout.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from nbddp.protocol.mesh_layout import count
+from nbddp.protocol.mesh_layout import layout
+from nbddp.protocol.strategy_settings import StrategySettings
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
-MESH_DIMS = ("dp", "pp", "tp")
 TP_STYLES = ("colwise", "rowwise")
+
+# nbddp's own wording of what a model-parallel strategy does not support (``StrategySettings.require``)
+MODEL_PARALLEL_FEWER_RANKS = (
+    "dist_fit(min_workers=..., strategy={cls}(...)): going on with fewer ranks is built for strategy='ddp' (a "
+    "snapshot any rank reads whole) and 'fsdp' (DCP reshards its snapshot for fewer ranks); a pipeline's stages and "
+    "tensor-parallel slices need every rank they began with. Leave min_workers out (a lost rank is then replaced), or "
+    "train with strategy='ddp' or 'fsdp'")
+PIPELINE_STREAMS = (
+    "dist_fit(data=...) is a stream (an IterableDataset), and nbddp.Pipeline needs a map-style Dataset: its stages "
+    "must know a micro-batch's shapes before the first step, and every step's batch must be whole. Give a map-style "
+    "Dataset, or train the stream with nbddp.TensorParallel(), 'fsdp' or 'ddp'")
 
 
 def _dp(value: Any, where: str) -> Any:
@@ -39,16 +51,8 @@ def _dp(value: Any, where: str) -> Any:
                      f"nbddp.FSDP(...); got {value!r}")
 
 
-def _count(where: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}({name}=...) must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{where}({name}=...) must be >= {minimum}, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
-class Pipeline:
+class Pipeline(StrategySettings):
     """Pipeline parallelism: the model cut into ``stages``, each on its own rank, fed ``microbatches`` per batch.
 
     Args:
@@ -86,8 +90,8 @@ class Pipeline:
     dp: Any = "ddp"
 
     def __post_init__(self) -> None:
-        _count("nbddp.Pipeline", "stages", self.stages, 2)
-        _count("nbddp.Pipeline", "microbatches", self.microbatches, 1)
+        count("nbddp.Pipeline", "stages", self.stages, 2)
+        count("nbddp.Pipeline", "microbatches", self.microbatches, 1)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"nbddp.Pipeline(schedule={self.schedule!r}) is not a schedule nbddp knows; use one of "
                              f"{SCHEDULES}")
@@ -98,8 +102,12 @@ class Pipeline:
         object.__setattr__(self, "split", _split(self.split, self.stages))
         object.__setattr__(self, "dp", _dp(self.dp, "nbddp.Pipeline"))
 
-    name = property(lambda self: "pipeline")
-    mp_dim = property(lambda self: "pp")
+    name = "pipeline"
+    worker = "pipeline"
+    sharded = True
+    mp_dim = "pp"
+    kept_as = "pipeline"
+    refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS, "streams": PIPELINE_STREAMS}
 
 
 def _split(value: Any, stages: int) -> tuple[str, ...] | None:
@@ -123,7 +131,7 @@ def _split(value: Any, stages: int) -> tuple[str, ...] | None:
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(StrategySettings):
     """Tensor parallelism: each large ``nn.Linear`` split across the ``tp`` ranks of a group.
 
     Args:
@@ -148,8 +156,13 @@ class TensorParallel:
         object.__setattr__(self, "plan", _plan(self.plan))
         object.__setattr__(self, "dp", _dp(self.dp, "nbddp.TensorParallel"))
 
-    name = property(lambda self: "tensor")
-    mp_dim = property(lambda self: "tp")
+    name = "tensor"
+    worker = "tensor"
+    sharded = True
+    mp_dim = "tp"
+    streams = True
+    kept_as = "tensor"
+    refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS}
 
 
 def _plan(plan: Any) -> dict[str, Any] | None:
@@ -168,51 +181,8 @@ def _plan(plan: Any) -> dict[str, Any] | None:
 
 
 def is_model_parallel(strategy: Any) -> bool:
-    return isinstance(strategy, (Pipeline, TensorParallel))
-
-
-def check_mesh_shape(mesh: Any) -> dict[str, int] | None:
-    """``dist_fit(mesh=...)``: named dimensions and their sizes (the world size is checked later)."""
-    if mesh is None:
-        return None
-    if not isinstance(mesh, dict) or not mesh:
-        raise TypeError(f"dist_fit(mesh=...) must be a dict of dimension -> size, e.g. {{'dp': 2, 'pp': 2}}; got {mesh!r}")
-    unknown = sorted(set(mesh) - set(MESH_DIMS))
-    if unknown:
-        raise ValueError(f"dist_fit(mesh=...) has unknown dimension(s) {unknown}; the dimensions are {MESH_DIMS}")
-    for dim, size in mesh.items():
-        _count("dist_fit(mesh=...)", dim, size, 1)
-    if mesh.get("pp", 1) > 1 and mesh.get("tp", 1) > 1:
-        raise ValueError(f"dist_fit(mesh={mesh}): pipeline and tensor parallelism together (3-D) are not supported; "
-                         "use {'dp': ..., 'pp': ...} or {'dp': ..., 'tp': ...}")
-    return {dim: mesh[dim] for dim in MESH_DIMS if dim in mesh}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a rank sits in a ``(dp, mp)`` mesh; ``kind`` is ``"pp"``, ``"tp"`` or ``""`` (data parallel only)."""
-
-    dp: int
-    mp: int = 1
-    kind: str = ""
-    names: tuple[str, ...] = field(default=("dp",))
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        return rank // self.mp, rank % self.mp
-
-    def mp_ranks(self, dp_rank: int) -> list[int]:
-        return list(range(dp_rank * self.mp, (dp_rank + 1) * self.mp))
-
-    def dp_ranks(self, mp_rank: int) -> list[int]:
-        return list(range(mp_rank, self.dp * self.mp, self.mp))
-
-
-def layout(mesh: dict[str, int] | None, world: int) -> Layout:
-    """The ``Layout`` of a resolved mesh (``None``: every rank a data-parallel replica)."""
-    if not mesh:
-        return Layout(dp=world)
-    kind = "pp" if "pp" in mesh else "tp" if "tp" in mesh else ""
-    return Layout(dp=mesh["dp"], mp=mesh.get(kind, 1), kind=kind, names=("dp", kind) if kind else ("dp",))
+    """Whether ``strategy`` declares a model-parallel mesh dimension (``"ddp"``, the string, does not)."""
+    return getattr(strategy, "mp_dim", None) is not None
 
 
 def data_parallel_size(strategy: Any, mesh: dict[str, int] | None, world: int) -> int:
@@ -235,7 +205,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
-class DDP:
+class DDP(StrategySettings):
     """Replicated training with torch's ``DistributedDataParallel``, and its own settings.
 
     ``strategy="ddp"`` is ``nbddp.DDP()``. The settings are torch's, passed on
@@ -271,7 +241,11 @@ class DDP:
             raise ValueError(f"nbddp.DDP(bucket_cap_mb=...) is the size of a gradient bucket in MiB: a number > 0, or "
                              f"None for torch's default (25); got {cap!r}")
 
-    name = property(lambda self: "ddp")
+    name = "ddp"
+    worker = "ddp"
+    fewer_ranks = True
+    streams = True
+    kept_as = "module"
 
     def torch_kwargs(self) -> dict[str, Any]:
         """The keyword arguments for ``DistributedDataParallel`` (only those that differ from torch's defaults)."""
@@ -286,8 +260,23 @@ class DDP:
 
 
 def is_replicated(strategy: Any) -> bool:
-    """Whether ``strategy`` is plain data parallelism with DDP: ``"ddp"`` or an ``nbddp.DDP(...)``."""
-    return strategy == "ddp" or isinstance(strategy, DDP)
+    """Whether every rank holds the whole model: ``"ddp"``, or settings that are not sharded (``nbddp.DDP(...)``)."""
+    return strategy == "ddp" or (isinstance(strategy, StrategySettings) and not strategy.sharded)
+
+
+def settings_of(strategy: Any) -> StrategySettings:
+    """The settings object behind ``strategy``, to ask what it supports: ``"ddp"`` is ``DDP()``, ``"fsdp"`` ``FSDP()``.
+
+    Raises:
+        ValueError: anything else (checked in the kernel already: only a worker can see it).
+    """
+    if isinstance(strategy, StrategySettings):
+        return strategy
+    if strategy == "ddp":
+        return DDP()
+    if strategy == "fsdp":
+        return FSDP()
+    raise ValueError(f"unknown strategy {strategy!r}")
 
 
 def class_name(cls: Any) -> str:
@@ -298,7 +287,7 @@ def class_name(cls: Any) -> str:
 
 
 @dataclass(frozen=True)
-class FSDP:
+class FSDP(StrategySettings):
     """Sharded training: each rank holds 1/N of every parameter, gradient and optimizer state.
 
     Args:
@@ -337,9 +326,12 @@ class FSDP:
                 want = "True, False or None" if type(None) in allowed else "True or False"
                 raise TypeError(f"nbddp.FSDP({setting}=...) must be {want}, got {type(value).__name__} {value!r}")
 
-    @property
-    def name(self) -> str:
-        return "fsdp"
+    name = "fsdp"
+    worker = "fsdp"
+    sharded = True
+    fewer_ranks = True
+    streams = True
+    kept_as = "fsdp"
 
 
 def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[str] | None:
@@ -363,9 +355,19 @@ def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[s
 
 
 def resolve_strategy(value: Any) -> Any:
-    """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), or a model-parallel setting."""
-    if isinstance(value, (FSDP, DDP)) or getattr(value, "mp_dim", None) in ("pp", "tp"):
-        return value
+    """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), a model-parallel setting, or any other
+    ``StrategySettings`` whose declarations nbddp can act on.
+
+    Raises:
+        TypeError / ValueError: naming what is wrong with ``strategy=`` and the fix.
+    """
+    if isinstance(value, StrategySettings):
+        if value.mp_dim is not None and not isinstance(value, (Pipeline, TensorParallel)):
+            raise ValueError(f"dist_fit(strategy={type(value).__name__}(...)) declares mp_dim={value.mp_dim!r}: a "
+                             "model-parallel strategy trains on nbddp's mesh machinery, so its settings class must "
+                             "subclass nbddp.Pipeline or nbddp.TensorParallel. Subclass one of them, or declare "
+                             "mp_dim = None for a data-parallel strategy")
+        return value.check_declarations()
     if value == "fsdp":
         return FSDP()
     if value == "ddp":

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.protocol.parallel_settings import Layout
+from nbddp.protocol.mesh_layout import Layout
 from nbddp.worker.tasks.process_group import forget_meshes
 from nbddp.worker.engine.rank_state import STATE
 

@@ -60,7 +60,7 @@ PART = "nbddp_kept_part"  # the attribute of a kept module that holds its KeptPa
 @dataclass
 class KeptFit:
     module_id: int  # id() of the module bound to the name: a later rebinding of the name is not this fit's
-    strategy: str  # "ddp", "fsdp", "pipeline", "tensor"
+    kind: str  # what the strategy declared it is kept as: "module" (whole on every rank), "fsdp", "pipeline", "tensor"
     precision: str  # the fit's (``"bf16-mixed"`` ...): predict's default
     mp: int = 1  # ranks per model copy
 
@@ -71,18 +71,22 @@ def part_of(module: nn.Module) -> KeptParallel | None:
 
 
 def record(strategy: Any, precision: str) -> KeptFit:
-    """What this rank keeps of a finished fit's ``strategy`` for a later ``predict`` (the part goes on the module)."""
-    parallel = None
-    if strategy.name in ("pipeline", "tensor"):
+    """What this rank keeps of a finished fit's ``strategy`` for a later ``predict`` (the part goes on the module).
+
+    How predict runs it is what the strategy's settings declare (``kept_as``;
+    the kernel refused ``keep=`` for one that declares nothing).
+    """
+    kind, parallel = strategy.settings.kept_as, None
+    if kind in ("pipeline", "tensor"):
         mesh = strategy.mesh
-        parallel = KeptParallel(strategy.name, mesh.dp_rank, strategy.layout.dp, mesh.mp_rank, strategy.layout.mp,
+        parallel = KeptParallel(kind, mesh.dp_rank, strategy.layout.dp, mesh.mp_rank, strategy.layout.mp,
                                 mesh.mp_group, mesh.dp_group, bool(strategy.sharded))
-        if strategy.name == "pipeline":
+        if kind == "pipeline":
             parallel.stage_ids = list(strategy.stage_ids)
             parallel.stage_modules = [s.submod for s in strategy.stages]
             parallel.stages, parallel.microbatches = strategy.spec.stages, strategy.spec.microbatches
         strategy.module.__dict__[PART] = parallel  # a plain attribute: not a submodule, not in the state dict
-    return KeptFit(id(strategy.module), strategy.name, precision, parallel.mp if parallel is not None else 1)
+    return KeptFit(id(strategy.module), kind, precision, parallel.mp if parallel is not None else 1)
 
 
 def describe(name: str, namespace: dict[str, Any], kept_by: dict[str, KeptFit]) -> dict[str, Any]:
@@ -99,8 +103,7 @@ def describe(name: str, namespace: dict[str, Any], kept_by: dict[str, KeptFit]) 
         return {"kind": f"not a module ({type(module).__name__})", "precision": "", "mp": 1}
     fitted = kept_by.get(name)
     if fitted is not None and fitted.module_id == id(module):
-        kind = "module" if fitted.strategy == "ddp" else fitted.strategy
-        return {"kind": kind, "precision": fitted.precision, "mp": fitted.mp}
+        return {"kind": fitted.kind, "precision": fitted.precision, "mp": fitted.mp}
     if any(hasattr(p, "device_mesh") for p in module.parameters()):
         return {"kind": "a sharded module (DTensor parameters) that no dist_fit(keep=...) bound", "precision": "",
                 "mp": 1}

@@ -93,7 +93,7 @@ def build_model(spec: Any, device: torch.device) -> RankModel:
         fitted = fitted if fitted is not None and fitted.module_id == id(module) else None
         part = part_of(module) if fitted is not None else None
         modules = [module, *(part.stage_modules if part is not None else ())]
-        model = RankModel(module, fitted is not None and fitted.strategy != "ddp", part,
+        model = RankModel(module, fitted is not None and fitted.kind != "module", part,
                           [(m, m.training) for m in modules])
         for m in modules:
             m.eval()

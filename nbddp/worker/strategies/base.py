@@ -32,11 +32,18 @@ class Strategy(ABC):
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.settings: Any = None  # what strategy= said, as a settings object (set by the registry)
         self.module: nn.Module | None = None  # the person's module, inside any wrapper
         self.wrapped: nn.Module | None = None  # what the training step calls
         self.group: Any = None  # train in this subgroup of the workers (None: all of them)
         # (dataset, collate_fn, batch_size) of the training data: for a strategy that must see a batch before training
         self.sample_data: Any = None
+
+    @classmethod
+    def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        """How the registry builds this strategy from its settings; a class whose ``__init__`` takes more
+        (the fit's precision, its mesh) says so here."""
+        return cls(device)
 
     # ---- who reads which data, who reports -----------------------------------
     def data_shard(self, rank: int, world: int) -> tuple[int, int]:

@@ -28,6 +28,10 @@ class DDPStrategy(Strategy):
         super().__init__(device)
         self.settings = settings  # an nbddp.DDP: torch's own DDP settings, as the person gave them
 
+    @classmethod
+    def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        return cls(device, settings)
+
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
         # Every rank loaded the same shipped weights (or the same checkpoint): DDP's initial broadcast of
         # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since

@@ -44,6 +44,10 @@ class FSDPStrategy(Strategy):
         self.precision = precision
         self.meta_built = False
 
+    @classmethod
+    def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        return cls(device, settings, precision)
+
     # ---- building ----------------------------------------------------------
     def build(self, factory: Any) -> nn.Module:
         """The module, not moved: ``fully_shard`` moves each unit to the device as it shards it."""

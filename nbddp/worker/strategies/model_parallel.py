@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nbddp.protocol.parallel_settings import layout
+from nbddp.protocol.mesh_layout import layout
 from nbddp.worker.checkpoints import sharded as dcp
 from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.gradients import average_gradients, clip_global, replicated_dims
@@ -38,6 +38,10 @@ class MeshStrategy(Strategy):
         self.layout = layout(mesh, mesh["dp"] * mesh[spec.mp_dim])
         self.mesh: Any = None  # worker.mesh.RankMesh, built in wrap
         self.rank = 0  # this rank's index among the fit's ranks
+
+    @classmethod
+    def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        return cls(device, settings, precision, mesh)
 
     @property
     def replicated(self) -> bool:
