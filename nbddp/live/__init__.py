@@ -13,6 +13,10 @@ A view has three methods, called from the fit's watcher thread:
 ``start(run)``, ``update(run)`` (throttled by the view), ``finish(run)``.
 ``run.live_state`` holds status, per-rank figures and metadata;
 ``run.history`` the records so far. ``live/`` never imports torch.distributed.
+
+Everything nbddp draws lives here: the views and the figures (``plot.py``,
+``compare.py``, ``timeline.py``). The packages that measure (``profiling/``)
+hand this one their numbers and import nothing of it.
 """
 
 from __future__ import annotations
