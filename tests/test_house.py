@@ -131,6 +131,11 @@ def test_the_kernel_imports_only_the_workers_entry_points():
     assert _violations(("nbddp",), kernel_allowed, unless=WORKER + SHARED) == []
 
 
+
+def test_the_engines_package_imports_only_itself_and_the_shared_layer():
+    """``cluster/`` runs processes; what draws their wait (``live/job_line.py``) is handed to it by the session."""
+    assert _violations(("nbddp.cluster",), ("nbddp.cluster",) + SHARED) == []
+
 def test_the_rules_would_see_a_violation():
     """Each rule's scanner finds a forbidden import when there is one (else the rules above could not fail)."""
     assert inside("nbddp.worker.tasks.entry", ENTRY_POINTS) and not inside("nbddp.workerx", WORKER)

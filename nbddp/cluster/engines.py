@@ -65,13 +65,16 @@ class Workers:
     # ---- construction ---------------------------------------------------
     @classmethod
     def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
-              engine_env: dict[str, str] | None = None, queue_timeout: float | None = None) -> "Workers":
+              engine_env: dict[str, str] | None = None, queue_timeout: float | None = None,
+              show: Any = None) -> "Workers":
         """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``.
 
         ``engine_env`` is added to the engines' environment at launch (thread
         counts must be set before torch is imported to take full effect).
         ``queue_timeout``: how long a Slurm job may wait in the queue (None: as
-        long as Slurm holds it, shown in the cell; Kernel > Interrupt cancels it).
+        long as Slurm holds it; Kernel > Interrupt cancels it). ``show``: what
+        draws a Slurm job's wait (the session passes ``live/job_line.py``'s
+        ``JobLine``), None for nothing.
         """
         import ipyparallel as ipp
 
@@ -105,7 +108,7 @@ class Workers:
         try:
             if workers.owned:  # from now on: a job may wait in the queue for hours, and the kernel may die meanwhile
                 workers.reaper.start(workers.all_pids(), file_prefix, workers.job_ids())
-            workers.wait_started(n, timeout, queue_timeout, show=True)
+            workers.wait_started(n, timeout, queue_timeout, show=show)
         except BaseException:
             workers.stop()
             raise
@@ -217,8 +220,8 @@ class Workers:
         """The Slurm jobs this session submitted (and must cancel): none for other launchers or attached clusters."""
         return self.jobs.ids if self.jobs is not None and self.owned else []
 
-    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: bool = False) -> None:
-        """Wait until ``n`` engines registered; a Slurm job's wait is shown (``show``) and bounded by its state."""
+    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: Any = None) -> None:
+        """Wait until ``n`` engines registered; a Slurm job's wait is drawn by ``show`` and bounded by its state."""
         if self.jobs is None:
             self.wait_for(n, timeout)
         else:
