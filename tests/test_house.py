@@ -132,6 +132,53 @@ def test_the_kernel_imports_only_the_workers_entry_points():
 
 
 
+
+def test_the_shared_layer_is_ordered_protocol_first():
+    """``protocol/`` imports nothing of ``shipping/`` or ``partitioning/``; those two import ``protocol/`` only.
+
+    The order (``nbddp/protocol/__init__.py`` says why): errors and records are what everyone shares, how
+    objects travel and how a model is cut are built on them.
+    """
+    protocol = ("nbddp.protocol",)
+    assert _violations(protocol, protocol) == []
+    assert _violations(("nbddp.shipping",), protocol + ("nbddp.shipping",)) == []
+    assert _violations(("nbddp.partitioning",), protocol + ("nbddp.partitioning",)) == []
+
+
+def package_of(module: str) -> str:
+    """The unit of the two-way rule: ``nbddp.fit``, ``nbddp.worker.data``, ``nbddp.api`` (a top-level file)."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[1:2] == ["worker"] and len(parts) > 2 else parts[:2])
+
+
+def two_way_ties(edges: dict[str, set[str]]) -> list[str]:
+    """Pairs of packages that import each other, each with one import of either way."""
+    between: dict[tuple[str, str], str] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            a, b = package_of(source), package_of(target)
+            if a != b:
+                between.setdefault((a, b), f"{source} -> {target}")
+    return sorted(f"{a} <-> {b}: {between[a, b]}, {between[b, a]}" for a, b in between if a < b and (b, a) in between)
+
+
+def test_no_two_packages_import_each_other():
+    """A package that imports another and is imported by it is one concept in two folders, or a move half made:
+    put the shared part where both can import it (``nbddp/protocol/``, ``nbddp/worker/engine/``), or pass a
+    callback in (``cluster/`` is handed ``live/job_line.py``'s ``JobLine``)."""
+    assert two_way_ties(graph()) == []
+
+
+def test_the_two_way_rule_would_see_a_tie():
+    tied = {"nbddp.live.timeline": {"nbddp.profiling.trace_analysis"}, "nbddp.profiling.timeline": {"nbddp.live.plot"},
+            "nbddp.worker.data.loaders": {"nbddp.worker.tasks.process_group"},
+            "nbddp.worker.tasks.entry": {"nbddp.worker.data.loaders"}, "nbddp.worker.tasks.cells": {"nbddp.worker"}}
+    assert two_way_ties(tied) == [
+        "nbddp.live <-> nbddp.profiling: nbddp.live.timeline -> nbddp.profiling.trace_analysis, "
+        "nbddp.profiling.timeline -> nbddp.live.plot",
+        "nbddp.worker.data <-> nbddp.worker.tasks: nbddp.worker.data.loaders -> nbddp.worker.tasks.process_group, "
+        "nbddp.worker.tasks.entry -> nbddp.worker.data.loaders"]
+
 def test_the_engines_package_imports_only_itself_and_the_shared_layer():
     """``cluster/`` runs processes; what draws their wait (``live/job_line.py``) is handed to it by the session."""
     assert _violations(("nbddp.cluster",), ("nbddp.cluster",) + SHARED) == []

@@ -48,7 +48,7 @@ def fit(strategy="ddp", model=stack, **kw):
 
 def resources():
     """This worker now: resident bytes, open fds, threads, its /dev/shm files (measured inside a task of its own)."""
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
     from nbddp.worker.engine.rank_state import STATE
     from nbddp.worker.memory.usage import rss_bytes
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from nbddp.protocol.host import pid_alive
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 

@@ -18,7 +18,7 @@ import shutil
 import time
 from typing import Any
 
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 REMOTE_REMOVE_S = 5.0  # the fit's end waits at most this long for the other hosts
 

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from nbddp.cluster.engines import START_TIMEOUT_S
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 
 class Spare:

@@ -23,7 +23,7 @@ from typing import Any
 
 from nbddp.protocol.errors import ClusterError, NotStartedError
 from nbddp.protocol.messages import published
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL
 
 STACKS_TIMEOUT_S = 5.0

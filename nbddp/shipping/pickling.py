@@ -32,7 +32,8 @@ import cloudpickle
 
 from nbddp.protocol.errors import ShippingError
 from nbddp.shipping.by_value import register_edited_modules
-from nbddp.shipping.shm_files import BufferPool, release_pooled, shm_dir
+from nbddp.protocol.notes import shm_dir
+from nbddp.shipping.shm_files import BufferPool, release_pooled
 from nbddp.shipping.source_lines import NamingPickler
 from nbddp.shipping.source_lines import register as register_sources
 

@@ -107,7 +107,7 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
         STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
     if STATE.file_prefix:  # SIGUSR1 -> every thread's stack, for nbddp.stacks(); removed with the session's files
-        from nbddp.shipping.shm_files import shm_dir
+        from nbddp.protocol.notes import shm_dir
         from nbddp.worker.engine.heartbeat import enable_stack_dumps
 
         enable_stack_dumps(os.path.join(shm_dir(), f"{STATE.file_prefix}-stacks"))
