@@ -100,19 +100,19 @@ def what_exists(session: Any) -> str:
         return "In the debugger: " + "; ".join(paused) + "."
     if session.busy:
         return f"{session.running.describe()} is running; no rank is paused at breakpoint()."
-    kept = kept_failures(session)
-    if kept:
+    failures = post_mortem_failures(session)
+    if failures:
         return "Failures kept: " + "; ".join(f"rank {k.rank}: {k.exc_type} at {describe_where(k.where)}"
-                                             for k, _ in kept.values()) + "."
+                                             for k, _ in failures.values()) + "."
     return ("No rank is paused at breakpoint() and none keeps a failure (a rank keeps the failure of a WorkerError "
             "until its next fit).")
 
 
-def kept_failures(session: Any) -> dict[int, tuple[Any, Any]]:
-    """rank (as it failed) -> (``messages.KeptFailure``, the placement that holds it now), for every idle rank."""
-    from nbddp.worker.tasks.debugging import kept
+def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
+    """rank (as it failed) -> (``nbddp.protocol.messages.PostMortemFailure``, the placement that holds it now), for every idle rank."""
+    from nbddp.worker.tasks.debugging import post_mortem_failure
 
-    ars = {p: session.client[p.engine_id].apply_async(kept) for p in session.placements}
+    ars = {p: session.client[p.engine_id].apply_async(post_mortem_failure) for p in session.placements}
     found = {}
     for p, ar in ars.items():
         try:
@@ -128,14 +128,14 @@ def start_post_mortems(session: Any, rank: int | None) -> dict[int, Any]:
     """Open pdb on the failure each chosen rank keeps; rank -> its task's AsyncResult."""
     from nbddp.worker.tasks.debugging import post_mortem_task
 
-    kept = kept_failures(session)
-    if not kept:
+    failures = post_mortem_failures(session)
+    if not failures:
         raise NothingToDebug(f"nothing to debug: {what_exists(session)} Put breakpoint() in your code, or run the "
                              "failing call again.")
-    if rank is not None and rank not in kept:
+    if rank is not None and rank not in failures:
         raise ValueError(f"rank {rank} keeps no failure to debug. {what_exists(session)}")
-    chosen = [rank] if rank is not None else sorted(kept)
-    ars = {r: session.client[kept[r][1].engine_id].apply_async(post_mortem_task) for r in chosen}
+    chosen = [rank] if rank is not None else sorted(failures)
+    ars = {r: session.client[failures[r][1].engine_id].apply_async(post_mortem_task) for r in chosen}
     deadline = time.monotonic() + CONNECT_S
     while time.monotonic() < deadline:
         here = {ln.rank for ln in session.debugger.poll()}

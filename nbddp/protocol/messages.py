@@ -14,7 +14,7 @@ message         direction            when
 ``JoinReply``   each rank -> kernel  after joining a process-group generation
 ``Health``      each rank -> kernel  ``%ddp status``
 ``StackDump``   each rank -> kernel  ``nbddp.stacks()``
-``KeptFailure`` each rank -> kernel  ``%ddp debug``: the failure it keeps
+``PostMortemFailure`` each rank -> kernel  ``%ddp debug``: the failure it keeps
 ``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
 ``TrialResult``  each rank -> kernel ``find_batch_size``: one trial step's outcome
 ``ScalingRow``   rank 0 -> kernel     ``scaling_report``: one world size, timed
@@ -166,7 +166,7 @@ class Health:
     names: int
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
-    kept: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what the worker keeps between tasks (worker/memory/kept_objects.py)
+    resident: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what stays between tasks (worker/memory/resident_sizes.py)
 
 
 # How a rank's stack reaches the kernel when its main thread cannot answer (blocked in C): the kernel sends
@@ -194,7 +194,7 @@ def innermost_frames(stack: str, frames: int = 3) -> str:
 
 
 @dataclass(frozen=True)
-class KeptFailure:
+class PostMortemFailure:
     """A failure a rank keeps for ``%ddp debug``: as which rank it failed, and where."""
 
     rank: int  # the rank it had when it failed (the one the WorkerError named)
