@@ -1,9 +1,9 @@
 """ipyparallel engines: start, attach, probe, kill, replace, stop.
 
 Everything about *processes* lives here; what the processes *mean* (ranks,
-process groups) lives in ``session`` and ``topology``.
+process groups) lives in ``session/`` and ``protocol/placement.py``.
 
-Facts this module is built on (``ipyparallel-facts.md``): per-engine stop or
+Facts this module is built on (``docs/ipyparallel-notes.md``, "Engines"): per-engine stop or
 restart is not implemented, so a broken engine is killed by pid (through the
 nanny, which also works on other hosts) and a new engine set is started
 beside the survivors; engine ids change, so nothing here assumes ``range(n)``.
@@ -213,7 +213,10 @@ class Workers:
             return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
 
     def job_problem(self) -> Any:
-        """The Slurm job of these engines that ended (a ``slurm_jobs.JobState``), or None (asked at most once a second)."""
+        """The Slurm job of these engines that ended, or None (asked at most once a second).
+
+        The job is a ``nbddp.cluster.slurm.queue.JobState``.
+        """
         return self.jobs.ended() if self.jobs is not None else None
 
     def job_ids(self) -> list[str]:

@@ -1,6 +1,6 @@
 """Moving Python objects between the kernel and the workers, by value.
 
-Two facts shape this module (see ``ipyparallel-facts.md``):
+Two facts shape this module (``docs/ipyparallel-notes.md``, "Shipping objects"):
 
 * ipyparallel's own canning breaks notebook-defined ``nn.Module`` classes that
   call ``super()``; pickling with cloudpickle to *bytes* and loading the

@@ -14,7 +14,8 @@ module kept with ``keep=`` holds DTensors on its mesh, so it stays usable.
 When the generation ends, every group goes with the world group
 (``worker/tasks/process_group.py``). Before every new mesh DTensor's caches are
 forgotten (``group_lifetime.forget_meshes``): a cached sharding plan that names
-a group of another generation hangs or fails the next fit (measured, see the facts file).
+a group of another generation hangs or fails the next fit (measured:
+``docs/ipyparallel-notes.md``, "Process groups").
 """
 
 from __future__ import annotations

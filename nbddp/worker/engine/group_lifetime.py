@@ -35,7 +35,7 @@ def forget_meshes() -> None:
     resolve the process group registered under the name N". Measured on torch
     2.13 with an FSDP scaling report followed by an FSDP fit on the same
     workers. The caches are per thread; tasks run on the engine's main thread,
-    and so does this.
+    and so does this. See ``docs/ipyparallel-notes.md``, "Process groups".
     """
     if "torch.distributed.tensor" not in sys.modules:
         return  # nothing was cached, and importing DTensor to clear it costs seconds

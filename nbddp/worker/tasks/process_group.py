@@ -1,6 +1,7 @@
 """Joining (and leaving) one generation of the process group, on a worker.
 
-A failed process group cannot be reused (see the facts file), so every new
+A failed process group cannot be reused (``docs/ipyparallel-notes.md``,
+"Process groups"), so every new
 generation destroys the old group first, then joins on a fresh store (a new
 file or port). Joining also sets what the rest of the worker reads: this
 rank's placement in ``STATE``, the names ``%%ddp`` cells see, CPU threads,
