@@ -1,13 +1,13 @@
 """``nbddp.debug()`` and ``%ddp debug``: pdb on a failed rank, or on a rank paused at ``breakpoint()``.
 
 Design (issue "debug"): a rank in pdb owns a line to the kernel
-(``worker.debugger``, ``debugboard``), and the notebook reads the person's
+(``worker/debugging/rank_pdb.py``, ``rank_lines.py``), and the notebook reads the person's
 commands with ``input()``, which ipykernel turns into an input request in
-the running cell. Two cases, one conversation (``console.Conversation``):
+the running cell. Two cases, one conversation (``conversation.py``'s ``Conversation``):
 
 * **Breakpoints.** The rank connects from inside its task. During a blocking
   fit, cell or call, the cell that waits (``waiting.wait_interruptibly``,
-  ``jobs.Job.wait``) calls ``attend`` on every tick and the prompt opens
+  ``nbddp.jobs.job.Job.wait``) calls ``attend`` on every tick and the prompt opens
   right there. With ``block=False`` the live view says "rank 1 paused at
   file:line, ``%ddp debug 1`` to attach", and ``nbddp.debug()`` in any cell
   attaches. Kernel > Interrupt at the prompt lets every paused rank go on and
@@ -16,7 +16,7 @@ the running cell. Two cases, one conversation (``console.Conversation``):
   breakpoint is reported with its place and the rank goes on: nothing waits
   forever.
 * **Post-mortems.** After a ``WorkerError`` the failing rank keeps its
-  exception (``worker.postmortem``) and is idle; ``debug()`` starts a small
+  exception (``worker/debugging/postmortem.py``) and is idle; ``debug()`` starts a small
   task there that connects like a breakpoint, on the failing frame.
 
 Why a socket and not ipyparallel's own messages: an engine runs tasks in its
@@ -109,7 +109,10 @@ def what_exists(session: Any) -> str:
 
 
 def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
-    """rank (as it failed) -> (``nbddp.protocol.messages.PostMortemFailure``, the placement that holds it now), for every idle rank."""
+    """rank (as it failed) -> (a ``PostMortemFailure``, the placement that holds it now), for every idle rank.
+
+    The failures are ``nbddp.protocol.messages.PostMortemFailure`` records.
+    """
     from nbddp.worker.tasks.debugging import post_mortem_failure
 
     ars = {p: session.client[p.engine_id].apply_async(post_mortem_failure) for p in session.placements}

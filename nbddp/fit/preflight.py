@@ -149,7 +149,7 @@ def check_units(model: Any, cfg: FitConfig) -> None:
 
 
 def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False) -> None:
-    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``)."""
+    """A model-parallel strategy and its mesh, for these workers, this model and this data (``parallel_checks.py``)."""
     from nbddp.protocol.parallel_settings import Pipeline
     from nbddp.fit.parallel_checks import check_batch, check_model, resolve
 

@@ -2,7 +2,7 @@
 
 A trial is one step (forward, backward, optimizer step; under the fit's
 strategy, precision, accumulation and activation checkpointing) on every
-rank at once, from the shipped arguments (``worker.planner.trial_task``).
+rank at once, from the shipped arguments (``nbddp.worker.tasks.trials.trial_task``).
 Every rank reports ``"fits"`` or ``"oom"``; the kernel agrees for all: a
 size fits only when it fits on every rank. The search doubles from
 ``start`` until a size fails (or the bound: the shard size and

@@ -2,7 +2,7 @@
 
 A rank busy with a task (a fit, a ``%%ddp`` cell, ``nbddp.run``, a script)
 gets SIGUSR1: ``faulthandler``, registered when the rank joined its group
-(``worker.monitor.enable_stack_dumps``), writes every thread's stack to the
+(``nbddp.worker.engine.heartbeat.enable_stack_dumps``), writes every thread's stack to the
 rank's stack file from C, so it answers even while the rank waits in a
 gloo/NCCL collective or runs C code. On the kernel's host the kernel reads
 the file itself and picks the main thread (named on the file's first line);

@@ -18,7 +18,7 @@ package always travels by reference: the workers import it.
 
 Workers also reload such modules when their file changed, for code that
 imports them itself (``import mylib`` in a ``%%ddp`` cell or a script); see
-``worker.freshness``.
+``worker/tasks/module_reload.py``.
 """
 
 from __future__ import annotations

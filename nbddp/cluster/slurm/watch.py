@@ -10,7 +10,7 @@ replacement. Batch launchers never poll their job, so this module does:
   Slurm can never start, or one held past ``queue_timeout``, is cancelled
   and named in the error; Kernel > Interrupt cancels it;
 * ``ended()``: a job that is over (cancelled, out of time, a node lost) is
-  what the fault path (``tasks.RankTasks``, ``Session.ensure_ready``)
+  what the fault path (``nbddp.jobs.rank_tasks.RankTasks``, ``Session.ensure_ready``)
   reports, within about a second, instead of waiting for heartbeats;
 * ``cancel()`` / ``wait_gone()``: no job is left in ``squeue`` after stop.
 """
