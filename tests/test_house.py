@@ -351,13 +351,13 @@ def test_the_name_check_would_see_a_stale_mention():
         ``mylib.py``, ``handle.stop()``, ``history.steps``, ``torch.distributed``, ``shipping.Parcel`` (the alias
         below), ``fit_options.BestSpec``, ``e.g.``, ``step-1.pt``.
         """
-        from nbddp.shipping import pickling as shipping  # ``rank_stacks.collect``: a comment counts too
+        from nbddp.shipping import pickling as shipping  # ``slurm_jobs.query``: a comment counts too
         ''')
     where = name_check.PACKAGE / "worker" / "training" / "setup.py"
     found = {name: why for _, _, name, why in name_check.problems(where, source)}
     assert sorted(found) == sorted(["worker.entry.fit_task", "tasks.RankTasks", "slurm_jobs.JobState",
                                     "nbddp.worker.monitor", "early_stop.Patience", "nbddp.fit.history.History.nothing",
-                                    "worker/group.py", "fewer_ranks.py", "shipping.Nothing", "rank_stacks.collect"])
+                                    "worker/group.py", "fewer_ranks.py", "shipping.Nothing", "slurm_jobs.query"])
     assert found["fewer_ranks.py"] == ("not beside this module: write elastic/fewer_ranks.py or "
                                       "worker/data/fewer_ranks.py")
     assert found["shipping.Nothing"] == "nbddp.shipping.pickling has no Nothing"
