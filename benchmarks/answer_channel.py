@@ -63,7 +63,7 @@ def _kernel(kind: str, where: Any, reps: int, delay_s: float) -> None:
 def measure(reps: int = 50, delay_s: float = 0.02) -> dict[str, float]:
     """Median ms from the kernel's write to rank 0 holding the answer, for ``file`` and ``store``."""
     from nbddp.protocol.host import free_port
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     ctx = mp.get_context("spawn")
     result = {}

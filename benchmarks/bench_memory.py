@@ -41,7 +41,7 @@ MiB = 1 << 20
 
 def resources() -> dict[str, int]:
     """This worker now: resident bytes, open fds, threads, its /dev/shm files."""
-    from nbddp.shipping.pickling import shm_dir
+    from nbddp.protocol.notes import shm_dir
     from nbddp.worker.engine.rank_state import STATE
     from nbddp.worker.memory.usage import rss_bytes
 

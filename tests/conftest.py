@@ -104,7 +104,7 @@ def _run_processes() -> dict[int, psutil.Process]:
 
 
 def _shm_files() -> set[str]:
-    from nbddp.shipping.pickling import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     return set(glob.glob(os.path.join(shm_dir(), "nbddp-*")))
 

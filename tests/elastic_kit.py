@@ -71,7 +71,7 @@ def _disarm(marker: str) -> bool:
 def _write_modes(prefix: str, out: str) -> None:
     """Every snapshot folder and file of the session ``prefix``, with its mode, as JSON."""
     found = {}
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     for top in glob.glob(os.path.join(shm_dir(), f"{prefix}-snap-*")):
         found[top] = oct(os.stat(top).st_mode & 0o777)

@@ -30,7 +30,7 @@ from nbddp.elastic import replacements
 from nbddp.elastic.replacements import await_replacements
 from nbddp.worker.checkpoints import background, files, snapshots
 from nbddp.worker.tasks.snapshot_folder import remove_snapshot_folder
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 STEPS = 24  # 512 samples, 16 per rank, 2 ranks: 16 steps an epoch; the fit crosses an epoch end
 

@@ -114,7 +114,7 @@ class KillOnHost:
 
 
 def snapshot_folders():
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
     return glob.glob(os.path.join(shm_dir(), "*-snap-*"))
 
 

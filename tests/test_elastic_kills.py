@@ -20,7 +20,7 @@ import torch
 import nbddp
 from elastic_kit import KillAt, armed
 from faultkit import Net, regression_data
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 
 def _fit(step_fn, steps: int, block: bool = True, **elastic):

@@ -1,4 +1,4 @@
-"""The fault contract (design.md, issue 4), one test per behaviour, on 2 CPU gloo workers.
+"""The fault contract (docs/faults.md, issue 4), one test per behaviour, on 2 CPU gloo workers.
 
 Each test asserts the stated bound, then that the next fit works with no
 action from the person. Measured times go to ``faultkit.TIMES_FILE``.

@@ -204,7 +204,7 @@ def test_stop_leaves_no_process_and_start_after_stop_works(workers):
     nbddp.stop()
     import glob
 
-    from nbddp.shipping.pickling import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     assert not glob.glob(os.path.join(shm_dir(), prefix + "*")), "stop() must remove the session's shared-memory files"
     assert nbddp.status()["running"] is False
@@ -252,7 +252,7 @@ def test_only_the_current_process_group_store_file_exists(workers):
     import glob
 
     from nbddp.session.session import DEFAULT_PG_TIMEOUT_S
-    from nbddp.shipping.pickling import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     nbddp.start(n=2, timeout=250)  # a new timeout re-forms the group on the same engines
     try:

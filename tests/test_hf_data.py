@@ -167,7 +167,7 @@ def test_nbddp_imports_datasets_only_when_given_such_a_dataset():
 
     code = ("import sys, torch\n"
             "from torch.utils.data import IterableDataset, TensorDataset\n"
-            "from nbddp.fit.preflight import data_spec\n"
+            "from nbddp.protocol.data_forms import data_spec\n"
             "class S(IterableDataset):\n    def __iter__(self): yield from ()\n"
             "data_spec(S(), 'data'); data_spec(TensorDataset(torch.zeros(3)), 'data'); data_spec(lambda: 0, 'data')\n"
             "import nbddp.worker.data.streams, nbddp.worker.training.loop\n"

@@ -1,7 +1,7 @@
 """The dashboard's last frame (issue 22): every rank reads its final state, and no broken image before a plot.
 
 Driven without a browser or workers: a fake run holds what the fit's watcher
-thread would, and the views draw from it. As in ``fitting.FitRun``, the last
+thread would, and the views draw from it. As in ``nbddp.fit.fit_run.FitRun``, the last
 frame is drawn before ``run.finished`` turns true.
 """
 

@@ -48,7 +48,7 @@ def fit(strategy="ddp", model=stack, **kw):
 
 def resources():
     """This worker now: resident bytes, open fds, threads, its /dev/shm files (measured inside a task of its own)."""
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
     from nbddp.worker.engine.rank_state import STATE
     from nbddp.worker.memory.usage import rss_bytes
 
@@ -96,7 +96,7 @@ def test_a_fit_gives_back_what_it_used_and_keeps_what_was_kept(warm):
     kept = [r["param_bytes"] for r in h.ranks]
     after_keep = rss()
     assert within(after_keep, before, extra=max(kept)), (before, after_keep, kept)
-    status = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().kept)
+    status = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().resident)
     assert all(dict(k).get("kept_net") == kept[0] for k in status), status
     nbddp.run_cell("del kept_net")  # let go: a module in reference cycles, frozen with the engine (worker/memory/release.py)
     assert within(rss(), before), (before, rss())
@@ -196,7 +196,7 @@ def test_status_shows_each_workers_memory_and_what_it_keeps(workers):
             assert row["memory"].endswith("MB") or row["memory"].endswith("GB"), row
             assert "status_blob 4 MB" in row["keeps"], row
         assert "<th>keeps</th>" in table._repr_html_() and "status_blob 4 MB" in repr(table)
-        kept = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().kept)
+        kept = nbddp.run(lambda: __import__("nbddp.worker.tasks.status", fromlist=["health"]).health().resident)
         assert all(dict(k)["status_blob"] == 4 * MiB and 0 < dict(k)["status_small"] < 4096 for k in kept), kept
         assert all([size for _, size in k] == sorted((size for _, size in k), reverse=True) for k in kept), kept
     finally:
@@ -218,21 +218,21 @@ def test_a_value_in_a_reference_cycle_goes_when_the_cell_that_let_it_go_ends(wor
 # ---- units: no workers -----------------------------------------------------------------------
 
 
-def test_kept_items_count_each_storage_once_and_name_datasets():
+def test_resident_items_count_each_storage_once_and_name_datasets():
     from torch.utils.data import TensorDataset
 
-    from nbddp.monitor.status import kept_text
-    from nbddp.worker.memory.kept_objects import kept_items, nbytes
+    from nbddp.monitor.status import resident_text
+    from nbddp.worker.memory.resident_sizes import nbytes, resident_items
 
     t = torch.zeros(1000)  # 4,000 bytes
     net = nn.Linear(10, 10)  # 440 bytes of parameters
     assert nbytes(t) == 4000 and nbytes(net) == 440 and nbytes([t, t[:10]]) - nbytes([]) >= 4000
     ns = {"t": t, "view": t[:500], "net": net, "n": 3}
-    items = dict(kept_items(ns, ["t", "view", "net", "n"], {"abcdef0123": TensorDataset(torch.zeros(50, 2))}))
+    items = dict(resident_items(ns, ["t", "view", "net", "n"], {"abcdef0123": TensorDataset(torch.zeros(50, 2))}))
     assert items["t"] == 4000 and items["view"] == 0  # the same storage, counted for the first name
     assert items["resident dataset abcdef01"] >= 400 and items["n"] < 100
-    assert kept_text(()) == "nothing"
-    text = kept_text(tuple((f"n{i}", 1 << 20) for i in range(6)))
+    assert resident_text(()) == "nothing"
+    text = resident_text(tuple((f"n{i}", 1 << 20) for i in range(6)))
     assert text == "n0 1 MB, n1 1 MB, n2 1 MB, n3 1 MB, and 2 more (2 MB)"
 
 

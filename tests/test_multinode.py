@@ -168,7 +168,7 @@ import glob, json, os, sys, warnings
 import nbddp
 from nbddp.callbacks.base import Callback
 from nbddp.session.session import get_session
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 info = json.loads(os.environ["NBDDP_FAKE_HOSTS"])
 out = {"status": nbddp.start(n=2, backend="gloo", profile=info["profile_dir"], cluster_id=info["cluster_id"])}

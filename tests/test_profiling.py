@@ -27,7 +27,7 @@ from nbddp.live.time_bars import bar_html, rank_splits, split_sentence
 from nbddp.live.widget import rank_rows, rank_table_html, summary_text
 from nbddp.profiling.time_split import SPLIT_PHASES, efficiency, split_frame, split_ranks, summary
 from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, timed_phases
-from nbddp.profiling.timeline import timeline_figure
+from nbddp.live.timeline import timeline_figure
 from nbddp.profiling.trace_analysis import breakdown_lines, trace_breakdown
 from nbddp.profiling.trace_merge import merge_traces, profile_summary, write_trace
 from nbddp.protocol.profile_spec import ProfileSpec, profile_spec

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nbddp.profiling.hta_analysis import hta_analyses, hta_lines
-from nbddp.profiling.timeline import timeline_figure
+from nbddp.live.timeline import timeline_figure
 from nbddp.profiling.trace_merge import profile_summary, rank_traces_of, write_trace
 from nbddp.protocol.profile_spec import ProfileSpec
 from nbddp.worker.training.profiler import StepProfiler

@@ -23,7 +23,8 @@ import nbddp
 from nbddp.protocol.errors import SlurmError
 from nbddp.cluster.slurm.request import SlurmRequest, batch_template, check_time, controller_address, slurm_request
 from nbddp.cluster.slurm.queue import GONE, JobState, cancel, never_starts, parse_squeue, query
-from nbddp.cluster.slurm.watch import JobLine, SlurmJobs, ended_words, fmt_clock, job_lines
+from nbddp.cluster.slurm.watch import SlurmJobs, ended_words, fmt_clock, job_lines
+from nbddp.live.job_line import JobLine
 
 
 @pytest.fixture
@@ -263,7 +264,7 @@ def _squeue(line: str) -> dict[str, str]:
 def test_a_wait_that_cannot_end_well_cancels_the_job_and_names_it(fake_slurm, line, queue_timeout, run_timeout, match):
     calls = fake_slurm(_squeue(line))
     with pytest.raises(SlurmError, match=match) as err:
-        _jobs().wait_started(FakeWorkers(), 2, queue_timeout=queue_timeout, run_timeout=run_timeout, show=False)
+        _jobs().wait_started(FakeWorkers(), 2, queue_timeout=queue_timeout, run_timeout=run_timeout, show=None)
     assert (err.value.job_id, err.value.state) == ("42", line.split("|")[1])
     assert "scancel 42" in calls.read_text()
 
@@ -275,19 +276,18 @@ def test_a_job_that_ends_before_its_engines_registered_says_so_with_its_output(f
     jobs = SlurmJobs(SimpleNamespace(engines={"s": SimpleNamespace(job_id="42", output_file=str(out))}))
     with pytest.raises(SlurmError, match=r"Slurm job 42 failed .*: FAILED \(NonZeroExitCode\) on n1 before its engines "
                                          r"registered\.\nthe job's output ends with:\nsrun: error: Unable to create step"):
-        jobs.wait_started(FakeWorkers(), 2, queue_timeout=None, run_timeout=60, show=False)
+        jobs.wait_started(FakeWorkers(), 2, queue_timeout=None, run_timeout=60, show=None)
 
 
 def test_the_wait_ends_when_the_engines_registered_and_an_interrupt_cancels(fake_slurm, monkeypatch):
     fake_slurm(_squeue("42|RUNNING|None|n[1-2]|0:01|30:00|debug|2"))
-    _jobs().wait_started(FakeWorkers(registered_after=0.2), 2, queue_timeout=None, run_timeout=60, show=False)
+    _jobs().wait_started(FakeWorkers(registered_after=0.2), 2, queue_timeout=None, run_timeout=60, show=None)
     calls = fake_slurm(_squeue("42|PENDING|Priority||0:00|30:00|debug|2"))
     jobs, stream = _jobs(), io.StringIO()
     lines = []
-    monkeypatch.setattr("nbddp.cluster.slurm.watch.JobLine", lambda: _Recorder(lines, stream))
     monkeypatch.setattr(SlurmJobs, "_check_pending", _interrupt_after(0.3))  # Kernel > Interrupt, while pending
     with pytest.raises(KeyboardInterrupt):
-        jobs.wait_started(FakeWorkers(), 2, queue_timeout=None, run_timeout=60, show=True)
+        jobs.wait_started(FakeWorkers(), 2, queue_timeout=None, run_timeout=60, show=_Recorder(lines, stream))
     assert "scancel 42" in calls.read_text()
     assert lines[0].startswith("Slurm job 42: PENDING (Priority), 0:00")
     assert lines[-1].startswith("Slurm job 42: cancelled (interrupted while PENDING (Priority)), 0:0")
@@ -327,6 +327,23 @@ def test_the_line_is_rewritten_on_a_terminal_and_written_on_change_elsewhere():
                                            "Slurm job 42: RUNNING on n[1-2], 2 of 2 engines registered, 0:03"]
     assert tty.getvalue().count("\r") == 4 and "PENDING (Resources), 0:02\x1b[K" in tty.getvalue()
 
+
+
+def test_the_session_hands_the_cluster_the_line_that_draws_a_jobs_wait(monkeypatch):
+    """``cluster/`` imports nothing of ``live/``: the session passes the ``JobLine`` in (``show=``)."""
+    from nbddp.cluster.engines import Workers
+    from nbddp.session.session import Session
+
+    given = {}
+
+    def start(cls, n, cluster=None, **kwargs):
+        given.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(Workers, "start", classmethod(start))
+    with pytest.raises(RuntimeError, match="stop here"):
+        Session().start(2)
+    assert isinstance(given["show"], JobLine)
 
 # ---- the reaper cancels the jobs of a dead kernel --------------------------------------------
 def test_the_reaper_cancels_the_jobs_of_a_dead_kernel(tmp_path, fake_slurm):

@@ -1,4 +1,4 @@
-"""A fit's loggers and callbacks, fed by the kernel's watcher thread (``fitting.FitRun``).
+"""A fit's loggers and callbacks, fed by the kernel's watcher thread (``nbddp.fit.fit_run.FitRun``).
 
 ``FitHooks.build`` runs in ``dist_fit`` before any worker starts: every
 logger name, callback and ``EarlyStopping`` monitor is checked, and every

@@ -1,9 +1,9 @@
 """ipyparallel engines: start, attach, probe, kill, replace, stop.
 
 Everything about *processes* lives here; what the processes *mean* (ranks,
-process groups) lives in ``session`` and ``topology``.
+process groups) lives in ``session/`` and ``protocol/placement.py``.
 
-Facts this module is built on (``ipyparallel-facts.md``): per-engine stop or
+Facts this module is built on (``docs/ipyparallel-notes.md``, "Engines"): per-engine stop or
 restart is not implemented, so a broken engine is killed by pid (through the
 nanny, which also works on other hosts) and a new engine set is started
 beside the survivors; engine ids change, so nothing here assumes ``range(n)``.
@@ -65,13 +65,16 @@ class Workers:
     # ---- construction ---------------------------------------------------
     @classmethod
     def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
-              engine_env: dict[str, str] | None = None, queue_timeout: float | None = None) -> "Workers":
+              engine_env: dict[str, str] | None = None, queue_timeout: float | None = None,
+              show: Any = None) -> "Workers":
         """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``.
 
         ``engine_env`` is added to the engines' environment at launch (thread
         counts must be set before torch is imported to take full effect).
         ``queue_timeout``: how long a Slurm job may wait in the queue (None: as
-        long as Slurm holds it, shown in the cell; Kernel > Interrupt cancels it).
+        long as Slurm holds it; Kernel > Interrupt cancels it). ``show``: what
+        draws a Slurm job's wait (the session passes ``live/job_line.py``'s
+        ``JobLine``), None for nothing.
         """
         import ipyparallel as ipp
 
@@ -105,7 +108,7 @@ class Workers:
         try:
             if workers.owned:  # from now on: a job may wait in the queue for hours, and the kernel may die meanwhile
                 workers.reaper.start(workers.all_pids(), file_prefix, workers.job_ids())
-            workers.wait_started(n, timeout, queue_timeout, show=True)
+            workers.wait_started(n, timeout, queue_timeout, show=show)
         except BaseException:
             workers.stop()
             raise
@@ -210,15 +213,18 @@ class Workers:
             return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
 
     def job_problem(self) -> Any:
-        """The Slurm job of these engines that ended (a ``slurm_jobs.JobState``), or None (asked at most once a second)."""
+        """The Slurm job of these engines that ended, or None (asked at most once a second).
+
+        The job is a ``nbddp.cluster.slurm.queue.JobState``.
+        """
         return self.jobs.ended() if self.jobs is not None else None
 
     def job_ids(self) -> list[str]:
         """The Slurm jobs this session submitted (and must cancel): none for other launchers or attached clusters."""
         return self.jobs.ids if self.jobs is not None and self.owned else []
 
-    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: bool = False) -> None:
-        """Wait until ``n`` engines registered; a Slurm job's wait is shown (``show``) and bounded by its state."""
+    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: Any = None) -> None:
+        """Wait until ``n`` engines registered; a Slurm job's wait is drawn by ``show`` and bounded by its state."""
         if self.jobs is None:
             self.wait_for(n, timeout)
         else:

@@ -4,7 +4,7 @@ ipyparallel's client reads the engines' output (``stream``, ``status``,
 ``comm_*`` messages) on one ZMQ stream in its IO thread. If the handler of
 one message raises, pyzmq skips re-arming the stream's edge-triggered
 socket, and no later message is read: every cell's output is lost from then
-on, and each call waits out ``output.OUTPUT_WAIT_S`` for output that never
+on, and each call waits out ``nbddp.cells.rank_output.OUTPUT_WAIT_S`` for output that never
 comes (2 s per ``nbddp.run`` instead of 15 ms; bare ``view.execute(...,
 block=True)`` hangs). Measured with ipyparallel 9.2: a progress bar on a
 worker (tqdm in an engine is an ipywidget, so the engine opens a comm) sent

@@ -1,7 +1,7 @@
 """``python -m nbddp.cluster.reaper KERNEL_PID PIDFILE [FILE_PREFIX]``: no worker outlives its kernel.
 
 ``Reaper`` is the kernel's handle on that process. It is started by
-``cluster.Workers`` in its own session (so a signal to the
+``nbddp.cluster.engines.Workers`` in its own session (so a signal to the
 kernel's process group does not reach it). Every half second it checks the
 kernel; when the kernel is gone (even SIGKILLed) it kills every pid listed
 in PIDFILE, and their children, cancels the Slurm jobs listed there
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from nbddp.protocol.host import pid_alive
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 
@@ -31,7 +31,7 @@ SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 class Reaper:
     """The kernel's side: start the reaper, keep its pid file current, stop it.
 
-    Engines also watch the kernel themselves (``worker.probe``); the reaper
+    Engines also watch the kernel themselves (``worker/tasks/probe.py``); the reaper
     covers the controller and engines that never got that far.
     """
 

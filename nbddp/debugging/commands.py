@@ -1,13 +1,13 @@
 """``nbddp.debug()`` and ``%ddp debug``: pdb on a failed rank, or on a rank paused at ``breakpoint()``.
 
 Design (issue "debug"): a rank in pdb owns a line to the kernel
-(``worker.debugger``, ``debugboard``), and the notebook reads the person's
+(``worker/debugging/rank_pdb.py``, ``rank_lines.py``), and the notebook reads the person's
 commands with ``input()``, which ipykernel turns into an input request in
-the running cell. Two cases, one conversation (``console.Conversation``):
+the running cell. Two cases, one conversation (``conversation.py``'s ``Conversation``):
 
 * **Breakpoints.** The rank connects from inside its task. During a blocking
   fit, cell or call, the cell that waits (``waiting.wait_interruptibly``,
-  ``jobs.Job.wait``) calls ``attend`` on every tick and the prompt opens
+  ``nbddp.execution.calls.RankCall.wait``) calls ``attend`` on every tick and the prompt opens
   right there. With ``block=False`` the live view says "rank 1 paused at
   file:line, ``%ddp debug 1`` to attach", and ``nbddp.debug()`` in any cell
   attaches. Kernel > Interrupt at the prompt lets every paused rank go on and
@@ -16,7 +16,7 @@ the running cell. Two cases, one conversation (``console.Conversation``):
   breakpoint is reported with its place and the rank goes on: nothing waits
   forever.
 * **Post-mortems.** After a ``WorkerError`` the failing rank keeps its
-  exception (``worker.postmortem``) and is idle; ``debug()`` starts a small
+  exception (``worker/debugging/postmortem.py``) and is idle; ``debug()`` starts a small
   task there that connects like a breakpoint, on the failing frame.
 
 Why a socket and not ipyparallel's own messages: an engine runs tasks in its
@@ -101,19 +101,22 @@ def what_exists(session: Any) -> str:
         return "In the debugger: " + "; ".join(paused) + "."
     if session.busy:
         return f"{session.running.describe()} is running; no rank is paused at breakpoint()."
-    kept = kept_failures(session)
-    if kept:
+    failures = post_mortem_failures(session)
+    if failures:
         return "Failures kept: " + "; ".join(f"rank {k.rank}: {k.exc_type} at {describe_where(k.where)}"
-                                             for k, _ in kept.values()) + "."
+                                             for k, _ in failures.values()) + "."
     return ("No rank is paused at breakpoint() and none keeps a failure (a rank keeps the failure of a WorkerError "
             "until its next fit).")
 
 
-def kept_failures(session: Any) -> dict[int, tuple[Any, Any]]:
-    """rank (as it failed) -> (``messages.KeptFailure``, the placement that holds it now), for every idle rank."""
-    from nbddp.worker.tasks.debugging import kept
+def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
+    """rank (as it failed) -> (a ``PostMortemFailure``, the placement that holds it now), for every idle rank.
 
-    ars = {p: to_engine(session.client, p.engine_id, kept) for p in session.placements}
+    The failures are ``nbddp.protocol.messages.PostMortemFailure`` records.
+    """
+    from nbddp.worker.tasks.debugging import post_mortem_failure
+
+    ars = {p: to_engine(session.client, p.engine_id, post_mortem_failure) for p in session.placements}
     found = {}
     for p, ar in ars.items():
         try:
@@ -129,14 +132,14 @@ def start_post_mortems(session: Any, rank: int | None) -> dict[int, Any]:
     """Open pdb on the failure each chosen rank keeps; rank -> its task's AsyncResult."""
     from nbddp.worker.tasks.debugging import post_mortem_task
 
-    kept = kept_failures(session)
-    if not kept:
+    failures = post_mortem_failures(session)
+    if not failures:
         raise NothingToDebug(f"nothing to debug: {what_exists(session)} Put breakpoint() in your code, or run the "
                              "failing call again.")
-    if rank is not None and rank not in kept:
+    if rank is not None and rank not in failures:
         raise ValueError(f"rank {rank} keeps no failure to debug. {what_exists(session)}")
-    chosen = [rank] if rank is not None else sorted(kept)
-    ars = {r: to_engine(session.client, kept[r][1].engine_id, post_mortem_task) for r in chosen}
+    chosen = [rank] if rank is not None else sorted(failures)
+    ars = {r: to_engine(session.client, failures[r][1].engine_id, post_mortem_task) for r in chosen}
     deadline = time.monotonic() + CONNECT_S
     while time.monotonic() < deadline:
         here = {ln.rank for ln in session.debugger.poll()}

@@ -1,6 +1,6 @@
 """The debugger conversation in the notebook: pdb's lines from the ranks, the person's commands back.
 
-One ``Conversation`` talks to every rank now in pdb (``debugboard.RankLine``:
+One ``Conversation`` talks to every rank now in pdb (``rank_lines.py``'s ``RankLine``:
 paused at ``breakpoint()``, or in a post-mortem). With one rank it attaches
 at once; with several it lists them first and takes, besides pdb's own
 commands on the attached rank (``p``, ``pp``, ``l``, ``ll``, ``w``, ``u``,

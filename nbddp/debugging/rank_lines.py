@@ -1,6 +1,6 @@
 """The kernel's end of the ranks' debugger lines: one listener, one ``RankLine`` per rank in pdb.
 
-A rank that stops in pdb (``worker.debugger``: a ``breakpoint()``, or a
+A rank that stops in pdb (``worker/debugging/rank_pdb.py``: a ``breakpoint()``, or a
 post-mortem task) connects here and says who it is; from then on its pdb
 reads and writes through that connection. The board is polled, never
 threaded: the cell that waits for the work (``waiting``, ``jobs``), the fit's

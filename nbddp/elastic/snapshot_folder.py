@@ -17,8 +17,8 @@ import secrets
 import shutil
 from typing import Any
 
-from nbddp.shipping.shm_files import shm_dir
 from nbddp.execution.send import once_per_other_host
+from nbddp.protocol.notes import shm_dir
 
 REMOTE_REMOVE_S = 5.0  # the fit's end waits at most this long for the other hosts
 

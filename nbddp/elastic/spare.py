@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from nbddp.cluster.engines import START_TIMEOUT_S
-from nbddp.shipping.shm_files import shm_dir
 from nbddp.execution.send import to_engine
+from nbddp.protocol.notes import shm_dir
 
 
 class Spare:

@@ -26,7 +26,7 @@ from typing import Any
 from nbddp.execution.send import to_ranks
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL, published
 from nbddp.protocol.placement import Placement
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 IDLE_ASK_S = 1.5  # an engine believed idle that does not answer a task this fast is busy after all
 SETTLE_S = 0.1  # a dump is complete when the file stopped growing for this long

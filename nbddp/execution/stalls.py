@@ -1,6 +1,6 @@
 """Seeing a rank that stopped advancing, on the kernel's side.
 
-Every rank's monitor (``worker.monitor``) publishes a ``messages.Beat``
+Every rank's monitor (``nbddp.worker.engine.heartbeat``) publishes a ``messages.Beat``
 about once a second, independent of ``log_every`` and without a collective:
 its progress counter, phase, step and micro-batch, and its stack once it
 stops advancing. ``StallWatch`` keeps each rank's latest beat and when (on
@@ -23,7 +23,7 @@ this to one piece of work at every tick of its wait (``nbddp.execution.rank_task
   still running are killed and replaced (``StuckStop``).
 
 A rank held at a debugger prompt (its beat says ``paused``, or it is on the
-kernel's ``debugboard``) is not stalled, and neither are the ranks waiting
+kernel's ``DebugBoard``) is not stalled, and neither are the ranks waiting
 for it: the quiet time of every rank counts from the last moment a rank was
 seen paused, so no ``WorkerStalled``, kill or replacement happens while one
 is, whatever ``stall_timeout`` says.

@@ -10,7 +10,7 @@ a typo costs an error message and nothing changes on the workers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -22,6 +22,7 @@ from nbddp.elastic.policy import check_elastic
 from nbddp.execution.policy import FailurePolicy
 from nbddp.fit.compile_checks import with_cache_dir
 from nbddp.fit.option_checks import make_config, scheduler_settings
+from nbddp.protocol.data_forms import data_spec
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
 from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated, settings_of
 
@@ -41,68 +42,6 @@ class FitPlan:
     def discard(self) -> None:
         for parcel in [*self.parcels.values(), *self.model_parcels.values()]:
             parcel.discard()
-
-
-def data_spec(data: Any, name: str) -> tuple[Any, int | None, int | None]:
-    """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size).
-
-    A stream (``IterableDataset``) has no length here: its epochs end where a
-    rank's share of it ends (``worker/data/batch_agreement.py``).
-    """
-    from torch.utils.data import DataLoader
-
-    from nbddp.protocol import data_forms as dataforms
-    from nbddp.protocol.data_forms import DataSpec
-
-    if dataforms.is_split_dict(data):
-        data = dataforms.one_split(data, name)
-    if isinstance(data, DataLoader):
-        from torch.utils.data.dataloader import default_collate
-
-        collate = None if data.collate_fn is default_collate else data.collate_fn
-        if dataforms.is_stream(data.dataset):
-            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None,
-                            loader=dataforms.stream_loader_settings(data))
-            return spec, None, data.batch_size
-        settings, sampler = dataforms.loader_settings(data)
-        spec = DataSpec(dataset=data.dataset, collate_fn=collate, loader=settings, sampler=sampler)
-        return spec, len(data.dataset), data.batch_size
-    if isinstance(data, (tuple, list)) and _tensor_tuple(data):
-        return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
-    if dataforms.is_stream(data):
-        return DataSpec(dataset=data, stream=True), None, None
-    if dataforms.is_map_style(data):
-        return DataSpec(dataset=data), len(data), None
-    if callable(data):
-        return DataSpec(factory=data), None, None
-    hint = ""
-    if isinstance(data, Iterator):
-        hint = (". An iterator or generator can be read only once and cannot travel to the workers: wrap what makes it "
-                "in an IterableDataset whose __iter__ starts afresh (class S(IterableDataset): def __iter__(self): ...)")
-    raise TypeError(f"{name} must be {dataforms.FORMS}; got {dataforms.describe(data)}{hint}")
-
-
-def _tensor_tuple(data: Any) -> bool:
-    """Whether ``data`` is meant as tensors (x, y, ...): any tuple, or a list of tensors only."""
-    import torch
-
-    return isinstance(data, tuple) or bool(data) and all(isinstance(t, torch.Tensor) for t in data)
-
-
-def _tensor_dataset(data: Any, name: str) -> Any:
-    import torch
-    from torch.utils.data import TensorDataset
-
-    if not data or not all(isinstance(t, torch.Tensor) for t in data):
-        kinds = [type(t).__name__ for t in data]
-        raise TypeError(f"{name}: a tuple must hold tensors (x, y, ...), got ({', '.join(kinds)})")
-    lengths = [t.shape[0] if t.dim() else None for t in data]
-    if None in lengths or len(set(lengths)) != 1:
-        raise ValueError(
-            f"{name}: the tensors of the tuple must have the same first dimension (one row per sample); "
-            f"got lengths {lengths}"
-        )
-    return TensorDataset(*data)
 
 
 def keep_loader_settings(settings: dict[str, Any] | None, batch_size: Any, options: dict[str, Any]) -> None:
@@ -212,7 +151,7 @@ def check_units(model: Any, cfg: FitConfig) -> None:
 
 def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False,
                    keep: str | None = None) -> None:
-    """A model-parallel strategy and its mesh, for these workers, this model and this data (``topology_checks``);
+    """A model-parallel strategy and its mesh, for these workers, this model and this data (``parallel_checks.py``);
     then what the fit asks of the strategy (a stream, ``keep=``), as it declares it."""
     from nbddp.fit.parallel_checks import check_batch, check_model, resolve
 

@@ -155,7 +155,7 @@ def check_metrics(metrics: Any) -> dict[str, Any]:
 
 def data_of(data: Any, what: str) -> tuple[Any, int | None, int | None]:
     """``(DataSpec, length if known here, a DataLoader's batch size)``."""
-    from nbddp.fit.preflight import data_spec
+    from nbddp.protocol.data_forms import data_spec
 
     spec, n, loader_batch_size = data_spec(data, f"{what}(data=...)")
     if spec.prebatched:

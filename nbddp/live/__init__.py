@@ -13,6 +13,12 @@ A view has three methods, called from the fit's watcher thread:
 ``start(run)``, ``update(run)`` (throttled by the view), ``finish(run)``.
 ``run.live_state`` holds status, per-rank figures and metadata;
 ``run.history`` the records so far. ``live/`` never imports torch.distributed.
+
+Everything nbddp draws lives here: the views, the figures (``plot.py``,
+``compare.py``, ``timeline.py``) and a Slurm job's waiting line
+(``job_line.py``). The packages that measure (``profiling/``) or run the
+engines (``cluster/``) hand this one their numbers, or are handed its
+drawing, and import nothing of it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a view shows of a running fit: the state the kernel's watcher keeps up to date.
 
-Plain data, written by the watcher thread (``fitting.FitRun``) and read by
+Plain data, written by the watcher thread (``nbddp.fit.fit_run.FitRun``) and read by
 the views; a field is replaced whole, never mutated in place, so a view
 drawing from another moment sees one consistent value per field.
 """

@@ -10,7 +10,8 @@ Layout::
     +-----------------------+  [Stop]
 
 Everything is drawn from the fit's watcher thread: trait changes from a
-thread reach the browser even while the cell blocks (``ipyparallel-facts.md``).
+thread reach the browser even while the cell blocks (``docs/ipyparallel-notes.md``,
+"Notebooks and widgets").
 Text and progress are refreshed at most ``every`` seconds. The plot is the
 expensive part (20-45 ms of CPU per Agg render here), so it runs on a CPU
 budget: a redraw happens only when the plot's CPU so far, plus what the last

@@ -178,7 +178,7 @@ def find_batch_size(model: Any, data: Any, *, start: int = 1, max_batch_size: in
 
 
 def _length(data: Any) -> int | None:
-    from nbddp.fit.preflight import data_spec
+    from nbddp.protocol.data_forms import data_spec
 
     return data_spec(data, "find_batch_size(data=...)")[1]
 

@@ -2,7 +2,7 @@
 
 A short timed run (a warm-up, then a few dozen steps) at world sizes 1, 2,
 4, ... up to the running workers, each in a subgroup of ranks ``0..k-1`` of
-the same workers (``worker.planner.scaling_task``), so nothing restarts.
+the same workers (``nbddp.worker.tasks.trials.scaling_task``), so nothing restarts.
 For each size: samples/s, the speed-up over one worker, the scaling
 efficiency (speed-up / k), and the share of a step spent waiting on
 gradient communication: one synchronised step against the same step with

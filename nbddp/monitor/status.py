@@ -18,7 +18,7 @@ from nbddp.execution.send import to_engines
 HEALTH_TIMEOUT_S = 3.0
 
 COLUMNS = ("rank", "local rank", "host", "pid", "device", "alive", "memory", "keeps", "fit running")
-SHOWN_KEPT = 4  # kept items named per worker; the rest are summed
+SHOWN_RESIDENT = 4  # items named per worker in the keeps column; the rest are summed
 
 
 class StatusTable:
@@ -81,7 +81,7 @@ def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str, str]]:
         if ar is not None:
             try:
                 info = ar.get(timeout=max(0.01, deadline - time.monotonic()))
-                out[p.engine_id] = ("yes", _memory(info), kept_text(info.kept))
+                out[p.engine_id] = ("yes", _memory(info), resident_text(info.resident))
                 continue
             except Exception:  # noqa: BLE001 - busy, stuck or dead: decided below
                 pass
@@ -109,12 +109,12 @@ def _memory(info: Health) -> str:
     return text
 
 
-def kept_text(kept: tuple[tuple[str, int], ...]) -> str:
-    """``"net 1.2 GB, x 64 KB, and 3 more (2 MB)"``: the largest kept items first; ``"nothing"`` when none."""
-    if not kept:
+def resident_text(resident: tuple[tuple[str, int], ...]) -> str:
+    """The keeps column: ``"net 1.2 GB, x 64 KB, and 3 more (2 MB)"``, largest first; ``"nothing"`` when none."""
+    if not resident:
         return "nothing"
-    shown = ", ".join(f"{name} {_bytes(size)}" for name, size in kept[:SHOWN_KEPT])
-    rest = kept[SHOWN_KEPT:]
+    shown = ", ".join(f"{name} {_bytes(size)}" for name, size in resident[:SHOWN_RESIDENT])
+    rest = resident[SHOWN_RESIDENT:]
     return shown + (f", and {len(rest)} more ({_bytes(sum(size for _, size in rest))})" if rest else "")
 
 

@@ -27,7 +27,7 @@ from nbddp.profiling.trace_merge import profile_summary, write_trace
 from nbddp.protocol import store_channel
 from nbddp.protocol.messages import published
 from nbddp.protocol.profile_spec import request_path
-from nbddp.shipping.shm_files import write_note
+from nbddp.protocol.notes import write_note
 
 
 class ProfileRequests:

@@ -3,7 +3,10 @@
 ``dist_fit`` takes map-style datasets (sharded by ``DistributedSampler``),
 streams (a ``torch.utils.data.IterableDataset`` or a Hugging Face
 ``datasets.IterableDataset``, sharded by ``worker/data/streams.py``), loaders over
-either, tuples of tensors and zero-argument factories of any of these.
+either, tuples of tensors and zero-argument factories of any of these. ``data_spec``
+reads one of them into a ``DataSpec``, the picklable record a worker rebuilds
+the data from; it lives here, beside the record, because ``dist_fit``,
+``predict``/``evaluate`` and the planner all read data the same way.
 
 Hugging Face ``datasets`` is never imported here: an object can only be one
 of its datasets if the person's code imported the package already, so the
@@ -14,7 +17,7 @@ a person without ``datasets`` installed never pays for it).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 FORMS = ("a map-style Dataset (with __len__ and __getitem__, e.g. a Hugging Face datasets.Dataset), "
@@ -90,6 +93,69 @@ class DataSpec:
         self.prebatched = prebatched  # a DataLoader(batch_size=None) over a stream that yields whole batches
         self.loader = loader  # a person's DataLoader's settings (loader_settings), kept on the workers
         self.sampler = sampler  # that DataLoader's own sampler (not Random/Sequential): shared out per rank
+
+
+def data_spec(data: Any, name: str) -> tuple[DataSpec, int | None, int | None]:
+    """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size).
+
+    The kernel's one reading of a person's data, for ``dist_fit``, ``predict``,
+    ``evaluate`` and the planner alike: ``name`` is the argument the errors name
+    (``"dist_fit(data=...)"``).
+
+    A stream (``IterableDataset``) has no length here: its epochs end where a
+    rank's share of it ends (``worker/data/batch_agreement.py``).
+    """
+    from torch.utils.data import DataLoader
+
+    if is_split_dict(data):
+        data = one_split(data, name)
+    if isinstance(data, DataLoader):
+        from torch.utils.data.dataloader import default_collate
+
+        collate = None if data.collate_fn is default_collate else data.collate_fn
+        if is_stream(data.dataset):
+            spec = DataSpec(dataset=data.dataset, collate_fn=collate, stream=True, prebatched=data.batch_size is None,
+                            loader=stream_loader_settings(data))
+            return spec, None, data.batch_size
+        settings, sampler = loader_settings(data)
+        spec = DataSpec(dataset=data.dataset, collate_fn=collate, loader=settings, sampler=sampler)
+        return spec, len(data.dataset), data.batch_size
+    if isinstance(data, (tuple, list)) and _tensor_tuple(data):
+        return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
+    if is_stream(data):
+        return DataSpec(dataset=data, stream=True), None, None
+    if is_map_style(data):
+        return DataSpec(dataset=data), len(data), None
+    if callable(data):
+        return DataSpec(factory=data), None, None
+    hint = ""
+    if isinstance(data, Iterator):
+        hint = (". An iterator or generator can be read only once and cannot travel to the workers: wrap what makes it "
+                "in an IterableDataset whose __iter__ starts afresh (class S(IterableDataset): def __iter__(self): ...)")
+    raise TypeError(f"{name} must be {FORMS}; got {describe(data)}{hint}")
+
+
+def _tensor_tuple(data: Any) -> bool:
+    """Whether ``data`` is meant as tensors (x, y, ...): any tuple, or a list of tensors only."""
+    import torch
+
+    return isinstance(data, tuple) or bool(data) and all(isinstance(t, torch.Tensor) for t in data)
+
+
+def _tensor_dataset(data: Any, name: str) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    if not data or not all(isinstance(t, torch.Tensor) for t in data):
+        kinds = [type(t).__name__ for t in data]
+        raise TypeError(f"{name}: a tuple must hold tensors (x, y, ...), got ({', '.join(kinds)})")
+    lengths = [t.shape[0] if t.dim() else None for t in data]
+    if None in lengths or len(set(lengths)) != 1:
+        raise ValueError(
+            f"{name}: the tensors of the tuple must have the same first dimension (one row per sample); "
+            f"got lengths {lengths}"
+        )
+    return TensorDataset(*data)
 
 
 def stream_loader_settings(loader: Any) -> dict[str, Any]:

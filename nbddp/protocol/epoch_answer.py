@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from nbddp.shipping.shm_files import read_note, shm_dir, write_note
+from nbddp.protocol.notes import read_note, shm_dir, write_note
 
 #: a kernel that has not answered in this long is gone or stuck: the workers go on without its answer, with a
 #: notice (the kernel's side answers every point, also when a hook raises; slow hooks get this much time)

@@ -14,7 +14,7 @@ message         direction            when
 ``JoinReply``   each rank -> kernel  after joining a process-group generation
 ``Health``      each rank -> kernel  ``%ddp status``
 ``StackDump``   each rank -> kernel  ``nbddp.stacks()``
-``KeptFailure`` each rank -> kernel  ``%ddp debug``: the failure it keeps
+``PostMortemFailure`` each rank -> kernel  ``%ddp debug``: the failure it keeps
 ``ScriptResult`` each rank -> kernel ``nbddp.run_script``'s return value
 ``TrialResult``  each rank -> kernel ``find_batch_size``: one trial step's outcome
 ``ScalingRow``   rank 0 -> kernel     ``scaling_report``: one world size, timed
@@ -65,7 +65,7 @@ class FitLaunch:
     returns: str  # "state_dict": weights into the notebook's model; "module": the trained module; "none"
     resident: tuple[str, ...] = ()  # dataset keys the kernel believes the workers hold
     keep: str | None = None  # bind the trained module to this name in every rank's %%ddp namespace
-    best: Any = None  # improvement.BestSpec: keep the best check's weights and end with them (restore_best)
+    best: Any = None  # fit_options.BestSpec: keep the best check's weights and end with them (restore_best)
     stoppers: tuple[Any, ...] = ()  # every EarlyStopping's BestSpec (with patience): the workers decide the stop
     answers: tuple[str, ...] = ()  # record kinds after which the ranks wait for the kernel's callbacks (epoch_answer)
     channel: str = ""  # a group across hosts: the fit's token in the store keys of answers/requests (store_channel)
@@ -139,7 +139,7 @@ class FitResult:
     timings: dict[str, float]
     records: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
-    weights: Any = None  # shipping.Parcel, or None
+    weights: Any = None  # a shipping/pickling.py Parcel, or None
     restored: dict[str, Any] | None = None  # restore_best: the step and value whose weights these are
     plan: FitPlanInfo | None = None  # rank 0: the plan it published (which may arrive after the result does)
     stop_reason: str | None = None  # the workers stopped training early, and why (on_nan="stop")
@@ -166,7 +166,8 @@ class Health:
     names: int
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
-    kept: tuple[tuple[str, int], ...] = ()  # (name, bytes) of what the worker keeps between tasks (worker/memory/kept_objects.py)
+    # (name, bytes) of what stays on the worker between tasks (worker/memory/resident_sizes.py)
+    resident: tuple[tuple[str, int], ...] = ()
 
 
 # How a rank's stack reaches the kernel when its main thread cannot answer (blocked in C): the kernel sends
@@ -194,7 +195,7 @@ def innermost_frames(stack: str, frames: int = 3) -> str:
 
 
 @dataclass(frozen=True)
-class KeptFailure:
+class PostMortemFailure:
     """A failure a rank keeps for ``%ddp debug``: as which rank it failed, and where."""
 
     rank: int  # the rank it had when it failed (the one the WorkerError named)
@@ -236,7 +237,7 @@ class ScalingRow:
     step_s: float  # one optimizer step, gradients reduced
     local_step_s: float  # the same step without reducing gradients (no_sync)
     peak_mem: int  # the largest peak of the ranks taking part
-    topology: str = ""  # how the ranks trained: "ddp", "pp=2", "dp=2 x tp=2 (ddp over dp)" (topologies.describe)
+    topology: str = ""  # how the ranks trained: "ddp", "pp=2", "dp=2 x tp=2 (ddp over dp)" (parallel_settings.describe)
     phase_s: list[dict[str, float]] = field(default_factory=list)  # each rank's seconds per TIMED_PHASES, synced
 
 
@@ -257,7 +258,7 @@ class PredictLaunch:
 class PredictResult:
     """One rank's end of ``predict``/``evaluate``.
 
-    ``outputs``: a ``shipping.Parcel`` of ``{"kind", "value", "rows"}`` (``worker/inference/outputs.py``);
+    ``outputs``: a ``nbddp.shipping.pickling.Parcel`` of ``{"kind", "value", "rows"}`` (``worker/inference/outputs.py``);
     ``values``: ``evaluate``'s exact values (a Parcel, rank 0 only); ``first``: the dataset index of this
     rank's first sample (its block is ``first .. first + samples - 1``; of a stream, every ``stride``-th sample).
     """

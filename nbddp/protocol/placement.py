@@ -24,7 +24,7 @@ from nbddp.protocol.errors import TopologyError
 
 @dataclass(frozen=True)
 class Probe:
-    """What an engine said about itself (see ``worker.probe.probe``)."""
+    """What an engine said about itself (see ``nbddp.worker.tasks.probe.probe``)."""
 
     engine_id: int
     host: str

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 MINIMUM = {"wait": 0, "warmup": 0, "active": 1, "repeat": 1}
 

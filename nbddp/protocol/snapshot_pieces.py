@@ -2,7 +2,7 @@
 
 An elastic fit's snapshot is a set of files in a ``/dev/shm`` folder of the
 same path on every host (``worker/checkpoints/peer_copies.py`` and
-``shard_copies.py``): one file for a replicated (DDP) fit, a DCP folder of
+``worker/checkpoints/shard_copies.py``): one file for a replicated (DDP) fit, a DCP folder of
 one file per rank plus ``.metadata`` and ``loop.pt`` for a sharded one. After
 a lost host, or a lost Slurm job whose new nodes hold only part of it, no
 host may hold a whole step, yet the hosts together may: the relaunch copies

@@ -101,15 +101,17 @@ class StrategySettings:
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickled by name where the workers can import the class; else class and fields by value (cloudpickle).
+        """nbddp's own settings pickle by name; anyone else's through cloudpickle, which takes the class by value
+        where the workers cannot import it.
 
         The ``FitConfig`` that holds these settings travels through
         ipyparallel's own pickling, which takes a notebook's class by name:
-        ``Can't get attribute 'LoudDDP'`` on the workers.
+        ``Can't get attribute 'LoudDDP'`` on the workers. cloudpickle takes
+        ``__main__``'s classes by value, and a module that nbddp ships by value
+        (``nbddp/shipping/by_value.py``) was registered with it when the fit's
+        arguments were packed, before this ``FitConfig`` is sent.
         """
-        from nbddp.shipping.by_value import register_class_module
-
-        if not register_class_module(type(self)):
+        if type(self).__module__.split(".")[0] == "nbddp":
             return super().__reduce_ex__(protocol)
         import cloudpickle
 

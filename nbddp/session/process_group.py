@@ -21,7 +21,7 @@ from typing import Any
 
 from nbddp.protocol import placement as topology
 from nbddp.protocol.errors import ClusterError
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 from nbddp.session.start_options import StartOptions
 from nbddp.execution.send import on_engines, to_engine, to_ranks
 

@@ -24,6 +24,7 @@ from typing import Any
 from nbddp.protocol import placement as topology
 from nbddp.cluster.engines import Workers
 from nbddp.debugging.rank_lines import DebugBoard
+from nbddp.live.job_line import JobLine
 from nbddp.protocol.errors import ClusterError, FitRunningError, NotStartedError
 from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
@@ -150,13 +151,13 @@ class Session:
         if request is not None:  # a Slurm job: threads are its --cpus-per-task (the nodes' cores are not ours to count)
             env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
             return Workers.start(n, request.cluster(n, threads), file_prefix=self.file_prefix, engine_env=env,
-                                 queue_timeout=request.queue_timeout)
+                                 queue_timeout=request.queue_timeout, show=JobLine())
         n_local = n or 2
         # CPU threads per worker, fixed in the environment before torch is imported (as torchrun
         # does); join_process_group sets the same number again once ranks are known
         per_worker = threads or (threads_per_worker(n_local) if cluster is None else None)
         env = {"OMP_NUM_THREADS": str(per_worker), "MKL_NUM_THREADS": str(per_worker)} if per_worker else {}
-        return Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env)
+        return Workers.start(n_local, cluster, file_prefix=self.file_prefix, engine_env=env, show=JobLine())
 
     def stop(self, wait_gone: bool = True) -> None:
         """Stop the workers this kernel started; never starts any (a heal under way is cancelled).

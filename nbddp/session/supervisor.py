@@ -109,7 +109,7 @@ class Supervisor:
                             "Run nbddp.restart() to start fresh workers (or nbddp.stop()).")
 
     def job_lost(self, job: Any, what: str | None = None) -> SlurmError:
-        """The Slurm job holding the engines is over (``job``: its ``slurm_jobs.JobState``).
+        """The Slurm job holding the engines is over (``job``: its ``nbddp.cluster.slurm.queue.JobState``).
 
         Its engines are gone with it, so nothing is healed: a replacement would
         be another job in the queue that nobody asked for. ``nbddp.restart()``

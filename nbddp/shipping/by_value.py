@@ -18,7 +18,7 @@ package always travels by reference: the workers import it.
 
 Workers also reload such modules when their file changed, for code that
 imports them itself (``import mylib`` in a ``%%ddp`` cell or a script); see
-``worker.freshness``.
+``worker/tasks/module_reload.py``.
 """
 
 from __future__ import annotations
@@ -127,31 +127,6 @@ def register_edited_modules() -> list[str]:
             _REGISTERED[name] = id(module)
         registered.append(name)
     return registered
-
-
-def register_class_module(cls: type) -> bool:
-    """Whether the workers need ``cls`` by value; if so, its module is registered with cloudpickle for it.
-
-    ``__main__``'s classes (a notebook's), and those of a module that travels
-    by value (a file next to the notebook, a test module), cannot be imported
-    by name on the workers. An object that ipyparallel pickles itself rather
-    than a ``Parcel`` (a strategy's settings inside the ``FitConfig``) calls
-    this from its ``__reduce_ex__`` and, when it says so, packs itself with
-    cloudpickle (``protocol/strategy_settings.py``).
-    """
-    import cloudpickle
-
-    name = cls.__module__
-    module = sys.modules.get(name)
-    if name == "__main__" or module is None:  # cloudpickle pickles these by value already
-        return True
-    if not travels_by_value(name, module):
-        return False
-    with _LOCK:
-        if _REGISTERED.get(name) != id(module):
-            cloudpickle.register_pickle_by_value(module)
-            _REGISTERED[name] = id(module)
-    return True
 
 
 def _name_of(module: Any, what: str) -> str:

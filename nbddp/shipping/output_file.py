@@ -91,7 +91,7 @@ def layout_of(out: Any, n: int) -> Layout | None:
 
 def create(prefix: str) -> str:
     """A new empty owner-only file for one call's outputs, named with the session's prefix (removed with it)."""
-    from nbddp.shipping.shm_files import shm_dir
+    from nbddp.protocol.notes import shm_dir
 
     path = os.path.join(shm_dir(), f"{prefix}-out-{secrets.token_hex(8)}")
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))

@@ -1,6 +1,6 @@
 """Moving Python objects between the kernel and the workers, by value.
 
-Two facts shape this module (see ``ipyparallel-facts.md``):
+Two facts shape this module (``docs/ipyparallel-notes.md``, "Shipping objects"):
 
 * ipyparallel's own canning breaks notebook-defined ``nn.Module`` classes that
   call ``super()``; pickling with cloudpickle to *bytes* and loading the
@@ -32,7 +32,8 @@ import cloudpickle
 
 from nbddp.protocol.errors import ShippingError
 from nbddp.shipping.by_value import register_edited_modules
-from nbddp.shipping.shm_files import BufferPool, release_pooled, shm_dir
+from nbddp.protocol.notes import shm_dir
+from nbddp.shipping.shm_files import BufferPool, release_pooled
 from nbddp.shipping.source_lines import NamingPickler
 from nbddp.shipping.source_lines import register as register_sources
 

@@ -1,8 +1,8 @@
 """The ``/dev/shm`` files that carry tensors between the kernel and the workers on one host.
 
 A tensor file is written once per transfer by one side and mapped by the
-other (``shipping/pickling.py``). A note is a small JSON file the kernel
-replaces while a rank reads it (a profile request, a callback's answer). Large transfers reuse their files
+other (``shipping/pickling.py``), in the folder both sides agree on
+(``protocol/notes.py``, with the small notes). Large transfers reuse their files
 (``BufferPool``); every file carries the session's prefix, so whoever owns
 the session can remove them all, a killed worker's too (``remove_files``).
 Files are created owner-only (0600).
@@ -10,22 +10,13 @@ Files are created owner-only (0600).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import secrets
 import shutil
-import tempfile
 import threading
-from typing import Any
 
-
-def shm_dir() -> str:
-    """Where tensor files go: RAM-backed ``/dev/shm`` when it is writable."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        return "/dev/shm"
-    return tempfile.gettempdir()
-
+from nbddp.protocol.notes import shm_dir
 
 _POOL_OF: dict[str, "BufferPool"] = {}  # path -> pool, for this process's pooled files
 
@@ -139,24 +130,6 @@ def remove_files(prefix: str) -> int:
         else:
             _unlink(path)
     return len(paths)
-
-
-def write_note(path: str, value: Any) -> None:
-    """Replace the note at ``path`` with ``value`` as JSON, atomically and owner-only: a reader sees old or new."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-
-
-def read_note(path: str) -> Any:
-    """The note at ``path``, or None when there is none (or it is being replaced on a file system without rename)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def release_pooled(path: str) -> None:

@@ -10,14 +10,13 @@ replacement. Batch launchers never poll their job, so this module does:
   Slurm can never start, or one held past ``queue_timeout``, is cancelled
   and named in the error; Kernel > Interrupt cancels it;
 * ``ended()``: a job that is over (cancelled, out of time, a node lost) is
-  what the fault path (``tasks.RankTasks``, ``Session.ensure_ready``)
+  what the fault path (``nbddp.execution.rank_tasks.RankTasks``, ``Session.ensure_ready``)
   reports, within about a second, instead of waiting for heartbeats;
 * ``cancel()`` / ``wait_gone()``: no job is left in ``squeue`` after stop.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -155,13 +154,16 @@ class SlurmJobs:
             time.sleep(0.1)
 
     def wait_started(self, workers: Any, n: int, queue_timeout: float | None, run_timeout: float,
-                     show: Any = True) -> None:
+                     show: Any = None) -> None:
         """Wait until ``n`` engines registered, while the newest job waits in Slurm's queue and starts.
 
-        ``show``: True for a ``JobLine`` in the cell, False for nothing, or an object with ``JobLine.show``'s
-        signature (an elastic fit's live view, ``elastic/job_loss.py``).
+        ``show``: None for nothing, or what draws the wait: an object with a
+        ``show(job, waited, have, n, final="")`` method, called about every
+        50 ms (``live/job_line.py``'s ``JobLine`` in the cell, given by the
+        session; an elastic fit's live view, ``elastic/job_loss.py``). The
+        drawing is passed in so that ``cluster/`` imports nothing of ``live/``.
         """
-        line = JobLine() if show is True else (show or None)
+        line = show
         job_id = self.ids[-1] if self.ids else "?"
         t0, running_at, job = time.monotonic(), None, JobState(job_id, "PENDING")
         try:
@@ -213,46 +215,3 @@ class SlurmJobs:
         return SlurmError(f"{job.headline()}, but only {have} of {n} engines registered within {timeout:.0f} s of "
                           "its start, so nbddp cancelled it. The engines may not reach the controller (see "
                           f"controller_ip in docs/multi-node.md), or fail at start-up.{tail}", job.job_id, job.state)
-
-
-class JobLine:
-    """One line about the job, kept current: a display updated in place in Jupyter, ``\\r`` on a terminal.
-
-    Elsewhere (a log, a pipe) a new line is written only when what it says changes, not every second.
-    """
-
-    def __init__(self, every: float = 1.0, stream: Any = None):
-        from nbddp.live import in_notebook_kernel
-
-        self.every = every
-        self.stream = stream or sys.stdout
-        self._kernel = stream is None and in_notebook_kernel()
-        self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._handle: Any = None
-        self._said = ""
-        self._shown_at = float("-inf")
-
-    def show(self, job: JobState, waited: float, have: int, n: int, final: str = "") -> None:
-        words = job.headline() + (f", {have} of {n} engines registered" if job.running or final == "started" else "")
-        if final and final != "started":
-            words = f"Slurm job {job.job_id}: {final}"
-        now = time.monotonic()
-        if not final and words == self._said and now - self._shown_at < self.every:
-            return
-        changed, self._said, self._shown_at = words != self._said, words, now
-        self._write(f"{words}, {fmt_clock(waited)}", changed, bool(final))
-
-    def _write(self, text: str, changed: bool, final: bool) -> None:
-        if self._kernel:
-            from IPython.display import display
-
-            data = {"text/plain": text}
-            if self._handle is None:
-                self._handle = display(data, raw=True, display_id=True)
-            else:
-                self._handle.update(data, raw=True)
-        elif self._tty:
-            self.stream.write("\r" + text + "\x1b[K" + ("\n" if final else ""))
-        elif changed or final:
-            self.stream.write(text + "\n")
-        self.stream.flush()

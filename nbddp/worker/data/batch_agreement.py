@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nbddp.worker.data.batches import batch_size_of
 from nbddp.worker.engine.heartbeat import BEAT
+from nbddp.worker.engine.group_lifetime import destroy_subgroup
 
 UNKNOWN = sys.maxsize  # the epoch's length until its end is agreed
 NONE, HAVE, FAILED = 0, 1, 2  # what a rank's slot says of the batch: it has none, has it, or failed reading it
@@ -83,8 +84,6 @@ class Agreement:
 
     def close(self) -> None:
         if self.own_group is not None:
-            from nbddp.worker.tasks.process_group import destroy_subgroup
-
             destroy_subgroup(self.own_group)
             self.own_group = None
 

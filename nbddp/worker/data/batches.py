@@ -1,6 +1,6 @@
 """One batch -> (loss, sample count, extra values, output, target).
 
-The rules, as ``design.md`` states them:
+The rules, as ``docs/dist_fit.md`` states them for a person:
 
 * ``step_fn(model, batch)`` returns the loss, or a dict with ``"loss"`` whose
   other entries are recorded too; it overrides everything else.

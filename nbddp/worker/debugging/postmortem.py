@@ -11,7 +11,7 @@ batch-size trial, a scaling report: ``user_task(trains=True)``), or by
 
 The rank is idle after a failure, so the post-mortem is an ordinary task:
 it connects to the kernel's debug listener like a breakpoint does
-(``worker.debugger``) and returns when the person leaves pdb.
+(``rank_pdb.py``) and returns when the person leaves pdb.
 """
 
 from __future__ import annotations

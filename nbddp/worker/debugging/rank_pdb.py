@@ -7,7 +7,7 @@ instead: a TCP connection to the kernel's debug listener (``nbddp.debugging.rank
 loopback on one host), authenticated by a per-session token, and runs
 ``pdb.Pdb`` with that connection as its stdin and stdout. One design for
 both cases: a breakpoint connects from inside the running task; a
-post-mortem is an ordinary task on the idle rank (``worker.postmortem``)
+post-mortem is an ordinary task on the idle rank (``postmortem.py``)
 that connects the same way, so the kernel has one conversation to hold.
 
 The line carries newline-delimited JSON: the rank sends ``hello`` (token,
@@ -15,7 +15,7 @@ rank, where), ``out`` (pdb's output), ``ask`` (pdb waits for a command) and
 ``end``; the kernel sends ``line`` (a command) or ``release`` (continue now,
 no prompt could open; the reason is printed).
 
-While pdb holds the rank, its heartbeat says ``paused`` (``worker.monitor``):
+While pdb holds the rank, its heartbeat says ``paused`` (``worker/engine/heartbeat.py``):
 the kernel neither counts it nor the ranks waiting for it as stalled. ``q``
 raises ``DebuggerQuit`` in the person's code (the fit ends with "debugger
 quit on rank R"); ``c`` with no breakpoints set closes the line.

@@ -12,9 +12,10 @@ Groups made this way are named after their ranks, so making a second one over
 the same ranks would meet the first one's rendezvous keys in the store. A
 module kept with ``keep=`` holds DTensors on its mesh, so it stays usable.
 When the generation ends, every group goes with the world group
-(``session/process_group.py``). Before every new mesh DTensor's caches are forgotten
-(``group.forget_meshes``): a cached sharding plan that names a group of
-another generation hangs or fails the next fit (measured, see the facts file).
+(``worker/tasks/process_group.py``). Before every new mesh DTensor's caches are
+forgotten (``group_lifetime.forget_meshes``): a cached sharding plan that names
+a group of another generation hangs or fails the next fit (measured:
+``docs/ipyparallel-notes.md``, "Process groups").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nbddp.protocol.mesh_layout import Layout
-from nbddp.worker.tasks.process_group import forget_meshes
+from nbddp.worker.engine.group_lifetime import forget_meshes
 from nbddp.worker.engine.rank_state import STATE
 
 

@@ -53,7 +53,7 @@ class Heartbeat:
         self.step_time_s = 0.0
         self.changed = time.monotonic()
         self._last_step: float | None = None  # set at the first micro-batch: set-up is not a step
-        self.paused_at = ""  # file:line of a debugger prompt holding the rank (worker.debugger)
+        self.paused_at = ""  # file:line of a debugger prompt holding the rank (worker/debugging/rank_pdb.py)
         self._before_pause = phase
         # inside a step whose communication nbddp does not mark (a pipeline schedule): the monitor shows a
         # rank blocked in torch.distributed as "collective", i.e. waiting for a peer, not stalled itself

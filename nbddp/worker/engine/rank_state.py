@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 @dataclass
 class WorkerState:
-    placement: Any = None  # topology.Placement of this rank
+    placement: Any = None  # nbddp.protocol.placement.Placement of this rank
     backend: str = ""
     generation: int = -1  # process-group generation this engine joined
     stop_requested: bool = False
@@ -28,11 +28,12 @@ class WorkerState:
     watchdog: threading.Thread | None = None
     file_prefix: str = ""  # names of this worker's shared-memory files (set by the kernel's session)
     master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
-    stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (worker.monitor)
-    debug_address: tuple[str, int, str] | None = None  # the kernel's debugger: host, port, token (worker.debugger)
-    debugger: Any = None  # the worker.debugger.RankPdb holding this rank now
-    failure: Any = None  # the worker.postmortem.Failure kept for %ddp debug
-    mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (worker.mesh)
+    stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (heartbeat.py)
+    # the kernel's debugger: host, port, token (worker/debugging/rank_pdb.py)
+    debug_address: tuple[str, int, str] | None = None
+    debugger: Any = None  # the nbddp.worker.debugging.rank_pdb.RankPdb holding this rank now
+    failure: Any = None  # the nbddp.worker.debugging.postmortem.Failure kept for %ddp debug
+    mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (device_mesh.py)
     kept_by: dict[str, Any] = field(default_factory=dict)  # keep= name -> worker.inference.kept.KeptFit
 
 

@@ -3,7 +3,8 @@
 *Averaging.* Replicas over ``dp`` average their gradients once per optimizer
 step, in one flat ``all_reduce`` per dtype (DDP's arithmetic without its
 reducer: torch's reducer asserts under a GPipe schedule, and with
-``static_graph=True`` it gave wrong weights; see the facts file). A DTensor's
+``static_graph=True`` it gave wrong weights; ``docs/ipyparallel-notes.md``,
+"Model-parallel training on CPU"). A DTensor's
 gradient is averaged through its local shard.
 
 *Global norm.* ``clip_grad_norm_`` cannot take a mix of plain tensors and

@@ -36,7 +36,7 @@ class MeshStrategy(Strategy):
         super().__init__(device)
         self.spec, self.precision = spec, precision
         self.layout = layout(mesh, mesh["dp"] * mesh[spec.mp_dim])
-        self.mesh: Any = None  # worker.mesh.RankMesh, built in wrap
+        self.mesh: Any = None  # nbddp.worker.engine.device_mesh.RankMesh, built in wrap
         self.rank = 0  # this rank's index among the fit's ranks
 
     @classmethod

@@ -152,7 +152,7 @@ class PipelineStrategy(MeshStrategy):
         self._base_loss = ts.loss_fn or default_loss
         self._scale, self._scaler = 1.0 / (self.spec.microbatches * window), ts.scaler
         self._losses = []
-        BEAT.watch_waits = True  # a stage waiting on another shows "collective" (worker.monitor)
+        BEAT.watch_waits = True  # a stage waiting on another shows "collective" (worker/engine/heartbeat.py)
         try:
             with ts.autocast():
                 self.schedule.step(*(inputs if self.holds_first else ()),

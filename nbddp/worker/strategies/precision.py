@@ -1,6 +1,6 @@
 """Precision on a rank: the autocast context and the gradient scaler, by precision name.
 
-Names as Lightning spells them (``options.PRECISIONS``): ``"32-true"`` (no
+Names as Lightning spells them (``nbddp.protocol.fit_options.PRECISIONS``): ``"32-true"`` (no
 autocast), ``"bf16-mixed"`` (bf16 autocast, fp32 weights; CPU and GPU),
 ``"16-mixed"`` (fp16 autocast with a gradient scaler; CUDA only).
 """

@@ -6,8 +6,8 @@ checks the plan). Every rank of a group runs the whole forward on the same
 batch; a colwise layer computes a slice of the features, the rowwise layer
 after it sums the slices with one all-reduce. Over ``dp``, replicas average
 gradients, or FSDP2 shards each block over its replicas after TP
-(``parallelize_module`` first, then ``fully_shard`` on ``mesh["dp"]``, as the
-facts file measured).
+(``parallelize_module`` first, then ``fully_shard`` on ``mesh["dp"]``, as
+measured: ``docs/ipyparallel-notes.md``, "Model-parallel training on CPU").
 
 Measured on 2 CPU ranks against one process (float32, SGD): an MLP 1.5e-8, a
 transformer block 6e-8. With AdamW a parameter whose true gradient is zero

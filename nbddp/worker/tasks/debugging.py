@@ -7,20 +7,20 @@ the kernel sends, each one task on an idle rank.
 
 from __future__ import annotations
 
-from nbddp.protocol.messages import KeptFailure, StackDump
+from nbddp.protocol.messages import PostMortemFailure, StackDump
 from nbddp.worker.debugging.postmortem import clear
 from nbddp.worker.debugging.rank_pdb import Channel, RankPdb
 from nbddp.worker.debugging.rank_pdb import set_address as set_debugger_address
 from nbddp.worker.engine.rank_state import STATE
 
 
-def kept() -> KeptFailure | None:
-    """What this rank keeps, for the kernel's list (None: nothing)."""
+def post_mortem_failure() -> PostMortemFailure | None:
+    """The failure this rank keeps for a post-mortem, for the kernel's list (None: nothing)."""
     f = STATE.failure
     if f is None:
         return None
     current = STATE.placement.rank if STATE.placement is not None else -1
-    return KeptFailure(rank=f.rank, current_rank=current, generation=f.generation, exc_type=type(f.exc).__name__,
+    return PostMortemFailure(rank=f.rank, current_rank=current, generation=f.generation, exc_type=type(f.exc).__name__,
                        message=str(f.exc)[:300], where=f.where, function=f.function)
 
 
@@ -57,4 +57,4 @@ def idle_stack() -> StackDump:
     return StackDump(rank=rank, busy=False, text="", source="idle")
 
 
-__all__ = ["kept", "post_mortem_task", "clear_task", "idle_stack", "set_debugger_address"]
+__all__ = ["post_mortem_failure", "post_mortem_task", "clear_task", "idle_stack", "set_debugger_address"]

@@ -2,7 +2,8 @@
 
 Each wraps one piece of worker machinery and returns plain data or a
 ``shipping.Parcel``, never a user-defined object through ipyparallel's own
-canning (which breaks notebook classes; see the facts file).
+canning (which breaks notebook classes; ``docs/ipyparallel-notes.md``,
+"Shipping objects").
 """
 
 from __future__ import annotations

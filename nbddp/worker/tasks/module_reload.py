@@ -10,7 +10,7 @@ file changed since the worker imported them are reloaded, as
 task that imported it ends, so the next task sees whether it changed.
 
 Both walks cost milliseconds whatever is imported: which modules are the
-person's is decided once per module object (``modules.by_value_modules``),
+person's is decided once per module object (``nbddp.shipping.by_value.by_value_modules``),
 and only those files are ``stat``-ed. Measured on a worker with 2,400
 modules (torch and friends): 0.08-0.11 s per walk when every module was
 sorted and stat-ed each time, ~0.3 ms now.

@@ -1,6 +1,6 @@
 """What an engine reports about itself: host, pid, addresses, GPUs, versions.
 
-Joining the process group is ``worker.group``'s.
+Joining the process group is ``process_group.py``'s.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 """Joining (and leaving) one generation of the process group, on a worker.
 
-A failed process group cannot be reused (see the facts file), so every new
+A failed process group cannot be reused (``docs/ipyparallel-notes.md``,
+"Process groups"), so every new
 generation destroys the old group first, then joins on a fresh store (a new
 file or port). Joining also sets what the rest of the worker reads: this
 rank's placement in ``STATE``, the names ``%%ddp`` cells see, CPU threads,
-the socket interface, and the allocator settings.
+the socket interface, and the allocator settings. The groups made beyond the
+world group end through ``worker/engine/group_lifetime.py``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from nbddp.protocol.cpus import threads_for
 from nbddp.protocol.messages import JoinReply
 from nbddp.protocol.placement import Placement
 from nbddp.worker.engine import torchrun
+from nbddp.worker.engine.group_lifetime import forget_meshes
 from nbddp.worker.memory.allocator import tune_allocator
 from nbddp.worker.memory.release import drop_failed_frames
 from nbddp.worker.engine.rank_state import STATE
@@ -106,7 +108,7 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
         STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
     if STATE.file_prefix:  # SIGUSR1 -> every thread's stack, for nbddp.stacks(); removed with the session's files
-        from nbddp.shipping.shm_files import shm_dir
+        from nbddp.protocol.notes import shm_dir
         from nbddp.worker.engine.heartbeat import enable_stack_dumps
 
         enable_stack_dumps(os.path.join(shm_dir(), f"{STATE.file_prefix}-stacks"))
@@ -125,40 +127,3 @@ def leave_process_group() -> None:
         forget_meshes()
     STATE.mesh_groups.clear()
     STATE.generation = -1
-
-
-def destroy_subgroup(group: Any) -> None:
-    """Destroy a group made with ``dist.new_group`` and forget the meshes built on it."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group(group)
-    forget_meshes()
-
-
-def forget_meshes() -> None:
-    """Drop DTensor's caches, which hold the ``DeviceMesh`` they were filled for.
-
-    torch caches sharding propagation and redistribution plans by mesh
-    *equality* (the ranks and the layout, not the process group). After a group
-    is destroyed, a new mesh over the same ranks finds an entry that names the
-    dead group, and gathering a sharded state dict fails with "Could not
-    resolve the process group registered under the name N". Measured on torch
-    2.13 with an FSDP scaling report followed by an FSDP fit on the same
-    workers. The caches are per thread; tasks run on the engine's main thread,
-    and so does this.
-    """
-    if "torch.distributed.tensor" not in sys.modules:
-        return  # nothing was cached, and importing DTensor to clear it costs seconds
-    try:
-        from torch.distributed.tensor import _redistribute, debug
-    except ImportError:  # torch without DTensor: nothing is cached
-        return
-    clear_sharding = getattr(debug, "_clear_sharding_prop_cache", None)
-    if clear_sharding is not None:
-        clear_sharding()
-    clear_plans = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
-    if clear_plans is not None:
-        clear_plans()
-    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:
-        clear_planners()

@@ -3,7 +3,7 @@
 The script runs as ``__main__`` with its own ``sys.argv``, from the
 notebook's folder, with the script's folder first on ``sys.path`` (as
 ``python script.py`` does). Its ``init_process_group`` and
-``destroy_process_group`` calls meet nbddp's group (``worker.torchrun``).
+``destroy_process_group`` calls meet nbddp's group (``worker/engine/torchrun.py``).
 ``sys.exit(0)`` (or falling off the end) is success; any other exit status
 is raised as ``ScriptExit``, which the kernel reports like any failure.
 """

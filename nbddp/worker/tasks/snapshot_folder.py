@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from nbddp.shipping.shm_files import shm_dir
+from nbddp.protocol.notes import shm_dir
 
 
 def remove_snapshot_folder(path: str) -> bool:

@@ -12,7 +12,7 @@ from nbddp.worker.tasks.cells import user_names
 
 def health() -> Health:
     """A quick look at this worker for ``%ddp status``: pid, memory, busy, generation, what it keeps."""
-    from nbddp.worker.memory.kept_objects import kept_items
+    from nbddp.worker.memory.resident_sizes import resident_items
     from nbddp.worker.memory.usage import cuda_memory, rss_bytes
 
     cuda: dict[str, int] = {}
@@ -23,4 +23,4 @@ def health() -> Health:
     names = user_names()
     return Health(pid=os.getpid(), rss=rss_bytes(), generation=STATE.generation, busy=STATE.busy,
                   names=len(names), cuda_allocated=cuda.get("cuda_allocated"),
-                  cuda_reserved=cuda.get("cuda_reserved"), kept=kept_items(STATE.namespace, names, STATE.dataset_cache))
+                  cuda_reserved=cuda.get("cuda_reserved"), resident=resident_items(STATE.namespace, names, STATE.dataset_cache))

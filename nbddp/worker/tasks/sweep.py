@@ -28,7 +28,7 @@ from nbddp.shipping.pickling import Parcel
 from nbddp.worker.engine.rank_state import STATE, check_generation, stop_on_sigint
 from nbddp.worker.memory.release import run_task
 from nbddp.worker.tasks.entry import fit_task_result
-from nbddp.worker.tasks.process_group import destroy_subgroup
+from nbddp.worker.engine.group_lifetime import destroy_subgroup
 from nbddp.worker.tasks.user_task import user_task
 
 GROUPS: dict[str, list[Any]] = {}  # sweep token -> this rank's groups (None where it is not a member), in order

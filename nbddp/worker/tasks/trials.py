@@ -25,7 +25,7 @@ from nbddp.protocol.parallel_settings import within
 from nbddp.worker.checkpoints import files as ckpt
 from nbddp.worker.training import setup
 from nbddp.worker.data.batches import move
-from nbddp.worker.tasks.process_group import destroy_subgroup
+from nbddp.worker.engine.group_lifetime import destroy_subgroup
 from nbddp.worker.training.loop import optimizer_step
 from nbddp.worker.memory.release import run_task
 from nbddp.worker.engine.heartbeat import BEAT

@@ -3,12 +3,12 @@
 Fits, ``nbddp.run`` calls, ``%%ddp`` cells, pushes, pulls and scripts all
 run inside ``user_task``: the task is checked against this engine's
 process-group generation, edited modules are reloaded, frameworks see this
-generation's ranks (``worker.torchrun``), a heartbeat reports where the rank
-is (``worker.monitor``; ``phase`` names the kind of task: ``"fit"``,
+generation's ranks (``worker/engine/torchrun.py``), a heartbeat reports where the rank
+is (``worker/engine/heartbeat.py``; ``phase`` names the kind of task: ``"fit"``,
 ``"cell"``, ``"call"``, ``"script"``, ``"push"``), SIGTERM ends the engine
-at once (``state.exit_on_sigterm``: a Slurm job being cancelled), and the
+at once (``nbddp.worker.engine.rank_state.exit_on_sigterm``: a Slurm job being cancelled), and the
 modules the task imported are noted for the next one. A failure of the
-person's code is kept for ``%ddp debug`` (``worker.postmortem``) until the
+person's code is kept for ``%ddp debug`` (``worker/debugging/postmortem.py``) until the
 rank's next fit; a debugger line still open when the task ends is closed.
 """
 

@@ -19,7 +19,7 @@ import torch
 from nbddp.protocol import store_channel
 from nbddp.protocol.messages import PUBLISH_KEYS
 from nbddp.protocol.profile_spec import ProfileSpec, request_path
-from nbddp.shipping.shm_files import read_note
+from nbddp.protocol.notes import read_note
 from nbddp.worker.engine.heartbeat import engine_publisher
 from nbddp.worker.training.profiler import StepProfiler
 

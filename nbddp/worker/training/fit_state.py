@@ -50,14 +50,14 @@ class TrainState:
     restored: dict[str, Any] | None = None  # the checkpoint's loop state (step, epoch, sums, RNG)
     status: str = "completed"  # or "interrupted"
     reporter: Any = None
-    best: Any = None  # worker.best.BestWeights when the kernel asked to end with the best check's weights
+    best: Any = None  # best_weights.BestWeights when the kernel asked to end with the best check's weights
     lr: float = 0.0  # the learning rate of the last optimizer step
     stream: Any = None  # streams.Stream when the training data is an IterableDataset (``loader`` is its loader)
     targets_checked: bool = False  # the first batch's targets were looked at (batches.refuse_binary_float_targets)
     nan_seen: bool = False  # this rank saw a NaN/inf loss in the current optimizer step (on_nan="stop"/"skip")
     nan_skipped: int = 0  # optimizer steps dropped for a NaN loss (on_nan="skip")
     nan_first: int = 0  # the first of them
-    stoppers: list[Any] = field(default_factory=list)  # early_stop.Patience, one per EarlyStopping
+    stoppers: list[Any] = field(default_factory=list)  # nbddp.protocol.fit_options.Patience, one per EarlyStopping
     stop_reason: str | None = None  # why training stopped early, when the workers decided it (History.stop_reason)
     profiler: Any = None  # profiler.StepProfiler under dist_fit(profile=...)
     asked: Any = None  # asked_profile.AskedProfiles: handle.profile's requests, during a fit

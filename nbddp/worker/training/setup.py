@@ -74,7 +74,7 @@ def check_resumable(restored: dict[str, Any], cfg: FitConfig, world: int, path: 
     if not restored.get("batches_done"):
         return
     if cfg.data_world and cfg.data_world % (restored.get("world_size") or 0) == 0:
-        return  # going on with fewer ranks: the position is counted in the original shards (fewer_ranks.py)
+        return  # going on with fewer ranks: the position is counted in the original shards (worker/data/fewer_ranks.py)
     saved = (restored.get("world_size"), restored.get("batch_size"))
     if saved != (world, cfg.batch_size):
         raise ValueError(

@@ -1,12 +1,15 @@
-"""What a worker keeps between tasks, and how much memory it holds, for ``%ddp status``.
+"""What stays resident on a worker between tasks, and how much memory it holds: ``%ddp status``'s keeps column.
 
 Everything a task allocated is given back when it ends (``worker/memory/release.py``)
 except what the person kept: the names of ``%%ddp`` cells (``keep=`` binds
 the trained module to one of them, ``%ddp push`` adds others) and the
-datasets kept resident between fits. ``kept_items`` sizes each by the
+datasets kept resident between fits. ``resident_items`` sizes each by the
 tensor and array memory it reaches (a module's parameters and buffers, a
 sharded module's local shards, a dataset's tensors, containers' items),
 counting each storage once; other objects count for their own size.
+
+In nbddp's code "kept" names one thing, a model bound by ``dist_fit(keep=...)``
+(``worker/inference/kept.py``); what a worker holds between tasks is "resident".
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def nbytes(obj: Any, seen: set[int] | None = None, depth: int = 0) -> int:
     return sys.getsizeof(obj) + sum(nbytes(c, seen, depth + 1) for c in _children(obj))
 
 
-def kept_items(namespace: dict[str, Any], names: list[str], datasets: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+def resident_items(namespace: dict[str, Any], names: list[str], datasets: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     """``(name, bytes)`` of every ``%%ddp`` name in ``names`` and every resident dataset, largest first.
 
     Storages shared between items count once, for the first (a module kept

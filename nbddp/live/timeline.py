@@ -3,9 +3,12 @@
 For a look without Perfetto or TensorBoard (a saved notebook, a page in the
 docs): ``timeline_figure(history.profile["path"])``. Beside each lane, a
 stacked bar of that rank's breakdown over its traced steps (compute,
-communication, memory copies, idle: ``trace_analysis.py``, as the summary
-prints it), so the ranks compare at a glance. Built with ``Figure`` + Agg,
-never pyplot, like every nbddp plot.
+communication, memory copies, idle: ``profiling/trace_analysis.py``, as the
+summary prints it), so the ranks compare at a glance. Built with ``Figure`` +
+Agg, never pyplot, like every nbddp plot.
+
+It lives in ``live/`` because it draws: ``profiling/`` measures and imports
+nothing of ``live/``; this module reads its breakdown from there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nbddp.live.plot import shown_figure
 from nbddp.profiling.trace_analysis import trace_breakdown
 
 KINDS = (("communication", "#9467bd", ("all_reduce", "allreduce", "gloo", "nccl", "c10d", "broadcast")),
@@ -31,10 +35,8 @@ def kind_of(name: str) -> str:
 def timeline_figure(path: str, figsize: tuple[float, float] = (10.0, 2.6)) -> Any:
     """A matplotlib ``Figure`` of the trace at ``path`` (``History.profile["path"]``), time in ms.
 
-    An image as a cell's value in any kernel, as ``History.plot()``'s is (``live.plot.shown_figure``).
+    An image as a cell's value in any kernel, as ``History.plot()``'s is (``shown_figure``).
     """
-    from nbddp.live.plot import shown_figure
-
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     ranks = sorted({e["pid"] for e in events if isinstance(e.get("pid"), int)})
