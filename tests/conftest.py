@@ -70,6 +70,12 @@ def _weight(item: pytest.Item) -> float:
     return max((w for name, w in _WEIGHTS.items() if name in item.keywords), default=1.0 if uses_workers else 0.05)
 
 
+def pytest_configure(config):
+    from cpu_meter import maybe_register
+
+    maybe_register(config)
+
+
 def pytest_collection_modifyitems(config, items):
     if _gpu_count() == 0:
         skip = pytest.mark.skip(reason="requires_gpu: no CUDA GPU visible on this machine")
