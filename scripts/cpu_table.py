@@ -58,7 +58,7 @@ def main() -> None:
         sys.exit(f"no {args.log}.* files with tests in them")
     ranked, tiers = tables(rows, markers())
     total = sum(r[1] for r in ranked)
-    print(f"| file | CPU s | share | tests | wall s |\n|---|---:|---:|---:|---:|")
+    print("| file | CPU s | share | tests | wall s |\n|---|---:|---:|---:|---:|")
     for f, cpu, n, wall in ranked[: args.top]:
         print(f"| `{f}` | {cpu:,.0f} | {cpu / total:.0%} | {n} | {wall:,.0f} |")
     rest = ranked[args.top:]
