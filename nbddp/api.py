@@ -9,7 +9,7 @@ from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.session.session import get_session
 from nbddp.session.start_options import check_stall_timeout
-from nbddp.execution.work import wait_interruptibly
+from nbddp.execution.work import interrupts_held, wait_interruptibly
 
 
 def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
@@ -307,7 +307,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
                    mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
                    profile=profile, max_restarts=max_restarts, snapshot_every=snapshot_every, retry_on=retry_on,
                    min_workers=min_workers, **advanced)
-    with s.lock:
+    with interrupts_held() as held, s.lock:  # an interrupt while it launches stops it once launched
         s.ensure_ready()
         plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
                        metrics=metrics, step_fn=step_fn, batch_size=batch_size, keep=keep,
@@ -317,8 +317,10 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         run_ = FitRun(s, plan, view, stall_timeout, hooks)
         run_.launch()
     if not block:
+        if held:
+            run_.request_stop()
         return FitHandle(run_)
-    return _wait_for_fit(run_)
+    return _wait_for_fit(run_, already=len(held))
 
 
 def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: Any) -> int:
@@ -329,7 +331,7 @@ def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: An
                            **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
 
 
-def _wait_for_fit(run_: Any) -> History:
+def _wait_for_fit(run_: Any, already: int = 0) -> History:
     """The History of a blocking fit; after a Kernel > Interrupt's clean stop, ``FitInterrupted`` carrying it."""
     from nbddp.protocol.errors import FitInterrupted
 
@@ -339,7 +341,7 @@ def _wait_for_fit(run_: Any) -> History:
         interrupted.append(True)
         run_.request_stop()
 
-    wait_interruptibly(run_, on_first_interrupt=first_interrupt)
+    wait_interruptibly(run_, on_first_interrupt=first_interrupt, already=already)
     history = run_.result()  # a failure, or a second interrupt's kill, raises here
     if interrupted:
         raise FitInterrupted(history)
@@ -522,14 +524,16 @@ def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any
 
         check_model(model, what)
         kept = kept_model(s, model, what)
-    with s.lock:
+    with interrupts_held() as held, s.lock:  # an interrupt while it launches stops it once launched
         s.ensure_ready()
         plan = prepare(s, what, model, data, batch_size, precision, output, to, kept, **callables)
         run_ = PredictRun(s, plan, live)
         run_.launch()
     if not block:
+        if held:
+            run_.request_stop()
         return PredictHandle(run_)
-    wait_interruptibly(run_)
+    wait_interruptibly(run_, already=len(held))
     return run_.result()
 
 

@@ -235,3 +235,36 @@ def test_each_rank_gets_its_own_task_with_its_own_arguments_and_other_hosts_are_
     assert send.once_per_other_host(client, [place(3), *far], max, 1, 2, timeout=0.05) == ["a", "b"]
     assert [c[0] for c in calls] == [10, 11]  # host b once, through its first engine; the kernel's host never
     assert send.silent_engines(client, [10, 11], timeout=0.05) == [11]
+
+
+# ---------------------------------------------------------------- work.py: an interrupt while work is launched
+
+
+def test_an_interrupt_while_work_is_launched_is_held_then_counted_as_the_first(monkeypatch):
+    """Kernel > Interrupt between the first task sent and the watcher set up would leave ranks running unwatched:
+    it is held, and the wait that follows takes it as the first interrupt (a clean stop), not as a crash."""
+    import os
+    import signal
+
+    from nbddp.execution.work import Work, interrupts_held, wait_interruptibly
+
+    class Launched(Work):
+        def __init__(self):
+            super().__init__(FakeSession(1), "a fake fit")
+            self.stops: list[str] = []
+            self.session.attend = lambda work: None
+
+        def request_stop(self):
+            self.stops.append("clean")
+            self.done_event.set()
+
+        def hard_stop(self, reason="a second interrupt"):
+            self.stops.append("hard")
+
+    before = signal.getsignal(signal.SIGINT)
+    with interrupts_held() as held:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here: no KeyboardInterrupt escapes the launch
+        time.sleep(0.05)
+    assert held == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is before
+    work = Launched()
+    assert wait_interruptibly(work, timeout=5.0, already=len(held)) and work.stops == ["clean"]

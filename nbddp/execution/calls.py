@@ -24,7 +24,7 @@ from nbddp.execution.contracts import SessionLike
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
 from nbddp.execution.stalls import StuckStop
-from nbddp.execution.work import Work, is_interrupt
+from nbddp.execution.work import Work, interrupts_held, is_interrupt
 from nbddp.protocol.errors import WorkerError
 from nbddp.protocol.placement import Placement
 
@@ -38,6 +38,7 @@ class RankCall(Work):
         self.what = what
         self.ranks = ranks
         self.failed_result = failed_result
+        self.held_interrupts = 0  # Kernel > Interrupt while it was launched (work.interrupts_held)
         self._tasks: RankTasks | None = None
         self._waiter: int | None = None  # the thread waiting in wait()
         self.interrupted = False
@@ -93,6 +94,8 @@ class RankCall(Work):
             self.attend()
 
         try:
+            if self.held_interrupts:  # the first interrupt came while the tasks were being sent
+                self.request_stop()
             while True:
                 try:
                     return self.tasks.wait(on_tick=tick)
@@ -142,7 +145,8 @@ def call_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
     """Start the default workers if needed, launch ``fn`` on ``ranks`` under the lock: the call, to ``wait`` for."""
     session.ensure_started()
     call = RankCall(session, what, ranks)
-    with session.lock:
+    with interrupts_held() as held, session.lock:
         session.ensure_ready()
         call.launch(fn, args_for)
+    call.held_interrupts = len(held)
     return call

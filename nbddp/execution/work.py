@@ -18,11 +18,13 @@ launcher has run in this process.
 from __future__ import annotations
 
 import abc
+import contextlib
 import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Iterator
+from typing import Any, Callable
 
 from nbddp.execution.contracts import SessionLike
 
@@ -79,16 +81,45 @@ def is_interrupt(exc: BaseException) -> bool:
     return signal_exc is not None and isinstance(exc, signal_exc) and getattr(exc, "sigval", None) == signal.SIGINT
 
 
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[list[int]]:
+    """Kernel > Interrupt while work is being launched is held until the launch is done, then counted as the first.
+
+    Between the first task sent and the work's watcher set up, a
+    ``KeyboardInterrupt`` would leave the ranks running with nobody to stop
+    them or wait for them. The list yielded holds the signals that came
+    meanwhile; give its length to ``wait_interruptibly(already=...)``. Only
+    the main thread receives signals, so elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    came: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def hold(signum: int, frame: Any) -> None:
+        came.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def wait_interruptibly(work: Work, timeout: float | None = None, tick_s: float = 0.1,
-                       on_first_interrupt: Callable[[], None] | None = None) -> bool:
+                       on_first_interrupt: Callable[[], None] | None = None, already: int = 0) -> bool:
     """Wait for ``work``; True when it ended, False when ``timeout`` passed first.
 
     The first interrupt calls ``on_first_interrupt()`` (default:
     ``work.request_stop()``) and goes on waiting; the second calls
-    ``work.hard_stop()``.
+    ``work.hard_stop()``. ``already``: interrupts held while the work was
+    launched (``interrupts_held``), counted first.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    interrupts = 0
+    interrupts = min(already, 1)
+    if interrupts:
+        (on_first_interrupt or work.request_stop)()
     while True:
         try:
             while not work.wait_done(tick_s):
