@@ -71,8 +71,8 @@ class CpuMeter:
 def maybe_register(config: object) -> None:
     """Register the meter when ``NBDDP_CPU_LOG`` is set and the cgroup can be made."""
     log = os.environ.get("NBDDP_CPU_LOG")
-    if not log:
-        return
+    if not log or (getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ):  # type: ignore[attr-defined]
+        return  # (pytest-xdist's controller runs no test: it only relays its workers' reports)
     if not os.access(CPUACCT, os.W_OK):
         raise RuntimeError(f"NBDDP_CPU_LOG={log}: {CPUACCT} is not writable here (run as root with cgroup v1's "
                            "cpuacct mounted), or leave NBDDP_CPU_LOG unset")
