@@ -1,0 +1,66 @@
+"""The worker side's checks on values its types say may be missing (issue 42, mypy on ``nbddp/worker``).
+
+In this process, no engines: each test reaches one check with the value the
+type allowed (``None``, a wrapper of another class, a dataset without state)
+and reads the error a person or a strategy author would see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nbddp
+from nbddp.worker.strategies.ddp import DDPStrategy
+from nbddp.worker.strategies.shards import restore_own, snapshot_own
+from nbddp.worker.strategies.tensor import TensorParallelStrategy
+
+CPU = torch.device("cpu")
+
+
+def _ddp() -> DDPStrategy:
+    return DDPStrategy(CPU, nbddp.DDP())
+
+
+def test_a_strategy_read_before_wrap_says_which_attribute_wrap_must_set():
+    strategy = _ddp()
+    with pytest.raises(RuntimeError, match=r"DDPStrategy\.module was read before DDPStrategy\.wrap\(model\) set it"):
+        strategy.param_bytes()
+    with pytest.raises(RuntimeError, match=r"DDPStrategy\.wrapped was read before .* must set both self\.module and "
+                                           r"self\.wrapped"):
+        strategy.parameters()
+
+
+def test_a_wrapper_of_another_class_is_named_where_the_strategy_needs_its_own():
+    strategy = _ddp()
+    strategy.wrapped = strategy.module = nn.Linear(2, 2)
+    with strategy.gradient_sync(True):  # syncing as usual needs nothing of the wrapper
+        pass
+    with pytest.raises(TypeError, match=r"DDPStrategy trains a DistributedDataParallel, but its wrap\(\) left a "
+                                        r"Linear in self\.wrapped"):
+        strategy.gradient_sync(False)
+
+
+def test_restoring_replicated_weights_needs_rank_0s_copy():
+    strategy = _ddp()
+    strategy.wrapped = strategy.module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"rank 0 holds the copy that every rank gets, but it was given None"):
+        strategy.restore_weights(None, 0)
+
+
+def test_restoring_a_shard_needs_this_ranks_own_snapshot():
+    model = nn.Linear(2, 2)
+    saved = snapshot_own(model)
+    with torch.no_grad():
+        model.weight.zero_()
+    restore_own(model, saved)
+    assert torch.equal(model.weight, saved["weight"])
+    with pytest.raises(ValueError, match=r"restoring the weights of Linear: this rank .* was given None"):
+        restore_own(model, None)
+
+
+def test_a_model_parallel_strategy_needs_the_resolved_mesh():
+    with pytest.raises(ValueError, match=r"TensorParallelStrategy splits the model over the fit's mesh "
+                                         r"\(\{'dp': \.\.\., 'tp': \.\.\.\}.*but was given mesh=None"):
+        TensorParallelStrategy.create(nbddp.TensorParallel(), CPU, "32-true", None)
