@@ -7,11 +7,14 @@ and reads the error a person or a strategy author would see.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import nbddp
+from nbddp.protocol.fit_options import FitConfig
+from nbddp.worker.checkpoints import files as ckpt, snapshots
 from nbddp.worker.strategies.ddp import DDPStrategy
 from nbddp.worker.strategies.shards import restore_own, snapshot_own
 from nbddp.worker.strategies.tensor import TensorParallelStrategy
@@ -64,3 +67,28 @@ def test_a_model_parallel_strategy_needs_the_resolved_mesh():
     with pytest.raises(ValueError, match=r"TensorParallelStrategy splits the model over the fit's mesh "
                                          r"\(\{'dp': \.\.\., 'tp': \.\.\.\}.*but was given mesh=None"):
         TensorParallelStrategy.create(nbddp.TensorParallel(), CPU, "32-true", None)
+
+
+def test_a_checkpoint_name_without_a_step_is_refused_naming_the_form(tmp_path):
+    assert ckpt.step_of(str(tmp_path / "step-00000120.pt")) == 120 == ckpt.step_of(str(tmp_path / "step-00000120"))
+    with pytest.raises(ValueError, match=r"'model\.pt' is not named as an nbddp checkpoint \(step-00000123\.pt"):
+        ckpt.step_of("model.pt")
+
+
+def test_numpys_random_state_is_saved_only_in_its_mt19937_form(monkeypatch):
+    assert ckpt.rng_state()["numpy"][0] == "MT19937"
+    monkeypatch.setattr(np.random, "get_state", lambda: {"bit_generator": "PCG64", "state": {}})
+    with pytest.raises(RuntimeError, match=r"np\.random's global generator runs on PCG64, not MT19937"):
+        ckpt.rng_state()
+
+
+def test_snapshots_need_the_folder_the_kernel_makes():
+    with pytest.raises(ValueError, match=r"snapshots need the folder the kernel makes for them \(cfg\.snapshot_dir\), "
+                                         r"and this fit's is None"):
+        snapshots.SnapshotClock(FitConfig(snapshot_every=2), CPU)
+
+
+def test_a_relaunch_without_a_snapshot_folder_starts_afresh_across_hosts_too(monkeypatch):
+    """It used to pass ``None`` on to the copy between hosts, which read it as a folder."""
+    monkeypatch.setattr(snapshots.peer_copies, "spans_hosts", lambda placement: True)
+    assert snapshots.relaunch_from(FitConfig(from_snapshot=True), _ddp(), 0, 2) is None
