@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import nbddp
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.worker.checkpoints import files as ckpt, snapshots
+from nbddp.worker.data.datasets import SkipSampler, StridedSampler
+from nbddp.worker.data.streams import LoadStates, RankShard, resumable
 from nbddp.worker.strategies.ddp import DDPStrategy
 from nbddp.worker.strategies.shards import restore_own, snapshot_own
 from nbddp.worker.strategies.tensor import TensorParallelStrategy
@@ -92,3 +95,24 @@ def test_a_relaunch_without_a_snapshot_folder_starts_afresh_across_hosts_too(mon
     """It used to pass ``None`` on to the copy between hosts, which read it as a folder."""
     monkeypatch.setattr(snapshots.peer_copies, "spans_hosts", lambda placement: True)
     assert snapshots.relaunch_from(FitConfig(from_snapshot=True), _ddp(), 0, 2) is None
+
+
+def test_a_stream_resumed_from_its_state_must_be_able_to_take_it():
+    shard = RankShard(iter(range(4)), 0, 1)
+    assert resumable(shard) is shard
+    with pytest.raises(TypeError, match=r"the loader worker's dataset \(TensorDataset\) has no "
+                                        r"state_dict\(\)/load_state_dict\(\)"):
+        resumable(TensorDataset(torch.zeros(2)))
+
+
+def test_loader_worker_states_are_loaded_in_loader_workers_only():
+    with pytest.raises(RuntimeError, match=r"LoadStates is a DataLoader worker_init_fn: .* here get_worker_info\(\) "
+                                           r"is None"):
+        LoadStates({0: {}})(0)
+
+
+def test_a_skipping_sampler_passes_the_epoch_on_to_a_sampler_that_takes_one():
+    inner = DistributedSampler(TensorDataset(torch.arange(8)), num_replicas=2, rank=0, shuffle=True)
+    SkipSampler(inner, 2).set_epoch(3)
+    assert inner.epoch == 3
+    SkipSampler(StridedSampler(8, 0, 2), 1).set_epoch(3)  # validation's order has no epochs: nothing to pass on
