@@ -21,6 +21,8 @@ from nbddp.worker.data.streams import LoadStates, RankShard, resumable
 from nbddp.worker.strategies.ddp import DDPStrategy
 from nbddp.worker.strategies.shards import restore_own, snapshot_own
 from nbddp.worker.strategies.tensor import TensorParallelStrategy
+from nbddp.worker.training import loop
+from nbddp.worker.training.fit_state import TrainState
 
 CPU = torch.device("cpu")
 
@@ -116,3 +118,33 @@ def test_a_skipping_sampler_passes_the_epoch_on_to_a_sampler_that_takes_one():
     SkipSampler(inner, 2).set_epoch(3)
     assert inner.epoch == 3
     SkipSampler(StridedSampler(8, 0, 2), 1).set_epoch(3)  # validation's order has no epochs: nothing to pass on
+
+
+def test_an_optimizer_step_before_the_optimizer_exists_says_so():
+    ts = TrainState(cfg=FitConfig(), rank=0, world=1, device=CPU, strategy=_ddp(), model=nn.Linear(2, 2),
+                    loader=[], sampler=None, make_loader=list)
+    with pytest.raises(RuntimeError, match=r"an optimizer step came before setup\.wrap_and_restore built"):
+        loop.optimizer_step(ts)
+
+
+def test_a_checkpoint_with_nowhere_to_go_is_refused_before_any_collective():
+    ts = TrainState(cfg=FitConfig(), rank=0, world=1, device=CPU, strategy=_ddp(), model=nn.Linear(2, 2),
+                    loader=[], sampler=None, make_loader=list, step=7)
+    with pytest.raises(ValueError, match=r"a checkpoint was due at step 7, but neither checkpoint_dir nor the request "
+                                         r"says where it goes"):
+        loop.save_checkpoint(ts, 0)
+
+
+def test_a_set_up_phase_returns_its_result_or_raises_on_every_rank(monkeypatch):
+    peers: list[float] = [0.0]
+
+    def all_reduce(flag, group=None):
+        flag += peers[0]
+
+    monkeypatch.setattr(loop.dist, "all_reduce", all_reduce)
+    assert loop.agreed(lambda: ("ts", "parts"), CPU, "setup") == ("ts", "parts")
+    with pytest.raises(KeyError, match="x"):  # this rank's own error
+        loop.agreed(lambda: {}["x"], CPU, "setup")
+    peers[0] = 1.0
+    with pytest.raises(loop.PeerFailed, match=r"another rank failed during setup"):
+        loop.agreed(lambda: 1, CPU, "setup")
