@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -155,15 +155,21 @@ def apply_activation_checkpointing(model: nn.Module, names: frozenset[str] | Non
     """Recompute activations in backward, per unit or per segment; return how many were checkpointed (0: none found)."""
     blocks = units(model, names)
     for block in blocks:
-        block.forward = functools.partial(_checkpointed, block.forward)
+        _set_forward(block, functools.partial(_checkpointed, block.forward))
     if blocks or names is not None:
         return len(blocks)
     checkpointed = 0
     for sequential in outer_sequentials(model):
         spans = segments(len(sequential))
-        sequential.forward = functools.partial(_segmented, sequential, spans)
+        _set_forward(sequential, functools.partial(_segmented, sequential, spans))
         checkpointed += len(spans) - 1
     return checkpointed
+
+
+def _set_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """An instance ``forward`` in front of the class's: ``nn.Module`` declares ``forward`` an attribute for this,
+    though a subclass (``nn.Sequential``) defines it as a method. ``remove_activation_checkpointing`` deletes it."""
+    module.forward = forward
 
 
 def remove_activation_checkpointing(model: nn.Module) -> nn.Module:

@@ -104,8 +104,8 @@ def plan_stages(model: nn.Module, stages: int, split: tuple[str, ...] | None) ->
             sample = ", ".join(cut_candidates(model)[:8]) or ", ".join(n for n in list(known)[1:9])
             raise ValueError(f"nbddp.Pipeline(split={list(split)}): {type(model).__name__} has no module "
                              f"{', '.join(map(repr, missing))}; name modules where a stage begins, such as {sample}")
-        order = [name for name, _ in model.named_modules()]
-        if [order.index(c) for c in cuts] != sorted(order.index(c) for c in cuts):
+        registered = [name for name, _ in model.named_modules()]
+        if [registered.index(c) for c in cuts] != sorted(registered.index(c) for c in cuts):
             raise ValueError(f"nbddp.Pipeline(split={list(split)}): the cut points must be in the model's order "
                              "(the order its modules are registered and run)")
     sizes = _stage_sizes(model, cuts)

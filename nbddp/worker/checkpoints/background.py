@@ -160,6 +160,7 @@ class Staged:
     """DCP's ``AsyncStager`` for a state dict already in host memory (``Writer.stage``): nothing to do."""
 
     should_synchronize_after_execute = False
+    _synchronize_after_execute = False  # what the protocol's own should_synchronize_after_execute property reads
 
     def stage(self, state_dict: Any) -> Any:
         return state_dict

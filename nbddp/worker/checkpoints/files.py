@@ -74,7 +74,12 @@ def dir_for(directory: str, step: int) -> str:
 def rng_state() -> dict[str, Any]:
     import numpy as np
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()
+    if not isinstance(legacy, tuple):  # a dict: np.random's RandomState was replaced by one over another generator
+        raise RuntimeError(f"np.random's global generator runs on {legacy.get('bit_generator')}, not MT19937, and a "
+                           "checkpoint saves its state in the MT19937 form; keep np.random's global RandomState as "
+                           "numpy made it, and use np.random.default_rng(...) for another bit generator")
+    kind, keys, pos, has_gauss, cached = legacy
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -165,12 +170,16 @@ def is_complete(path: str) -> bool:
 
 def list_checkpoints(directory: str) -> list[str]:
     found = [p for p in glob.glob(os.path.join(directory, "step-*")) if _NAME.search(p)]
-    return sorted(found, key=lambda p: int(_NAME.search(p).group(1)))
+    return sorted(found, key=step_of)
 
 
 def step_of(path: str) -> int:
     """The step a checkpoint's name says (``step-00000123.pt`` or a sharded ``step-00000123`` folder)."""
-    return int(_NAME.search(path).group(1))
+    named = _NAME.search(path)
+    if named is None:
+        raise ValueError(f"{path!r} is not named as an nbddp checkpoint (step-00000123.pt, or a step-00000123 "
+                         "folder); its step cannot be read from its name")
+    return int(named.group(1))
 
 
 def whole(directory: str | None) -> dict[int, str]:

@@ -104,8 +104,7 @@ def exchange(folder: str, mine: list[str], peer: int | None, senders: list[int],
     incoming = [(s, name, torch.empty(size, dtype=torch.uint8)) for s, names in wanted.items() for name, size in names]
     reqs = [dist.isend(d, peer, group=group) for d in datas if peer is not None]
     reqs += [dist.irecv(buf, s, group=group) for s, _, buf in incoming]
-    for req in reqs:
-        req.wait()
+    _wait_all(reqs)
     for _, name, buf in incoming:
         write_bytes(folder, name, buf)
     return sum(int(d.numel()) for d in datas) + sum(int(buf.numel()) for _, _, buf in incoming)
@@ -114,8 +113,14 @@ def exchange(folder: str, mine: list[str], peer: int | None, senders: list[int],
 def _together(out: list[tuple[torch.Tensor, int | None]], into: dict[int, torch.Tensor], group: Any) -> None:
     reqs = [dist.isend(t, dst, group=group) for t, dst in out if dst is not None]
     reqs += [dist.irecv(t, src, group=group) for src, t in into.items()]
+    _wait_all(reqs)
+
+
+def _wait_all(reqs: list[dist.Work | None]) -> None:
+    """Wait for each send and receive; torch returns None for one that this rank, outside ``group``, never posted."""
     for req in reqs:
-        req.wait()
+        if req is not None:
+            req.wait()
 
 
 def _tensor(data: bytes) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -83,11 +84,14 @@ def save_async(directory: str, step: int, model: Any, optimizer: Any, extra: dic
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
     loop_state = writer.stage(extra)
     staged = writer.stage({"model": model_state, "optim": optim_state})
-    future = checkpoint.async_save(staged, checkpoint_id=tmp, process_group=writer.side_group(None),
+    saving = checkpoint.async_save(staged, checkpoint_id=tmp, process_group=writer.side_group(None),
                                    async_stager=background.Staged())
+    # the upload's Future (Staged.stage returns the state dict itself; a stager that returns a Future gets an
+    # AsyncSaveResponse of two futures instead)
+    upload = saving if isinstance(saving, Future) else saving.upload_completion
 
     def finish() -> None:
-        future.result()
+        upload.result()
         if rank == 0:
             torch.save(loop_state, os.path.join(tmp, LOOP_FILE))
             publish(tmp, final)
@@ -125,10 +129,8 @@ def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str,
         raise ValueError(f"resume={path!r} is not a sharded nbddp checkpoint (no {METADATA} and {LOOP_FILE} in it); pass "
                          "a step-* directory that dist_fit(strategy='fsdp', checkpoint_dir=...) wrote, or that directory")
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))  # shapes for DCP to load into
-    state = {"model": model_state, "optim": optim_state}
-    checkpoint.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(flat))
+    checkpoint.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # in place, into these two
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_options(flat))
     return torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
 
 

@@ -38,8 +38,12 @@ class SnapshotClock:
     """When this fit writes its next snapshot (``cfg.snapshot_every``), and what writing them cost."""
 
     def __init__(self, cfg: FitConfig, device: torch.device, group: Any = None, strategy: Any = None):
+        if not cfg.snapshot_dir:
+            raise ValueError(f"an elastic fit's snapshots need the folder the kernel makes for them "
+                             f"(cfg.snapshot_dir), and this fit's is {cfg.snapshot_dir!r}; the kernel sets it for "
+                             "dist_fit(max_restarts=...)")
         self.every = cfg.snapshot_every
-        self.directory = cfg.snapshot_dir
+        self.directory: str = cfg.snapshot_dir
         self.device = device
         self.group = group
         self.last = time.monotonic()
@@ -48,7 +52,7 @@ class SnapshotClock:
         self.count = 0
         self.waited_s = 0.0  # of total_s: waiting for the previous snapshot's write to end
         self.writer = background.Writer(device)  # the writes, in its thread: History.timings["snapshot_write_s"]
-        self.peers = copies_across_hosts(cfg, strategy, group)  # (collective when the ranks span hosts)
+        self.peers = copies_across_hosts(self.directory, strategy, group)  # (collective when the ranks span hosts)
 
     @property
     def by_time(self) -> bool:
@@ -114,7 +118,7 @@ class SnapshotClock:
         self.writer.close(raise_error=False)
 
 
-def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> Any:
+def copies_across_hosts(directory: str, strategy: Any, group: Any) -> Any:
     """Who copies this fit's snapshots to which host, when its ranks span hosts (collective then); else None.
 
     Rank 0's file for a replicated fit (``peer_copies.py``), every rank's files for a sharded one
@@ -125,7 +129,7 @@ def copies_across_hosts(cfg: FitConfig, strategy: Any, group: Any) -> Any:
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, STATE.placement.host, group=group)
     copies = peer_copies.PeerCopies if strategy.snapshot_is_one_file else shard_copies.ShardCopies
-    return copies(dist.get_rank(group), hosts, cfg.snapshot_dir, KEEP)
+    return copies(dist.get_rank(group), hosts, directory, KEEP)
 
 
 def relaunch_from(cfg: FitConfig, strategy: Any, rank: int, world: int) -> str | None:
@@ -135,6 +139,8 @@ def relaunch_from(cfg: FitConfig, strategy: Any, rank: int, world: int) -> str |
     sharded one, the newest whose files the hosts hold together, its index copied now and the rest of each
     rank's reads by ``before_load``.
     """
+    if not cfg.snapshot_dir:  # (every rank alike) no snapshot was ever written: as latest() says
+        return None
     if peer_copies.spans_hosts(STATE.placement):
         if strategy.snapshot_is_one_file:
             return peer_copies.fetch_newest(cfg.snapshot_dir, rank, world)

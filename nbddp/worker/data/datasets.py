@@ -17,7 +17,7 @@ settings both share (worker processes, their start method) are
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -25,8 +25,35 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 from nbddp.protocol import data_forms as dataforms
 from nbddp.protocol.data_forms import DataSpec
 from nbddp.worker.data import loaders
-def materialise(spec: DataSpec, cache: dict[str, Any]) -> Dataset:
+
+
+class MapData(Protocol):
+    """Map-style data: a length and a sample per index (a torch ``Dataset`` with ``__len__``, a Hugging Face one)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+class SizedSampler(Protocol):
+    """A sampler with a length: what ``SkipSampler`` and ``RankShareSampler`` read of the one they wrap."""
+
+    def __iter__(self) -> Iterator[int]: ...
+
+    def __len__(self) -> int: ...
+
+
+class EpochSampler(SizedSampler, Protocol):
+    """A sampler whose order follows the epoch: ``DistributedSampler``, ``RankShareSampler``."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+def materialise(spec: DataSpec, cache: dict[str, Any]) -> Any:
     """The dataset of ``spec`` on this worker; datasets with a ``key`` stay resident.
+
+    Whatever the person's data is: a torch ``Dataset``, a Hugging Face one, a
+    stream of either (``is_stream`` tells them apart); no one class covers them.
 
     The kernel decides what is resident (``Session.resident``): it ships a
     dataset with its key once, and afterwards only the key.
@@ -72,7 +99,7 @@ def keep_only(cache: dict[str, Any], keys: list[str]) -> None:
 class SkipSampler(Sampler):
     """Yields a sampler's indices after skipping the first ``skip`` (resume mid-epoch)."""
 
-    def __init__(self, inner: Sampler, skip: int = 0):
+    def __init__(self, inner: SizedSampler, skip: int = 0):
         self.inner = inner
         self.skip = skip
 
@@ -86,7 +113,8 @@ class SkipSampler(Sampler):
         return max(0, len(self.inner) - self.skip)
 
     def set_epoch(self, epoch: int) -> None:
-        self.inner.set_epoch(epoch)
+        if hasattr(self.inner, "set_epoch"):  # (a StridedSampler's order has no epochs)
+            self.inner.set_epoch(epoch)
 
 
 class StridedSampler(Sampler):
@@ -112,7 +140,7 @@ class RankShareSampler(Sampler):
     ``world``-th from ``rank``: the ranks read disjoint parts of one draw.
     """
 
-    def __init__(self, inner: Sampler, rank: int, world: int, seed: int = 0, drop_last: bool = False):
+    def __init__(self, inner: SizedSampler, rank: int, world: int, seed: int = 0, drop_last: bool = False):
         self.inner, self.rank, self.world, self.seed, self.drop_last = inner, rank, world, seed, drop_last
         self.epoch = 0
 
@@ -146,7 +174,7 @@ def loader_kwargs(device: torch.device, num_workers: int | None, pin_memory: boo
             **loaders.worker_kwargs(workers, loaders.start_method())}
 
 
-def data_loader(ds: Dataset, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
+def data_loader(ds: Dataset | MapData, kwargs: dict[str, Any], collate_fn: Callable | None, **more: Any) -> DataLoader:
     """A loader of ``ds`` whose dataset and functions reach loader workers started afresh (``loaders.by_value``)."""
     options = {**kwargs, **more}
     method = options.get("multiprocessing_context")
@@ -187,7 +215,7 @@ def train_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, d
     return make(sampler), sampler, make
 
 
-def val_loader(ds: Dataset, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device) -> DataLoader:
+def val_loader(ds: MapData, spec: DataSpec, cfg: Any, rank: int, world: int, device: torch.device) -> DataLoader:
     """Every sample once, no padding; a validation DataLoader's own batch size and settings kept."""
     own = spec.loader or {}
     kwargs = loader_kwargs(device, own.get("num_workers", cfg.num_workers), own.get("pin_memory", cfg.pin_memory))

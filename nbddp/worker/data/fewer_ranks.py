@@ -20,12 +20,13 @@ the fit that wrote it; ``slot_batches`` turns it into the original ranks'.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from nbddp.worker.data.datasets import RankShareSampler, SkipSampler, data_loader, kept_settings, loader_kwargs
+from nbddp.worker.data.datasets import (EpochSampler, RankShareSampler, SkipSampler, data_loader, kept_settings,
+                                        loader_kwargs)
 
 
 class SlotBatches(Sampler):
@@ -35,7 +36,8 @@ class SlotBatches(Sampler):
     rank's sequence already trained (a resume mid-epoch).
     """
 
-    def __init__(self, samplers: list[Sampler], batch_size: int, grad_accum: int, drop_last: bool, skip: int = 0):
+    def __init__(self, samplers: Sequence[EpochSampler], batch_size: int, grad_accum: int, drop_last: bool,
+                 skip: int = 0):
         self.samplers, self.batch_size, self.grad_accum = samplers, batch_size, grad_accum
         self.drop_last, self.skip = drop_last, skip
 
@@ -87,7 +89,7 @@ def train_loader(ds: Dataset, spec: Any, cfg: Any, rank: int, world: int, device
     loop builds it for a resume mid-epoch.
     """
     q = cfg.data_world // world
-    made = []
+    made: list[EpochSampler] = []
     for slot in slots_of(rank, world, cfg.data_world):
         if spec.sampler is not None:
             made.append(RankShareSampler(spec.sampler, slot, cfg.data_world, cfg.seed, cfg.drop_last))
@@ -100,7 +102,9 @@ def train_loader(ds: Dataset, spec: Any, cfg: Any, rank: int, world: int, device
     kwargs.update(kept_settings(spec, kwargs["num_workers"]))
 
     def make(s: Sampler) -> DataLoader:
-        batches = s.inner.skipping(s.skip // cfg.batch_size) if isinstance(s, SkipSampler) else s
+        batches = s
+        if isinstance(s, SkipSampler) and isinstance(s.inner, SlotBatches):  # the loop's resume mid-epoch
+            batches = s.inner.skipping(s.skip // cfg.batch_size)
         return data_loader(ds, kwargs, spec.collate_fn, batch_sampler=batches)
 
     return make(sampler), sampler, make

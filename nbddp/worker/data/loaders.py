@@ -65,7 +65,7 @@ class _WithShared(pickle.Unpickler):
         return self.shared[pid]
 
 
-def _rebuild(cls: type, blob: bytes, shared: list[torch.Tensor]) -> Any:
+def _rebuild(cls: type[ByValue], blob: bytes, shared: list[torch.Tensor]) -> ByValue:
     obj = cls.__new__(cls)
     obj.__dict__.update(_WithShared(io.BytesIO(blob), shared).load())
     return obj
@@ -80,7 +80,8 @@ class ByValue:
     """
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        buf, shared = io.BytesIO(), []
+        buf = io.BytesIO()
+        shared: list[torch.Tensor] = []
         _KeepShared(buf, shared).dump(self.__dict__)
         return _rebuild, (type(self), buf.getvalue(), shared)
 

@@ -27,7 +27,7 @@ state the resumed fit reads the epoch's first batches again and skips them.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,24 @@ from torch.utils.data.dataloader import default_collate, default_convert
 from nbddp.protocol import data_forms as dataforms
 from nbddp.worker.data import loaders
 from nbddp.worker.data.batch_agreement import Agreement, EpochFeed, lockstep
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A stream that says where it stands and starts there again (what ``stateful`` looks for)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def resumable(ds: object) -> Resumable:
+    """``ds`` (a loader worker's copy of a stateful stream) as one that can say and take its state."""
+    if not isinstance(ds, Resumable):
+        raise TypeError(f"this fit resumes its stream from a saved state, but the loader worker's dataset "
+                        f"({type(ds).__name__}) has no state_dict()/load_state_dict(); give the stream both, or "
+                        "neither (the epoch's first batches are then read again and skipped)")
+    return ds
 
 
 def stateful(ds: Any) -> bool:
@@ -109,7 +127,7 @@ class PositionCollate(loaders.ByValue):
     def __call__(self, samples: Any) -> tuple[Any, tuple[int, Any]]:
         info = get_worker_info()
         ds = info.dataset if info is not None else self.dataset
-        state = ds.state_dict() if self.with_state else None
+        state = resumable(ds).state_dict() if self.with_state else None
         worker = getattr(ds, "worker_as", None)
         worker = worker if worker is not None else (info.id if info is not None else 0)
         return self.collate(samples), (worker, state)
@@ -129,11 +147,14 @@ class LoadStates(loaders.ByValue):
 
     def __call__(self, worker_id: int) -> None:
         info = get_worker_info()
+        if info is None:
+            raise RuntimeError("LoadStates is a DataLoader worker_init_fn: it runs in a loader worker process, but "
+                               "here get_worker_info() is None; use it with DataLoader(num_workers > 0) only")
         original = (worker_id + self.offset) % info.num_workers
         if isinstance(info.dataset, RankShard):
             info.dataset.worker_as = original
         if original in self.states:
-            info.dataset.load_state_dict(self.states[original])
+            resumable(info.dataset).load_state_dict(self.states[original])
         if self.then is not None:  # the person's own DataLoader(worker_init_fn=...)
             self.then(worker_id)
 
@@ -167,13 +188,13 @@ class Stream:
 
     def make_loader(self, states: dict[int, Any] | None = None, offset: int = 0) -> Any:
         collate = PositionCollate(self.collate, self.dataset if self.num_workers == 0 else None, self.with_state)
-        ds, collate = loaders.by_value(self.dataset, collate, self.kwargs.get("multiprocessing_context"))
+        ds, collate_fn = loaders.by_value(self.dataset, collate, self.kwargs.get("multiprocessing_context"))
         init = self.worker_init_fn
         if states:
             init = LoadStates(states, offset, init)
         elif init is not None and self.kwargs.get("multiprocessing_context") not in (None, "fork"):
             init = loaders.CallByValue(init)  # a notebook function reaches a loader worker started afresh
-        return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate,
+        return loaders.loader(ds, batch_size=self.batch_size, collate_fn=collate_fn,
                               drop_last=self.drop_last and self.batch_size is not None, worker_init_fn=init,
                               **self.kwargs)
 

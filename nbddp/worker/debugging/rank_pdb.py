@@ -107,7 +107,8 @@ class _Out:
     """pdb's stdout: buffered, sent before each question and at the end."""
 
     def __init__(self, channel: Channel):
-        self.channel, self.parts = channel, []
+        self.channel = channel
+        self.parts: list[str] = []
 
     def write(self, text: str) -> int:
         self.parts.append(text)
@@ -149,7 +150,8 @@ class RankPdb(pdb.Pdb):
     def __init__(self, channel: Channel, kind: str, where: str):
         out = _Out(channel)
         self.stdin_line = _In(channel, out)
-        super().__init__(stdin=self.stdin_line, stdout=out, nosigint=True, readrc=False)
+        # typeshed asks for whole IO[str] objects; pdb (cmd.Cmd) reads stdin.readline() and writes and flushes stdout
+        super().__init__(stdin=self.stdin_line, stdout=out, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.channel, self.kind, self.where = channel, kind, where
         self.quit_asked = False
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from types import FrameType
 from typing import Any, Iterator
 
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, PUBLISH_KEYS, STACK_SIGNAL, Beat, StackDump
@@ -120,9 +121,9 @@ class Heartbeat:
 BEAT = Heartbeat()
 
 
-def user_frames(frame: Any) -> list[Any]:
+def user_frames(frame: FrameType | None) -> list[FrameType]:
     """The frames of the running task, innermost first (the engine's own frames left out)."""
-    frames = []
+    frames: list[FrameType] = []
     while frame is not None:
         if frame.f_code.co_filename.endswith(ENGINE_FRAME):
             if frames and frames[-1].f_code.co_filename == "<string>":
@@ -133,8 +134,9 @@ def user_frames(frame: Any) -> list[Any]:
     return frames
 
 
-def main_frame() -> Any:
-    return sys._current_frames().get(threading.main_thread().ident)
+def main_frame() -> FrameType | None:
+    ident = threading.main_thread().ident  # (None only before a thread starts: never the main thread's)
+    return sys._current_frames().get(ident) if ident is not None else None
 
 
 def main_thread_stack(limit: int = MAX_FRAMES) -> str:

@@ -33,7 +33,7 @@ from nbddp.protocol.placement import Placement
 RUN_ID = "nbddp"
 _ORIGINAL: dict[str, Any] = {}
 _USER_CODE = {"depth": 0}
-_RESET_FOR = {"generation": None}
+_RESET_FOR: dict[str, int | None] = {"generation": None}
 _LIGHTNING_CONNECTORS = ("lightning.fabric.connector", "lightning_fabric.connector",
                          "lightning.pytorch.trainer.connectors.accelerator_connector",
                          "pytorch_lightning.trainer.connectors.accelerator_connector")
@@ -75,12 +75,11 @@ def install_group_guard() -> None:
     if _ORIGINAL:
         return
     _ORIGINAL["init"], _ORIGINAL["destroy"] = c10d.init_process_group, c10d.destroy_process_group
-    for module in (dist, c10d):
-        module.init_process_group = guarded_init_process_group
-        module.destroy_process_group = guarded_destroy_process_group
-    mesh = sys.modules.get("torch.distributed.device_mesh")
+    dist.init_process_group = c10d.init_process_group = guarded_init_process_group
+    dist.destroy_process_group = c10d.destroy_process_group = guarded_destroy_process_group
+    mesh = sys.modules.get("torch.distributed.device_mesh")  # (found by name: patched only where it is imported)
     if mesh is not None and hasattr(mesh, "init_process_group"):
-        mesh.init_process_group = guarded_init_process_group
+        setattr(mesh, "init_process_group", guarded_init_process_group)
 
 
 def original(name: str) -> Any:
@@ -128,7 +127,7 @@ def guarded_destroy_process_group(group: Any = None) -> None:
 
 
 @contextlib.contextmanager
-def user_code(generation: int) -> Iterator[None]:
+def user_code(generation: int | None) -> Iterator[None]:
     """Around a cell, a call, a script or a fit: frameworks see this generation's ranks."""
     _reset_frameworks(generation)
     _USER_CODE["depth"] += 1
@@ -138,12 +137,12 @@ def user_code(generation: int) -> Iterator[None]:
         _USER_CODE["depth"] -= 1
 
 
-def _reset_frameworks(generation: int) -> None:
+def _reset_frameworks(generation: int | None) -> None:
     """Bring framework singletons up to date once per process-group generation, and Lightning's check always."""
     for name in _LIGHTNING_CONNECTORS:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False  # the flag was read while the engine still had sys.ps1
+            setattr(module, "_IS_INTERACTIVE", False)  # the flag was read while the engine still had sys.ps1
     if _RESET_FOR["generation"] == generation:
         return
     _RESET_FOR["generation"] = generation

@@ -120,10 +120,10 @@ class Scores:
         """The exact values over every rank's samples (collective: every rank calls it; the metric objects are
         computed where the outputs are, and synced over ``group``)."""
         names = sorted(self.functions)
-        flat = torch.tensor([self.loss_sum, float(self.n), float(self.model_loss), *[self.sums[k] for k in names],
-                             *[float(self.counts[k]) for k in names]], dtype=torch.float64, device=device)
-        dist.all_reduce(flat)
-        flat = flat.cpu().tolist()
+        summed = torch.tensor([self.loss_sum, float(self.n), float(self.model_loss), *[self.sums[k] for k in names],
+                               *[float(self.counts[k]) for k in names]], dtype=torch.float64, device=device)
+        dist.all_reduce(summed)
+        flat: list[float] = summed.cpu().tolist()
         out: dict[str, Any] = {}
         if self.loss_fn is not None or flat[2] > 0:
             out["loss"] = flat[0] / flat[1]

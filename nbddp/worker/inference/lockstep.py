@@ -71,7 +71,8 @@ def lockstep(loader: Any, dummy: Callable[[], Any] | None, what: str) -> Iterato
                 last = batch
                 yield batch, True
             else:
-                last = last if last is not None else dummy()
+                if last is None and dummy is not None:  # (without a dummy, every rank had a first batch)
+                    last = dummy()
                 yield last, False
     finally:
         agreement.close()

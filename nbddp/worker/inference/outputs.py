@@ -113,7 +113,7 @@ class FileRows:
         for leaf, start in zip(self.layout.leaves, self.starts):
             t = torch.empty((self.at, *leaf.shape), dtype=getattr(torch, leaf.dtype))
             if t.numel():
-                os.preadv(self.fd, [t.view(-1).view(torch.uint8).numpy()], start + self.first * leaf.row_bytes)
+                os.preadv(self.fd, [t.view(-1).view(torch.uint8).numpy().data], start + self.first * leaf.row_bytes)
             got[leaf.key] = t
         return ("tensor", got[None]) if list(got) == [None] else ("dict", got)
 
@@ -160,15 +160,15 @@ class Outputs:
                 self.write_s = self.file.write_s
                 self.rows.append(rows)
                 return
-            self._leave_file()
+            self._leave_file(self.file)
         self.batches.append(to_cpu(out))
         self.rows.append(rows)
 
-    def _leave_file(self) -> None:
+    def _leave_file(self, file: FileRows) -> None:
         """A batch that does not fit the file: the rows written so far come back here, the rank goes on without."""
-        kind, value = self.file.taken()
+        kind, value = file.taken()
         self.batches = batches_of({"kind": kind, "value": value, "rows": self.rows})
-        self.file.close()
+        file.close()
         self.file = None
 
     def packed(self) -> dict[str, Any]:

@@ -20,11 +20,21 @@ pipeline's last stage knows each batch's real rows and its targets.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from nbddp.worker.inference.kept import KeptParallel, full
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+
+@runtime_checkable
+class Resharding(Protocol):
+    """A module FSDP2 shards (``FSDPModule``): ``reshard()`` frees the parameters its root kept gathered."""
+
+    def reshard(self) -> None: ...
 
 
 class PipelineBatchError(TypeError):
@@ -54,8 +64,8 @@ class PipelineForward:
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, _ScheduleForwardOnly
 
         p = self.part
-        stages = [PipelineStage(m, i, p.stages, self.device, group=p.mp_group)
-                  for i, m in zip(p.stage_ids, p.stage_modules)]
+        stages: list[_PipelineStageBase] = [PipelineStage(m, i, p.stages, self.device, group=p.mp_group)
+                                            for i, m in zip(p.stage_ids, p.stage_modules)]
         if len(stages) == 1:
             return _ScheduleForwardOnly(stages[0], p.microbatches)
         return ScheduleInterleaved1F1B(stages, p.microbatches)
@@ -76,7 +86,7 @@ class PipelineForward:
     def end(self) -> None:
         """Stages sharded over ``dp`` (FSDP) drop the parameters their roots kept gathered."""
         for m in self.part.stage_modules:
-            if hasattr(m, "reshard"):
+            if isinstance(m, Resharding):
                 m.reshard()
 
 

@@ -34,7 +34,7 @@ from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.inference.kept import KeptParallel, part_of
 from nbddp.worker.inference.lockstep import lockstep
-from nbddp.worker.inference.parallel_forward import PipelineForward, tensor_forward
+from nbddp.worker.inference.parallel_forward import PipelineForward, Resharding, tensor_forward
 from nbddp.worker.inference.pipeline_step import stepped
 from nbddp.worker.inference.shards import block, block_loader
 from nbddp.worker.strategies.precision import precision_tools
@@ -111,7 +111,7 @@ def release(model: RankModel) -> None:
     """Kept modules back to their modes; sharded ones drop the parameters their roots kept gathered."""
     for m, training in model.modes:
         m.train(training)
-        if model.collective and hasattr(m, "reshard"):
+        if model.collective and isinstance(m, Resharding):
             m.reshard()
 
 

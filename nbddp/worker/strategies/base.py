@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
 
 from nbddp.worker.data.batches import run_batch
 from nbddp.worker.engine.heartbeat import BEAT
+
+W = TypeVar("W")
 
 
 class Strategy(ABC):
@@ -33,8 +35,8 @@ class Strategy(ABC):
     def __init__(self, device: torch.device):
         self.device = device
         self.settings: Any = None  # what strategy= said, as a settings object (set by the registry)
-        self.module: nn.Module | None = None  # the person's module, inside any wrapper
-        self.wrapped: nn.Module | None = None  # what the training step calls
+        self._module: nn.Module | None = None  # ``module``, once ``wrap`` has set it
+        self._wrapped: nn.Module | None = None  # ``wrapped``, once ``wrap`` has set it
         self.group: Any = None  # train in this subgroup of the workers (None: all of them)
         # (dataset, collate_fn, batch_size) of the training data: for a strategy that must see a batch before training
         self.sample_data: Any = None
@@ -69,7 +71,43 @@ class Strategy(ABC):
 
     @abstractmethod
     def wrap(self, model: nn.Module, identical: bool) -> nn.Module:
-        """Wrap for training (may be collective); ``identical``: every rank already holds the same weights."""
+        """Wrap for training (may be collective); ``identical``: every rank already holds the same weights.
+
+        Sets ``module`` and ``wrapped``.
+        """
+
+    @property
+    def module(self) -> nn.Module:
+        """The person's module, inside any wrapper (what this rank holds of it: a pipeline keeps its stages)."""
+        return self._after_wrap(self._module, "module")
+
+    @module.setter
+    def module(self, module: nn.Module) -> None:
+        self._module = module
+
+    @property
+    def wrapped(self) -> nn.Module:
+        """What the training step calls: the wrapper (DDP), or the module itself (FSDP2, a pipeline's stages)."""
+        return self._after_wrap(self._wrapped, "wrapped")
+
+    @wrapped.setter
+    def wrapped(self, wrapped: nn.Module) -> None:
+        self._wrapped = wrapped
+
+    def _after_wrap(self, value: nn.Module | None, name: str) -> nn.Module:
+        if value is None:
+            raise RuntimeError(f"{type(self).__name__}.{name} was read before {type(self).__name__}.wrap(model) set "
+                               f"it; a strategy's wrap must set both self.module and self.wrapped")
+        return value
+
+    def wrapped_as(self, kind: type[W]) -> W:
+        """``wrapped`` as the class this strategy's ``wrap`` makes it (``DDP``, ``FSDPModule``), for its own methods."""
+        wrapped = self.wrapped
+        if not isinstance(wrapped, kind):
+            raise TypeError(f"{type(self).__name__} trains a {kind.__name__}, but its wrap() left a "
+                            f"{type(wrapped).__name__} in self.wrapped; a subclass that wraps otherwise must also "
+                            "override the methods that use it (gradient_sync, end_evaluation)")
+        return wrapped
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.wrapped.parameters()
@@ -138,15 +176,21 @@ class Strategy(ABC):
         """Put ``snapshot_weights``'s copy back on every rank: rank 0 loads it, then broadcasts (collective)."""
         import torch.distributed as dist
 
+        if rank == 0 and saved is None:
+            raise ValueError(f"{type(self).__name__}.restore_weights: rank 0 holds the copy that every rank gets, "
+                             "but it was given None; pass what snapshot_weights(0) returned")
         with torch.no_grad():
             for name, t in self.module.state_dict().items():
-                if rank == 0:
+                if rank == 0 and saved is not None:  # (checked above)
                     t.copy_(saved[name])
                 dist.broadcast(t, src=0, group=self.group)
 
     @abstractmethod
-    def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
-        """The full, unsharded state dict on rank 0 (collective); ``None`` elsewhere."""
+    def full_state_dict(self, rank: int) -> dict[str, Any] | None:
+        """The full, unsharded state dict on rank 0 (collective); ``None`` elsewhere.
+
+        A state dict as torch types it: tensors, and whatever a module's ``get_extra_state`` returns.
+        """
 
     @abstractmethod
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:

@@ -54,10 +54,10 @@ def prepare_inductor(spec: CompileSpec) -> str:
 
 def compile_in_place(modules: Iterable[nn.Module], spec: CompileSpec) -> list[nn.Module]:
     """Give each module a compiled ``forward`` (an instance attribute) with ``spec``'s arguments; return them."""
-    kwargs = spec.kwargs()
     done = []
     for module in modules:
-        module.forward = torch.compile(module.forward, **kwargs)
+        module.forward = torch.compile(module.forward, backend=spec.backend, fullgraph=spec.fullgraph,
+                                       dynamic=spec.dynamic, mode=spec.mode)
         done.append(module)
     return done
 

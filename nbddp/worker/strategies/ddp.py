@@ -37,15 +37,15 @@ class DDPStrategy(Strategy):
         # the whole model from rank 0 would only copy them again. A factory's model is broadcast, since
         # its construction may draw on randomness nbddp does not control.
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.wrapped = DDP(model, device_ids=device_ids, init_sync=not identical, process_group=self.group,
-                           **self.settings.torch_kwargs())
-        self.module = self.wrapped.module
-        return self.wrapped
+        ddp = DDP(model, device_ids=device_ids, init_sync=not identical, process_group=self.group,
+                  **self.settings.torch_kwargs())
+        self.wrapped, self.module = ddp, model  # (ddp.module is model)
+        return ddp
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if enabled else self.wrapped.no_sync()
+        return contextlib.nullcontext() if enabled else self.wrapped_as(DDP).no_sync()
 
-    def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, rank: int) -> dict[str, Any] | None:
         return self.module.state_dict() if rank == 0 else None
 
     def save_checkpoint(self, directory: str, step: int, optimizer: Any, extra: dict[str, Any], rank: int) -> None:

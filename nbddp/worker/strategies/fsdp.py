@@ -21,7 +21,7 @@ and with accumulation and clipping to 6e-8.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,13 @@ from nbddp.partitioning import blocks
 from nbddp.worker.checkpoints import sharded as dcp
 from nbddp.worker.strategies.base import Strategy
 from nbddp.worker.strategies.shards import local_param_bytes, restore_own, snapshot_own
+
+
+@runtime_checkable
+class Resettable(Protocol):
+    """A module that can create its own tensors again (``nn.Linear``, ``nn.LayerNorm``...): meta-init needs it."""
+
+    def reset_parameters(self) -> None: ...
 
 
 class FSDPStrategy(Strategy):
@@ -93,7 +100,7 @@ class FSDPStrategy(Strategy):
         model.to_empty(device="cpu" if self.spec.cpu_offload else self.device)
         with torch.no_grad():
             for module in model.modules():
-                if hasattr(module, "reset_parameters") and _holds_tensors(module):
+                if isinstance(module, Resettable) and _holds_tensors(module):
                     module.reset_parameters()
 
     # ---- the step ------------------------------------------------------------
@@ -102,24 +109,29 @@ class FSDPStrategy(Strategy):
         if enabled:
             yield
             return
-        self.wrapped.set_requires_gradient_sync(False)
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.wrapped_as(FSDPModule)
+        root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.wrapped.set_requires_gradient_sync(True)
+            root.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm)  # a collective: every rank calls it
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def end_evaluation(self) -> None:
-        self.wrapped.reshard()  # the root keeps its gathered parameters after a forward without backward
+        from torch.distributed.fsdp import FSDPModule
+
+        self.wrapped_as(FSDPModule).reshard()  # the root keeps its gathered parameters after a forward without backward
 
     def param_bytes(self) -> int:
         return local_param_bytes(self.module)
 
     # ---- weights and checkpoints -----------------------------------------------
-    def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, rank: int) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -179,7 +191,7 @@ def _holds_tensors(module: nn.Module) -> bool:
 def _can_reset(model: nn.Module) -> bool:
     """Meta-init is safe when every module with its own tensors can re-create them, and no buffer is non-persistent."""
     for module in model.modules():
-        if _holds_tensors(module) and not hasattr(module, "reset_parameters"):
+        if _holds_tensors(module) and not isinstance(module, Resettable):
             return False
         saved = module.state_dict(keep_vars=True)
         if any(name not in saved for name, _ in module.named_buffers(recurse=False)):

@@ -45,13 +45,13 @@ def average_gradients(params: Iterable[torch.nn.Parameter], group: Any, size: in
 
 def replicated_dims(t: torch.Tensor) -> int:
     """How many ranks of a DTensor's own mesh hold the same values (1 for a plain tensor)."""
-    placements = getattr(t, "placements", None)
-    if placements is None:
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)  # a DTensor's
+    if placements is None or mesh is None:
         return 1
     copies = 1
     for dim, placement in enumerate(placements):
         if placement.is_replicate():
-            copies *= t.device_mesh.size(dim)
+            copies *= mesh.size(dim)
     return copies
 
 

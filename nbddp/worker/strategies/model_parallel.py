@@ -41,6 +41,9 @@ class MeshStrategy(Strategy):
 
     @classmethod
     def create(cls, settings: Any, device: torch.device, precision: str, mesh: dict[str, int] | None) -> Strategy:
+        if mesh is None:
+            raise ValueError(f"{cls.__name__} splits the model over the fit's mesh ({{'dp': ..., "
+                             f"'{settings.mp_dim}': ...}}, which the kernel resolves), but was given mesh=None")
         return cls(device, settings, precision, mesh)
 
     @property

@@ -36,7 +36,12 @@ def snapshot_own(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: local(t).detach().to("cpu", copy=True) for name, t in own_tensors(module)}
 
 
-def restore_own(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+def restore_own(module: nn.Module, saved: dict[str, torch.Tensor] | None) -> None:
+    """Put ``snapshot_own``'s copy back, in place; every rank holds its own copy."""
+    if saved is None:
+        raise ValueError(f"restoring the weights of {type(module).__name__}: this rank holds its own part of the "
+                         "model, so it needs its own snapshot, and was given None; pass what snapshot_weights "
+                         "returned here")
     with torch.no_grad():
         for name, t in own_tensors(module):
             local(t).copy_(saved[name])

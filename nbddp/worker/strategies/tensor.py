@@ -18,7 +18,7 @@ rounding noise into full steps: compare in float64 or with SGD.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,9 @@ import torch.nn as nn
 from nbddp.worker.strategies.gradients import average_gradients
 from nbddp.worker.strategies.model_parallel import MeshStrategy
 from nbddp.partitioning.tensor_plan import parallel_styles, resolve_plan
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -65,21 +68,31 @@ class TensorParallelStrategy(MeshStrategy):
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
-        if self.sharded:
-            self.module.set_requires_gradient_sync(enabled)
+        root = self._sharded_root()
+        if root is not None:
+            root.set_requires_gradient_sync(enabled)
         try:
             yield
         finally:
-            if self.sharded:
-                self.module.set_requires_gradient_sync(True)
+            if root is not None:
+                root.set_requires_gradient_sync(True)
         if enabled and self.replicated:
             average_gradients(self.parameters(), self.mesh.dp_group, self.layout.dp)
 
     def end_evaluation(self) -> None:
-        if self.sharded:
-            self.module.reshard()
+        root = self._sharded_root()
+        if root is not None:
+            root.reshard()
 
-    def full_state_dict(self, rank: int) -> dict[str, torch.Tensor] | None:
+    def _sharded_root(self) -> FSDPModule | None:
+        """The FSDP2 root when ``dp`` shards the tensor-parallel model (``dp="fsdp"``), else None."""
+        if not self.sharded:
+            return None
+        from torch.distributed.fsdp import FSDPModule
+
+        return self.wrapped_as(FSDPModule)
+
+    def full_state_dict(self, rank: int) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

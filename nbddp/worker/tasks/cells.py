@@ -50,8 +50,10 @@ def _run_cell(source: str, cell_number: int, generation: int) -> None:
     register_text(filename, source)  # tracebacks, stacks and pdb show the cell's lines
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    final = tree.body[-1] if tree.body else None
+    if isinstance(final, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(final.value)
     try:
         with user_task(generation, "cell"):
             exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point

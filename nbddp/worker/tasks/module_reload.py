@@ -29,6 +29,8 @@ _STAMPS: dict[str, tuple[int, int, int]] = {}  # name -> (id of module object, m
 
 
 def _stamp(module: ModuleType) -> tuple[int, int] | None:
+    if module.__file__ is None:  # a namespace package, or a module built in memory
+        return None
     try:
         st = os.stat(module.__file__)
     except (OSError, TypeError):

@@ -112,10 +112,10 @@ def _evaluate(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
     with user_task(launch.generation, "call"), stop_on_sigint():
         device = torch.device(STATE.placement.device)
         error: BaseException | None = None
-        done, model, data = False, None, None
+        done, built = False, None  # built: the model, for the finally clause to release, once it is
         try:
             parts = shipping.unpack(parcel)
-            model = loop.build_model(parts["model"], device)
+            model = built = loop.build_model(parts["model"], device)
             scores = evaluation.Scores(parts["metrics"], parts["loss_fn"], device, parts["target_fn"],
                                        evaluation.outputs_group(model.part))
             data = loop.rank_data(parts["data"], launch, device, model)
@@ -124,10 +124,10 @@ def _evaluate(parcel: shipping.Parcel, launch: PredictLaunch) -> PredictResult:
             error = exc
         finally:
             loop.close_loaders()
-            if model is not None:
-                loop.release(model)
+            if built is not None:
+                loop.release(built)
         failed, stopped = evaluation.agree(error is not None, not done and error is None, device)
-        if error is not None:
+        if error is not None:  # else the try block ran to its end: model, scores and data are set
             raise error
         if failed:
             from nbddp.worker.data.batch_agreement import PeerFailed

@@ -170,14 +170,15 @@ def _scaling_task(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parce
                   warmup: int, steps: int) -> list[ScalingRow] | None:
     device = torch.device(STATE.placement.device)
     rank = dist.get_rank()
-    rows = []
+    rows: list[ScalingRow] = []
     with user_task(launch.generation, trains=True), _side_effect_free(device):
         groups = {k: dist.new_group(list(range(k))) for k in sizes}  # every rank creates every group, in order
         try:
             for k in sizes:
                 row = _time_world(parcel, cfg, launch, model_parcel, k, groups[k], warmup, steps) if rank < k else None
                 dist.barrier()  # the others wait here (idle, no collective of the subgroup)
-                rows.append(row)
+                if row is not None:  # (rank 0 times every world size)
+                    rows.append(row)
         finally:
             for group in groups.values():
                 destroy_subgroup(group)

@@ -80,10 +80,19 @@ class TrainState:
     @property
     def total_steps(self) -> int | float:
         """``math.inf`` for a stream without ``max_steps``: how long its epochs are is seen only at their ends."""
-        if self.stream is not None:
+        per_epoch = self.steps_per_epoch
+        if per_epoch is None:  # a stream
             return self.cfg.max_steps if self.cfg.max_steps is not None else math.inf
-        total = self.steps_per_epoch * self.cfg.epochs
+        total = per_epoch * self.cfg.epochs
         return min(total, self.cfg.max_steps) if self.cfg.max_steps is not None else total
+
+    @property
+    def built_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, which phase 2 of the set-up builds (``setup.wrap_and_restore``) once the model is wrapped."""
+        if self.optimizer is None:
+            raise RuntimeError("an optimizer step came before setup.wrap_and_restore built this fit's optimizer; "
+                               "the loop runs only after both set-up phases (loop.fit)")
+        return self.optimizer
 
     @property
     def non_blocking(self) -> bool:

@@ -70,7 +70,7 @@ class KernelAnswers:
         value = store_channel.wait_value(store_channel.rank_store(), key, self.timeout_s)
         if value is None or value.get("seq") != seq:
             return None
-        return EpochAnswer(**{k: value.get(k) for k in ("seq", "stop", "lr", "checkpoint")})
+        return EpochAnswer(seq=seq, stop=value.get("stop"), lr=value.get("lr"), checkpoint=value.get("checkpoint"))
 
     def apply(self, ts: Any, answer: EpochAnswer) -> None:
         """What the answer asks, on this rank: the same on every rank."""

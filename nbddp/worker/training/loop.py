@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from nbddp.worker.training.profiler import StepProfiler
 from nbddp.worker.training.asked_profile import AskedProfiles
 from nbddp.worker.training.kernel_answers import KernelAnswers
 _END = object()  # the end of an epoch's batches
+T = TypeVar("T")
 
 
 def agree(error: BaseException | None, device: torch.device, what: str, group: Any = None) -> None:
@@ -61,6 +62,24 @@ def agree(error: BaseException | None, device: torch.device, what: str, group: A
         raise error
     if flag.item() > 0:
         raise PeerFailed(f"another rank failed during {what}")
+
+
+def agreed(work: Callable[[], T], device: torch.device, what: str, group: Any = None) -> T:
+    """``work()``'s result, once every rank (of ``group``) has done its own: any rank's failure raises on all.
+
+    A set-up phase of ``fit`` (the heartbeat says ``"setup"``), agreed outside the ``except`` clause, so that a
+    failing collective is not reported as raised while handling this rank's error.
+    """
+    try:
+        BEAT.mark("setup")
+        done = work()
+    except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
+        error = exc
+    else:
+        agree(None, device, what, group)
+        return done
+    agree(error, device, what, group)
+    raise error  # agree has raised it already: this says so to the reader and the type checker
 
 
 def described(model: torch.nn.Module) -> tuple[str, int]:
@@ -81,25 +100,14 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     group = within[2] if within else None
     t_setup = time.perf_counter()
     base_mem = reset_peak_memory(device)
-    ts = parts = path = None
-    error: BaseException | None = None
-    try:
-        BEAT.mark("setup")
-        ts, parts = setup.build(parcel, cfg, launch, model_parcel, within, bind)
-        path = setup.resume_path(cfg)
-    except BaseException as exc:  # noqa: BLE001 - shared with peers, then re-raised
-        error = exc
-    agree(error, device, "setup", group)
+    (ts, parts), path = agreed(lambda: (setup.build(parcel, cfg, launch, model_parcel, within, bind),
+                                        setup.resume_path(cfg)), device, "setup", group)
     model_class, params = described(ts.model)  # the whole model, before a strategy keeps its part of it
-    try:
-        BEAT.mark("setup")
-        setup.wrap_and_restore(ts, parts, path)
-    except BaseException as exc:  # noqa: BLE001
-        error = exc
-    agree(error, device, "wrapping the model and loading the checkpoint", group)
+    agreed(lambda: setup.wrap_and_restore(ts, parts, path), device, "wrapping the model and loading the checkpoint",
+           group)
     agreed_us = time.time_ns() / 1000  # every rank leaves the agreement together: the profile's clock reference
     del parts
-    plan = FitPlanInfo(total_steps=ts.total_steps if math.isfinite(ts.total_steps) else None,
+    plan = FitPlanInfo(total_steps=int(ts.total_steps) if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
                        model_class=model_class, params=params, notices=tuple(ts.notices))
     attach_watchers(ts, launch, plan, base_mem, group, agreed_us)
@@ -197,7 +205,7 @@ def run_epoch(ts: TrainState) -> bool:
             break
         profile_step(ts)
         end_of_epoch = bi == ts.batches_per_epoch - 1
-        ckpt_due = bool(cfg.checkpoint_every) and ts.step % cfg.checkpoint_every == 0
+        ckpt_due = cfg.checkpoint_every is not None and ts.step % cfg.checkpoint_every == 0  # (>= 1 when given)
         sync = rep.due(ts.step) or end_of_epoch or ckpt_due  # the same on every rank
         snap_due = ts.snapshots is not None and ts.snapshots.due(ts.step, sync)
         # a checkpoint (or snapshot) step is a sync point, so the epoch's loss sums it saves are complete
@@ -261,7 +269,7 @@ def optimizer_step(ts: TrainState) -> bool:
     Returns whether training stops here (a NaN loss under ``on_nan="stop"``: the update is not applied).
     """
     BEAT.mark("optimizer")
-    opt, scaler = ts.optimizer, ts.scaler
+    opt, scaler = ts.built_optimizer, ts.scaler
     verdict = nan_policy.agree_on_step(ts)
     if verdict != "ok":  # every rank drops the same NaN update
         opt.zero_grad(set_to_none=True)
@@ -328,8 +336,12 @@ def save_checkpoint(ts: TrainState, batches_done: int, directory: str | None = N
 
     ``directory``: where (default ``checkpoint_dir``; an asked checkpoint goes where it was asked to).
     """
+    target = directory or ts.cfg.checkpoint_dir
+    if not target:
+        raise ValueError(f"a checkpoint was due at step {ts.step}, but neither checkpoint_dir nor the request says "
+                         "where it goes; give dist_fit(checkpoint_dir=...) or handle.save_checkpoint(folder)")
     extra = checkpoint_extra(ts, batches_done)
-    ts.strategy.save_checkpoint(directory or ts.cfg.checkpoint_dir, ts.step, ts.optimizer, extra, ts.rank)
+    ts.strategy.save_checkpoint(target, ts.step, ts.optimizer, extra, ts.rank)
 
 
 def checkpoint_extra(ts: TrainState, batches_done: int) -> dict[str, Any]:

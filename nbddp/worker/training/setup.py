@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -62,7 +62,8 @@ def make_optimizer(spec: Any, params: Any, lr: float | None) -> torch.optim.Opti
     if spec is None:
         return torch.optim.AdamW(params, lr=lr)
     if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
-        return spec(params, lr=lr)
+        build: Callable[..., torch.optim.Optimizer] = spec  # torch's optimizers take lr; their base class does not
+        return build(params, lr=lr)
     opt = spec(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"optimizer=... must be an Optimizer class or a factory of params returning one; it returned {type(opt).__name__}")
