@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
 import torch.nn as nn
 
 from nbddp.worker.strategies.gradients import average_gradients

@@ -106,7 +106,7 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     agreed(lambda: setup.wrap_and_restore(ts, parts, path), device, "wrapping the model and loading the checkpoint",
            group)
     agreed_us = time.time_ns() / 1000  # every rank leaves the agreement together: the profile's clock reference
-    del parts
+    parts = None  # the shipped weights: given back now, not at the end of the fit
     plan = FitPlanInfo(total_steps=int(ts.total_steps) if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
                        model_class=model_class, params=params, notices=tuple(ts.notices))
