@@ -19,6 +19,7 @@ which strategy it runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Callable, Iterator, TypeVar
@@ -103,10 +104,10 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     (ts, parts), path = agreed(lambda: (setup.build(parcel, cfg, launch, model_parcel, within, bind),
                                         setup.resume_path(cfg)), device, "setup", group)
     model_class, params = described(ts.model)  # the whole model, before a strategy keeps its part of it
-    agreed(lambda: setup.wrap_and_restore(ts, parts, path), device, "wrapping the model and loading the checkpoint",
-           group)
+    agreed(functools.partial(setup.wrap_and_restore, ts, parts, path), device,
+           "wrapping the model and loading the checkpoint", group)
     agreed_us = time.time_ns() / 1000  # every rank leaves the agreement together: the profile's clock reference
-    parts = None  # the shipped weights: given back now, not at the end of the fit
+    del parts  # the shipped weights: given back now, not at the end of the fit
     plan = FitPlanInfo(total_steps=int(ts.total_steps) if math.isfinite(ts.total_steps) else None,
                        steps_per_epoch=ts.steps_per_epoch, start_step=ts.start_step, batch_size=cfg.batch_size,
                        model_class=model_class, params=params, notices=tuple(ts.notices))
