@@ -316,11 +316,7 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
             stall_timeout = s.options.stall_timeout
         run_ = FitRun(s, plan, view, stall_timeout, hooks)
         run_.launch()
-    if not block:
-        if held:
-            run_.request_stop()
-        return FitHandle(run_)
-    return _wait_for_fit(run_, already=len(held))
+    return _wait_for_fit(run_, already=len(held)) if block else _handle(run_, held=len(held))
 
 
 def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: Any) -> int:
@@ -329,6 +325,13 @@ def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: An
 
     return find_batch_size(model, data, **step,
                            **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
+
+
+def _handle(run_: Any, held: int) -> FitHandle:
+    """``block=False``: the handle at once (a Kernel > Interrupt while it launched has asked the fit to stop)."""
+    if held:
+        run_.request_stop()
+    return FitHandle(run_)
 
 
 def _wait_for_fit(run_: Any, already: int = 0) -> History:

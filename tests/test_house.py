@@ -442,3 +442,43 @@ def test_each_exemption_still_names_a_stale_mention():
     """Once the move fixed a mention (or moved its file), its entry in ``BEING_MOVED`` goes too."""
     seen = {(path, name) for path, _, name, _ in stale_mentions()} | set(outside_citations())
     assert sorted(BEING_MOVED - seen) == []
+
+
+def package_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Circles of imports through several packages (module ``edges`` folded into ``package_of``)."""
+    folded: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            a, b = package_of(source), package_of(target)
+            if a != b:
+                folded.setdefault(a, set()).add(b)
+    found, done = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(folded.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    found.append(cycle)
+            elif len(path) < 12:
+                walk(nxt, path + [nxt])
+
+    for start in sorted(folded):
+        walk(start, [start])
+    return found
+
+
+def test_the_packages_form_layers():
+    """No circle of imports through several packages (``elastic`` -> ``jobs`` -> ``session`` -> ``elastic`` was one):
+    every package sits below those that import it, and the public face (``api``, ``magics``) above all."""
+    assert package_cycles(graph()) == []
+    above = [f"{name} imports {t}" for name, targets in graph().items() for t in targets
+             if t in ("nbddp", "nbddp.api", "nbddp.magics") and name not in ("nbddp", "nbddp.api", "nbddp.magics")]
+    assert above == []
+
+
+def test_the_layer_rule_would_see_a_circle():
+    circle = {"nbddp.elastic.recovery": {"nbddp.jobs.rank_tasks"}, "nbddp.jobs.rank_tasks": {"nbddp.session.session"},
+              "nbddp.session.session": {"nbddp.elastic.spare"}, "nbddp.fit.fit_run": {"nbddp.elastic.recovery"}}
+    assert package_cycles(circle) == [["nbddp.elastic", "nbddp.jobs", "nbddp.session"]]
