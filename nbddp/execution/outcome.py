@@ -24,11 +24,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.protocol.errors import RankFailure
 from nbddp.protocol.messages import published
 from nbddp.protocol.placement import Placement
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 PEER_FAILED = "PeerFailed"
 WORKER_DIED = "WorkerDied"
@@ -120,7 +123,7 @@ def headline(outcomes: list[RankOutcome]) -> tuple[RankOutcome, list[RankOutcome
     return head, others
 
 
-def raised_at(ar: Any, finished: float) -> float:
+def raised_at(ar: AsyncResult, finished: float) -> float:
     """When the rank raised, as it published before its reply (read now: the reply may overtake it), else ``finished``.
 
     The task's end as the engine reports it comes after ipyparallel formatted
@@ -131,7 +134,7 @@ def raised_at(ar: Any, finished: float) -> float:
     return float(raised) if isinstance(raised, (int, float)) and not isinstance(raised, bool) else finished
 
 
-def finished_at(ar: Any) -> float:
+def finished_at(ar: AsyncResult) -> float:
     """When the task ended on the engine (wall clock), else now."""
     try:
         done = ar.metadata.get("completed")
