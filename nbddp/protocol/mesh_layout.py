@@ -13,7 +13,6 @@ strategy's business (``parallel_settings.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 MESH_DIMS = ("dp", "pp", "tp")
 
