@@ -1,8 +1,10 @@
-"""What the execution package needs of the session: small Protocols instead of reaching into its parts.
+"""What the packages below the session need of it: small Protocols instead of reaching into its parts.
 
 The session (``nbddp/session/session.py``) satisfies them; tests pass fakes
 that do (``tests/test_execution.py``), so the decisions here are tested
-without engines.
+without engines. The engines themselves are ``cluster/engines.py``'s
+``Workers``, which these packages may import; the session, its supervisor
+and its options they may not (``session/`` imports them).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from nbddp.protocol.placement import Placement
 if TYPE_CHECKING:
     from ipyparallel import Client
 
+    from nbddp.cluster.engines import Workers
     from nbddp.cluster.slurm.queue import JobState
+    from nbddp.cluster.slurm.request import SlurmRequest
 
 
 class WorkLike(Protocol):
@@ -38,23 +42,28 @@ class GroupLike(Protocol):
     def by_rank(self) -> dict[int, Placement]: ...
 
 
-class WorkersLike(Protocol):
-    """The engines: how one died, whether more can start, signals, the controller and a Slurm job."""
+class SpareLike(Protocol):
+    """An elastic fit's warm spare engine (``elastic/spare.py``'s ``Spare``), which a heal takes as a replacement."""
 
-    @property
-    def can_add_engines(self) -> bool: ...
+    def take(self) -> int | None: ...
 
-    def how_died(self, pid: int) -> tuple[str, str]: ...
+    def wait(self, timeout: float = ...) -> None: ...
 
-    def signal(self, engine_ids: list[int], signum: int) -> Any: ...
-
-    def controller_problem(self) -> str | None: ...
-
-    def job_problem(self) -> JobState | None: ...
+    def ensure(self) -> None: ...
 
 
 class SupervisorLike(Protocol):
-    """The one owner of killing and replacing ranks (``nbddp/session/supervisor.py``)."""
+    """The one owner of killing and replacing ranks (``nbddp/session/supervisor.py``).
+
+    ``closing``: the session is stopping (nothing is started); ``spare``: the warm spare engine, once an
+    elastic fit asked for one; ``await_engines_s``: how long a heal waits for an engine it cannot start
+    (``elastic/replacements.py``); ``regrow_to``: the size the next call's heal brings the workers back to.
+    """
+
+    closing: bool
+    spare: SpareLike | None
+    await_engines_s: float
+    regrow_to: int | None
 
     def kill_ranks(self, ranks: list[int]) -> list[int]: ...
 
@@ -75,6 +84,16 @@ class DebuggerLike(Protocol):
     def let_go(self, work: WorkLike, reason: str) -> None: ...
 
 
+class OptionsLike(Protocol):
+    """What ``start()`` was asked for (``session/start_options.py``'s ``StartOptions``)."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def slurm(self) -> SlurmRequest | None: ...
+
+
 class SessionLike(Protocol):
     """The session, as the packages below it see it (``execution/``, ``elastic/``, ``debugging/``, ``profiling/``)."""
 
@@ -82,7 +101,10 @@ class SessionLike(Protocol):
     def client(self) -> Client: ...
 
     @property
-    def workers(self) -> WorkersLike | None: ...
+    def workers(self) -> Workers | None: ...
+
+    @property
+    def options(self) -> OptionsLike | None: ...
 
     @property
     def group(self) -> GroupLike | None: ...
@@ -122,4 +144,6 @@ class SessionLike(Protocol):
     def follow_kernel_paths(self) -> None: ...
 
     def wait_healed(self, raise_error: bool = True) -> None: ...
+
+    def form_group(self, reprobe: bool, engines: list[int] | None = None) -> None: ...
 

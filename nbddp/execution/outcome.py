@@ -6,7 +6,7 @@ A rank's task ends in one of five ways (``Kind``):
 * ``raised``: the person's code (or nbddp's on the rank) raised;
 * ``died``: the engine process is gone (killed, a segfault, the OOM
   killer): ipyparallel reports an ``EngineError``, and the engine's exit
-  tells how (``WorkersLike.how_died``: the signal, the log's tail);
+  tells how (``Workers.how_died``: the signal, the log's tail);
 * ``stuck``: still running after a peer failed and the grace period
   passed: waiting in a gloo/NCCL collective that no signal can break, so it
   is killed;

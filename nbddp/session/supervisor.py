@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from nbddp.cluster.engines import Workers
 from nbddp.cluster.slurm.queue import JobState
 from nbddp.elastic.replacements import await_replacements
-from nbddp.elastic.spare import Spare
+from nbddp.execution.contracts import SpareLike
 from nbddp.execution.send import silent_engines
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.session.process_group import GroupState
@@ -61,7 +61,7 @@ class Supervisor:
         self._again = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.spare: Spare | None = None  # an elastic fit's warm spare engine (nbddp/elastic/spare.py), taken by a heal
+        self.spare: SpareLike | None = None  # an elastic fit's warm spare engine (nbddp/elastic/spare.py), taken by a heal
         # the last heal's phases in seconds (ping_s, spare_s, start_s, group_s) and how many engines it started
         # afresh (started: 0 when a warm spare replaced the lost rank); bench_elastic.py reports them
         self.last_heal: dict[str, float] = {}
