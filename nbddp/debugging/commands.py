@@ -27,7 +27,7 @@ the loopback line with a per-session token needs no change to the engines.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nbddp.debugging.contracts import DebuggedSession
 from nbddp.debugging.conversation import Conversation, Interactive, NoPrompt, Scripted
