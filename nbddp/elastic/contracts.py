@@ -22,9 +22,12 @@ Records = list[tuple[str, dict[str, Any]]]
 class Relaunchable(Protocol):
     """What ``Recovery`` needs of a fit it relaunches (``nbddp/fit/fit_run.py``'s ``FitRun``)."""
 
-    session: SessionLike
     policy: FailurePolicy
     started_at: float
+
+    @property
+    def session(self) -> SessionLike:
+        """The session it runs on (read-only here, so that a fit may hold the whole ``Session``)."""
 
     @property
     def stopping(self) -> bool:
