@@ -10,7 +10,8 @@ from nbddp.protocol.placement import Placement
 from nbddp.session.session import Session
 
 
-def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank."""
     from nbddp.worker.tasks.entry import call_task
 

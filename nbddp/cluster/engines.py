@@ -358,7 +358,8 @@ class Workers:
                 pass
             for pid in self.all_pids():
                 _kill_tree(pid)
-            if self.jobs is not None and self.job_ids():  # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
+            # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
+            if self.jobs is not None and self.job_ids():
                 self.jobs.cancel()
                 if wait_gone:
                     self.jobs.wait_gone()

@@ -92,7 +92,8 @@ def reason(failed: BaseException) -> str:
     return words if len(words) <= 160 else words[:157] + "..."
 
 
-def go_on(recovery: RestartLedger, run: Relaunchable, lost: WorkerError, failed: ClusterError, event: dict[str, Any]) -> None:
+def go_on(recovery: RestartLedger, run: Relaunchable, lost: WorkerError, failed: ClusterError,
+          event: dict[str, Any]) -> None:
     """After a heal that could not replace the lost rank: relaunch on the survivors, or fail naming min_workers.
 
     Raises:

@@ -91,7 +91,8 @@ def collect(session: SessionLike, placements: list[Placement], busy: dict[int, A
     return list(answers.values()), time.monotonic() - t0
 
 
-def _ask_idle(session: SessionLike, placements: list[Placement], wait_s: float) -> tuple[dict[int, RankStack], set[int]]:
+def _ask_idle(session: SessionLike, placements: list[Placement],
+              wait_s: float) -> tuple[dict[int, RankStack], set[int]]:
     """Idle engines answer a task at once; one that does not is busy with something after all."""
     from nbddp.worker.tasks.debugging import idle_stack
 

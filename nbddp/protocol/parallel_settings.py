@@ -341,7 +341,8 @@ class FSDP(StrategySettings):
     kept_as = "fsdp"
 
 
-def module_classes(value: str | type | Iterable[str | type] | None, where: str, alternative: str = "") -> frozenset[str] | None:
+def module_classes(value: str | type | Iterable[str | type] | None, where: str,
+                   alternative: str = "") -> frozenset[str] | None:
     """nn.Module classes or class names -> a frozenset of names (``None`` stays ``None``); ``alternative`` ends errors."""
     import torch.nn as nn
 

@@ -61,7 +61,7 @@ class Supervisor:
         self._again = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.spare: SpareLike | None = None  # an elastic fit's warm spare engine (nbddp/elastic/spare.py), taken by a heal
+        self.spare: SpareLike | None = None  # an elastic fit's warm spare engine (elastic/spare.py), taken by a heal
         # the last heal's phases in seconds (ping_s, spare_s, start_s, group_s) and how many engines it started
         # afresh (started: 0 when a warm spare replaced the lost rank); bench_elastic.py reports them
         self.last_heal: dict[str, float] = {}

@@ -58,8 +58,8 @@ class SweepRun(Work):
 
     session: Session  # its trials' parcels carry the session's source lines (SessionLike does not hold them)
 
-    def __init__(self, session: Session, plan: FitPlan, space: Space, study: optuna.Study, n_trials: int, groups: list[list[int]],
-                 metric: str, token: str, mode: str, policy: FailurePolicy | None = None):
+    def __init__(self, session: Session, plan: FitPlan, space: Space, study: optuna.Study, n_trials: int,
+                 groups: list[list[int]], metric: str, token: str, mode: str, policy: FailurePolicy | None = None):
         super().__init__(session, "an nbddp.sweep")
         self.plan, self.space, self.study = plan, space, study
         self.n_trials, self.groups, self.metric, self.token, self.mode = n_trials, groups, metric, token, mode
