@@ -6,11 +6,12 @@ from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
 from nbddp.cells.rank_output import run_on_ranks
-from nbddp.execution.contracts import SessionLike
 from nbddp.protocol.placement import Placement
+from nbddp.session.session import Session
 
 
-def call_everywhere(session: SessionLike, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank."""
     from nbddp.worker.tasks.entry import call_task
 

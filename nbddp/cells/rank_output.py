@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.execution.calls import call_on_ranks
 from nbddp.execution.contracts import SessionLike
+from nbddp.execution.rank_tasks import RankTasks
 from nbddp.protocol.placement import Placement
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 OUTPUT_WAIT_S = 2.0
 
@@ -24,7 +28,7 @@ class RankOutput:
     everything, grouped by rank, when the cell ends.
     """
 
-    def __init__(self, ars: dict[int, Any], live: bool = True):
+    def __init__(self, ars: dict[int, AsyncResult], live: bool = True):
         self.ars = ars
         self.live = live
         self.seen = {(r, k): 0 for r in ars for k in ("stdout", "stderr")}
@@ -53,7 +57,7 @@ class RankOutput:
         else:
             self.lines.append((rank, kind, line))
 
-    def finish(self, tasks: Any) -> None:
+    def finish(self, tasks: RankTasks) -> None:
         """Wait briefly for the last output of ranks that ended, then print the rest."""
         deadline = time.monotonic() + OUTPUT_WAIT_S
         for rank, ar in self.ars.items():
@@ -74,7 +78,7 @@ class RankOutput:
         sys.stderr.flush()
 
 
-def _metadata(ar: Any, key: str) -> str:
+def _metadata(ar: AsyncResult, key: str) -> str:
     try:
         value = ar[key]
     except Exception:  # noqa: BLE001 - a dead engine's task may have none

@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipyparallel.cluster.launcher import BaseLauncher
 
 
-def exit_code(launcher: Any, wait_s: float = 2.0) -> int | None:
+def exit_code(launcher: BaseLauncher, wait_s: float = 2.0) -> int | None:
     """The exit status of a launched engine (negative: killed by that signal), or None.
 
     ipyparallel's launcher reaps its process in a thread through

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.cluster.reaper import Reaper
 from nbddp.cluster.unregister import unregister
@@ -25,7 +25,13 @@ from nbddp.cluster.attach import attach_files
 from nbddp.protocol.errors import ClusterError
 from nbddp.cluster.engine_exits import describe_exit, exit_code, read_tail
 from nbddp.cluster.iopub_guard import harden
-from nbddp.cluster.slurm.watch import SlurmJobs
+from nbddp.cluster.slurm.queue import JobState
+from nbddp.cluster.slurm.watch import JobShow, SlurmJobs
+
+if TYPE_CHECKING:
+    import psutil
+    from ipyparallel import Client, Cluster
+    from ipyparallel.cluster.launcher import BaseLauncher
 
 START_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 10.0  # ipyparallel's own default for reaching a controller
@@ -43,7 +49,8 @@ class Workers:
     a ``cluster=`` object already running) are never stopped by nbddp.
     """
 
-    def __init__(self, cluster: Any, client: Any, owned: bool, can_add_engines: bool, connection_file: str = ""):
+    def __init__(self, cluster: Cluster | None, client: Client, owned: bool, can_add_engines: bool,
+                 connection_file: str = ""):
         self.cluster = cluster
         self.client = client
         harden(client)  # one output message ipyparallel cannot handle must not stop all later output
@@ -53,8 +60,8 @@ class Workers:
         self.engine_env: dict[str, str] = {}  # given to every engine this session launches
         self.pids: dict[int, int] = {}  # engine id -> pid, as the engines reported it (session's probes)
         self.reaper = Reaper()
-        self._launched: dict[int, Any] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
-        self.controller_helpers: list[Any] = []  # psutil.Process of the controller's schedulers (owned clusters)
+        self._launched: dict[int, BaseLauncher] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
+        self.controller_helpers: list[psutil.Process] = []  # the controller's schedulers (owned clusters)
         self._endpoint: tuple[str, int] | None = None  # read from the connection file once it could be read
         self.jobs: SlurmJobs | None = None  # the Slurm jobs holding the engines (engines="slurm" clusters)
         # an elastic fit's warm spare engine (nbddp/elastic/spare.py) is registered but no rank until a heal takes
@@ -64,9 +71,9 @@ class Workers:
 
     # ---- construction ---------------------------------------------------
     @classmethod
-    def start(cls, n: int, cluster: Any = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
+    def start(cls, n: int, cluster: Cluster | None = None, timeout: float = START_TIMEOUT_S, file_prefix: str = "",
               engine_env: dict[str, str] | None = None, queue_timeout: float | None = None,
-              show: Any = None) -> "Workers":
+              show: JobShow | None = None) -> "Workers":
         """Start ``n`` local engines, or start the given ``ipyparallel.Cluster``.
 
         ``engine_env`` is added to the engines' environment at launch (thread
@@ -79,7 +86,7 @@ class Workers:
         import ipyparallel as ipp
 
         own = cluster is None
-        if own:
+        if cluster is None:
             # A 1 s heartbeat (ipyparallel's default is 3 s) makes engines count as registered ~2 s sooner;
             # 10 missed beats (10 s) are still allowed before an engine is declared dead.
             cluster = ipp.Cluster(n=n, delay=0, log_level=logging.ERROR, shutdown_atexit=True,
@@ -212,7 +219,7 @@ class Workers:
         except OSError as exc:
             return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
 
-    def job_problem(self) -> Any:
+    def job_problem(self) -> JobState | None:
         """The Slurm job of these engines that ended, or None (asked at most once a second).
 
         The job is a ``nbddp.cluster.slurm.queue.JobState``.
@@ -223,7 +230,8 @@ class Workers:
         """The Slurm jobs this session submitted (and must cancel): none for other launchers or attached clusters."""
         return self.jobs.ids if self.jobs is not None and self.owned else []
 
-    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None, show: Any = None) -> None:
+    def wait_started(self, n: int, timeout: float, queue_timeout: float | None = None,
+                     show: JobShow | None = None) -> None:
         """Wait until ``n`` engines registered; a Slurm job's wait is drawn by ``show`` and bounded by its state."""
         if self.jobs is None:
             self.wait_for(n, timeout)
@@ -240,9 +248,9 @@ class Workers:
                 )
             time.sleep(0.05)
 
-    def launcher_pids(self) -> dict[int, Any]:
+    def launcher_pids(self) -> dict[int, BaseLauncher]:
         """pid -> launcher object, for engines this cluster object launched."""
-        found: dict[int, Any] = {}
+        found: dict[int, BaseLauncher] = {}
         engines = getattr(self.cluster, "engines", None) or {}  # None: attached by connection file alone
         for engine_set in engines.values():
             for launcher in getattr(engine_set, "launchers", {}).values():
@@ -295,7 +303,7 @@ class Workers:
         """SIGKILL every engine this session launched, with its nanny (when the controller is gone, nothing else can)."""
         for pid in self.launcher_pids():
             _kill_tree(pid, wait_s=0.0)  # a killed nanny may stay a zombie where nobody reaps orphans
-        if self.job_ids():
+        if self.jobs is not None and self.job_ids():
             self.jobs.cancel()
 
     def signal(self, engine_ids: list[int], signum: int) -> Any:
@@ -311,7 +319,7 @@ class Workers:
         ``wait``: ``wait_started``'s ``queue_timeout`` and ``show`` for a Slurm job (default: a queue bounded
         by ``timeout``, nothing shown; an elastic fit's new job after a lost one passes the person's own).
         """
-        if not self.can_add_engines:
+        if not self.can_add_engines or self.cluster is None:  # (attached: no cluster object, or not ours)
             raise ClusterError(
                 f"{count} engine(s) of this attached cluster died and nbddp cannot start engines there. "
                 f"Start {count} more with `ipengine --profile=...` (or `ipcluster engines -n {count}`) on the cluster, "
@@ -344,12 +352,14 @@ class Workers:
             pass
         if self.owned:
             try:
-                self.cluster.stop_cluster_sync()
+                if self.cluster is not None:  # (an owned cluster always has one)
+                    self.cluster.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - fall back to killing by pid below
                 pass
             for pid in self.all_pids():
                 _kill_tree(pid)
-            if self.job_ids():  # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
+            # ipyparallel scancel'ed them; make sure, and wait until squeue no longer lists them
+            if self.jobs is not None and self.job_ids():
                 self.jobs.cancel()
                 if wait_gone:
                     self.jobs.wait_gone()
@@ -365,7 +375,7 @@ class Workers:
         return pids
 
 
-def _running(process: Any) -> bool:
+def _running(process: psutil.Process) -> bool:
     """Whether a psutil.Process is still that process and has not exited (a zombie has)."""
     import psutil
 
@@ -375,7 +385,7 @@ def _running(process: Any) -> bool:
         return False
 
 
-def _children(process: Any) -> list[Any]:
+def _children(process: psutil.Process | None) -> list[psutil.Process]:
     import psutil
 
     if process is None:

@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import zmq
+    from ipyparallel import Client
+
+# the client's handler of one output message, as its ZMQ stream hands it over (copy=False: frames)
+Dispatch = Callable[[list["zmq.Frame"]], Any]
 
 log = logging.getLogger("nbddp")
 HARDEN_TIMEOUT_S = 10.0
 
 
-def guarded(dispatch: Any) -> Any:
+def guarded(dispatch: Dispatch) -> Dispatch:
     """``dispatch`` that logs (once per kind of failure) and drops a message it raised on."""
     seen: set[str] = set()
 
-    def dispatch_iopub(msg: Any) -> None:
+    def dispatch_iopub(msg: list[zmq.Frame]) -> None:
         try:
             dispatch(msg)
         except Exception as exc:  # noqa: BLE001 - a raise here would stop every later message
@@ -42,7 +49,7 @@ def guarded(dispatch: Any) -> Any:
     return dispatch_iopub
 
 
-def harden(client: Any) -> None:
+def harden(client: Client) -> None:
     """Make ``client``'s output stream survive a message its handler raises on (in the client's IO thread)."""
     stream = getattr(client, "_iopub_stream", None)
     loop = getattr(client, "_io_loop", None)

@@ -11,12 +11,15 @@ engine that missed its heartbeats.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipyparallel import Client
 
 FLUSH_MS = 1000  # how long closing the socket may wait for the requests to leave
 
 
-def unregister(client: Any, endpoint: tuple[str, int | None], engine_ids: list[int]) -> bool:
+def unregister(client: Client, endpoint: tuple[str, int | None], engine_ids: list[int]) -> bool:
     """Ask the controller at ``endpoint`` (host, registration port) to unregister ``engine_ids`` now.
 
     False where it cannot be asked (no port known). A socket of its own, not the client's query
@@ -29,7 +32,7 @@ def unregister(client: Any, endpoint: tuple[str, int | None], engine_ids: list[i
     host, port = endpoint
     if not engine_ids or port is None:
         return False
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         if client.curve_serverkey:
             sock.curve_serverkey = client.curve_serverkey

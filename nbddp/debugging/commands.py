@@ -27,13 +27,22 @@ the loopback line with a per-session token needs no change to the engines.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
+from nbddp.debugging.contracts import DebuggedSession
 from nbddp.debugging.conversation import Conversation, Interactive, NoPrompt, Scripted
 from nbddp.debugging.prompt import waiting_note
 from nbddp.protocol.errors import NothingToDebug
 from nbddp.shipping.source_lines import describe_where
+from nbddp.debugging.rank_lines import DebugBoard
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import to_engine, to_ranks
+from nbddp.protocol.messages import PostMortemFailure
+from nbddp.protocol.placement import Placement
+
+if TYPE_CHECKING:
+    from IPython.lib.pretty import RepresentationPrinter
+    from ipyparallel import AsyncResult
 
 CONNECT_S = 10.0  # post-mortem tasks have this long to connect
 END_S = 10.0
@@ -45,11 +54,11 @@ class Transcript(str):
     def __repr__(self) -> str:
         return str(self)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+    def _repr_pretty_(self, p: RepresentationPrinter, cycle: bool) -> None:
         p.text(str(self))
 
 
-def check_commands(commands: Any) -> list[str] | None:
+def check_commands(commands: list[str] | None) -> list[str] | None:
     if commands is None:
         return None
     if isinstance(commands, str) or not isinstance(commands, (list, tuple)) \
@@ -59,7 +68,7 @@ def check_commands(commands: Any) -> list[str] | None:
     return list(commands)
 
 
-def debug(s: Any, rank: int | None = None, commands: list[str] | None = None) -> Transcript | None:
+def debug(s: DebuggedSession, rank: int | None = None, commands: list[str] | None = None) -> Transcript | None:
     """``nbddp.debug`` on the session ``s`` (``api.debug`` documents the commands and the errors)."""
     commands = check_commands(commands)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
@@ -72,7 +81,7 @@ def debug(s: Any, rank: int | None = None, commands: list[str] | None = None) ->
         s.wait_healed(raise_error=False)  # ranks killed after the failure are being replaced: ask the new set
     if rank is not None and not 0 <= rank < s.world_size:
         raise ValueError(f"no rank {rank}: the workers have ranks 0..{s.world_size - 1}. {what_exists(s)}")
-    started = {}
+    started: dict[int, AsyncResult] = {}
     if not lines:
         if s.busy:
             raise NothingToDebug(f"nothing to debug: {s.running.describe()} is running and no rank is paused at "
@@ -94,7 +103,7 @@ def debug(s: Any, rank: int | None = None, commands: list[str] | None = None) ->
     return Transcript("".join(convo.text)) if commands is not None else None
 
 
-def what_exists(session: Any) -> str:
+def what_exists(session: DebuggedSession) -> str:
     """One sentence: the ranks paused or keeping a failure, for error messages."""
     paused = [ln.describe() for ln in session.debugger.poll()]
     if paused:
@@ -109,7 +118,7 @@ def what_exists(session: Any) -> str:
             "until its next fit).")
 
 
-def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
+def post_mortem_failures(session: SessionLike) -> dict[int, tuple[PostMortemFailure, Placement]]:
     """rank (as it failed) -> (a ``PostMortemFailure``, the placement that holds it now), for every idle rank.
 
     The failures are ``nbddp.protocol.messages.PostMortemFailure`` records.
@@ -117,7 +126,7 @@ def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
     from nbddp.worker.tasks.debugging import post_mortem_failure
 
     ars = {p: to_engine(session.client, p.engine_id, post_mortem_failure) for p in session.placements}
-    found = {}
+    found: dict[int, tuple[PostMortemFailure, Placement]] = {}
     for p, ar in ars.items():
         try:
             info = ar.get(timeout=5.0)
@@ -128,7 +137,7 @@ def post_mortem_failures(session: Any) -> dict[int, tuple[Any, Any]]:
     return dict(sorted(found.items()))
 
 
-def start_post_mortems(session: Any, rank: int | None) -> dict[int, Any]:
+def start_post_mortems(session: DebuggedSession, rank: int | None) -> dict[int, AsyncResult]:
     """Open pdb on the failure each chosen rank keeps; rank -> its task's AsyncResult."""
     from nbddp.worker.tasks.debugging import post_mortem_task
 
@@ -149,7 +158,7 @@ def start_post_mortems(session: Any, rank: int | None) -> dict[int, Any]:
     return ars
 
 
-def end_post_mortems(board: Any, started: dict[int, Any]) -> None:
+def end_post_mortems(board: DebugBoard, started: dict[int, AsyncResult]) -> None:
     """The person is done: post-mortems still open end (the failures stay kept)."""
     if not started:
         return
@@ -164,7 +173,7 @@ def end_post_mortems(board: Any, started: dict[int, Any]) -> None:
     board.poll()
 
 
-def clear(s: Any) -> str:
+def clear(s: DebuggedSession) -> str:
     """``%ddp debug --clear`` on the session ``s``: every rank drops the failure it keeps (and the memory its frames hold)."""
     from nbddp.worker.tasks.debugging import clear_task
 

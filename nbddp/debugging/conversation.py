@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any, Iterable
+from typing import IO, Any, Iterable, Protocol
 
+from nbddp.debugging.rank_lines import DebugBoard, RankLine
 from nbddp.protocol.errors import NbddpError
 
 HELP = ("nbddp debugger: pdb's commands (p, pp, l, ll, w, u, d, n, s, any expression) go to the attached rank; "
@@ -42,6 +43,12 @@ CLIENT_SENDS_NO_INPUT = "the notebook's client sends no input (allow_stdin is of
 
 class NoPrompt(NbddpError):
     """No person can type here (no stdin: nbclient without ``allow_stdin``, a script without a terminal)."""
+
+
+class Reader(Protocol):
+    """Where the person's lines come from: ``Interactive`` (typed) or ``Scripted`` (given); None: no more."""
+
+    def read(self, prompt: str) -> str | None: ...
 
 
 class Interactive:
@@ -84,7 +91,7 @@ def _kernel() -> Any:
     return getattr(shell, "kernel", None)
 
 
-def _isatty(stream: Any) -> bool:
+def _isatty(stream: IO[str]) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
@@ -109,7 +116,7 @@ LEAVE = "leave"
 class Conversation:
     """One debugging session over the board's ranks; ``text`` is its transcript."""
 
-    def __init__(self, board: Any, reader: Any, echo: bool, note: str = ""):
+    def __init__(self, board: DebugBoard, reader: Reader, echo: bool, note: str = ""):
         """``note``: said once, after the help, when a rank is paused at a breakpoint."""
         self.board, self.reader, self.echo, self.note = board, reader, echo, note
         self.text: list[str] = []
@@ -133,7 +140,7 @@ class Conversation:
     # ---- the loop ---------------------------------------------------------------------
     def run(self, only: int | None = None) -> None:
         """Until no rank is left in pdb, the commands run out, or the person detaches."""
-        attached: Any = None
+        attached: RankLine | None = None
         while True:
             lines = [ln for ln in self.board.poll() if only is None or ln.rank == only]
             if attached is not None and (attached.ended or attached not in lines):
@@ -154,15 +161,16 @@ class Conversation:
                 line = self.ask(f"[rank {attached.rank}] {prompt or '(Pdb) '}")
             if line is None:
                 return
-            attached = self.step(line, lines, attached)
-            if attached is LEAVE:
+            chosen = self.step(line, lines, attached)
+            if isinstance(chosen, str):  # LEAVE
                 return
+            attached = chosen
 
-    def _ended(self, line: Any) -> None:
+    def _ended(self, line: RankLine) -> None:
         self.say(line.take_output())
         self.say(f"nbddp: rank {line.rank}: {line.ended or 'left the debugger'}\n")
 
-    def _announce(self, lines: list[Any], attached: Any) -> None:
+    def _announce(self, lines: list[RankLine], attached: RankLine | None) -> None:
         new = [ln for ln in lines if ln.rank not in self._known]
         self._known.update(ln.rank for ln in lines)
         if not new:
@@ -177,12 +185,13 @@ class Conversation:
             if self.note and any(ln.kind == "breakpoint" for ln in lines):
                 self.say(self.note)
 
-    def show_list(self, lines: list[Any]) -> None:
+    def show_list(self, lines: list[RankLine]) -> None:
         self.say("nbddp: ranks in the debugger (attach R to talk to one):\n"
                  + "".join(f"  {ln.describe()}\n" for ln in lines))
 
-    def step(self, line: str, lines: list[Any], attached: Any) -> Any:
-        """nbddp's own commands; anything else goes to the attached rank. Returns who is attached next."""
+    def step(self, line: str, lines: list[RankLine], attached: RankLine | None) -> RankLine | str | None:
+        """nbddp's own commands; anything else goes to the attached rank. Returns who is attached next (``LEAVE``:
+        the person left)."""
         word = line.strip()
         by_rank = {ln.rank: ln for ln in lines}
         if word == "help nbddp" or (attached is None and word == "help"):
@@ -206,14 +215,14 @@ class Conversation:
                      "or cast CMD for all of them\n")
         return attached
 
-    def _attach(self, word: str, by_rank: dict[int, Any], attached: Any) -> Any:
+    def _attach(self, word: str, by_rank: dict[int, RankLine], attached: RankLine | None) -> RankLine | None:
         parts = word.split()
         if len(parts) == 2 and parts[1].isdigit() and int(parts[1]) in by_rank:
             return by_rank[int(parts[1])]
         self.say(f"nbddp: attach R takes a rank in the debugger: {_ranks(list(by_rank.values()))}\n")
         return attached
 
-    def cast(self, word: str, by_rank: dict[int, Any]) -> None:
+    def cast(self, word: str, by_rank: dict[int, RankLine]) -> None:
         match = _CAST.match(word)
         try:
             ranks = parse_ranks(match.group(1)) if match and match.group(1) is not None else sorted(by_rank)
@@ -229,7 +238,7 @@ class Conversation:
             else:
                 self.say(f"[rank {rank}] not in the debugger\n")
 
-    def send_and_show(self, ln: Any, command: str, labelled: bool = False) -> None:
+    def send_and_show(self, ln: RankLine, command: str, labelled: bool = False) -> None:
         """``command`` on one rank, its answer shown (labelled by rank)."""
         if not ln.wait_ask():
             return
@@ -244,5 +253,5 @@ class Conversation:
         self.say(text + "\n" if text else "")
 
 
-def _ranks(lines: list[Any]) -> str:
+def _ranks(lines: list[RankLine]) -> str:
     return ", ".join(str(ln.rank) for ln in lines) or "none"

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
-
 from nbddp.debugging.conversation import Conversation, Interactive, NoPrompt
+from nbddp.debugging.rank_lines import DebugBoard, RankLine
+from nbddp.execution.contracts import SessionLike, WorkLike
 from nbddp.shipping.source_lines import describe_where
 
 SETTLE_S = 0.3  # ranks that stop at one breakpoint together are listed together
 
 
-def waiting_note(session: Any) -> str:
+def waiting_note(session: SessionLike) -> str:
     """How long the other ranks can wait for a paused one: their collectives fail after the group's timeout."""
     timeout = getattr(session.options, "timeout", None)
     if not timeout:
@@ -28,16 +28,16 @@ def waiting_note(session: Any) -> str:
             "timeout; nbddp.start(timeout=...) sets it)\n")
 
 
-def attend(work: Any) -> None:
+def attend(work: WorkLike) -> None:
     """From the cell that waits for ``work``: open the prompt for its ranks paused at ``breakpoint()``.
 
     Without a person to type, each paused rank is told where it stopped and goes on (and so does any
     later breakpoint of this work). Kernel > Interrupt at the prompt lets the paused ranks go on, then
     raises, so the waiter stops the work as for any interrupt.
     """
-    session = getattr(work, "session", None)
+    session = getattr(work, "session", None)  # (a Work's; the board is the session's DebugBoard)
     board = getattr(session, "debugger", None)
-    if board is None or threading.current_thread() is not threading.main_thread():
+    if session is None or board is None or threading.current_thread() is not threading.main_thread():
         return
     lines = board.poll()
     for line in board.take_notes():
@@ -62,7 +62,7 @@ def attend(work: Any) -> None:
         raise
 
 
-def _settle(board: Any) -> None:
+def _settle(board: DebugBoard) -> None:
     """Ranks that reach one breakpoint together arrive within moments: wait a little for the others."""
     deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline:
@@ -70,6 +70,6 @@ def _settle(board: Any) -> None:
         board.poll()
 
 
-def _say_released(line: Any, reason: str) -> None:
+def _say_released(line: RankLine, reason: str) -> None:
     where = describe_where(line.where) + (f" in {line.function}" if line.function else "")
     print(f"nbddp: rank {line.rank} stopped at breakpoint() at {where}, but {reason}; it continues", flush=True)

@@ -24,10 +24,15 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.shipping.source_lines import describe_where
+from nbddp.execution.contracts import WorkLike
 from nbddp.execution.send import on_engines
+from nbddp.protocol.placement import Placement
+
+if TYPE_CHECKING:
+    from ipyparallel import Client
 
 HELLO_TIMEOUT_S = 2.0
 
@@ -142,17 +147,17 @@ class RankLine:
 class DebugBoard:
     """The listener, and the ranks now in pdb (by rank); ``current()`` is the work that holds the workers."""
 
-    def __init__(self, current: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self, current: Callable[[], WorkLike | None] = lambda: None) -> None:
         self.token = secrets.token_hex(16)
         self.current = current
         self.listener: socket.socket | None = None
         self.lines: dict[int, RankLine] = {}
-        self.auto_release: tuple[Any, str] | None = None  # (work, reason): breakpoints of that work go on at once
+        self.auto_release: tuple[WorkLike, str] | None = None  # (work, reason): breakpoints of that work go on at once
         self.notes: list[RankLine] = []  # ranks let go by auto_release, to be reported by the waiting cell
         self._pending: list[tuple[socket.socket, float, bytes]] = []
         self._lock = threading.RLock()
 
-    def announce(self, client: Any, placements: list[Any], controller_host: str) -> None:
+    def announce(self, client: Client, placements: list[Placement], controller_host: str) -> None:
         """Tell every rank where to connect (after each new process group): loopback unless ranks are remote."""
         from nbddp.worker.tasks.debugging import set_debugger_address as set_address
 
@@ -269,7 +274,7 @@ class DebugBoard:
             line.release(release[1])
             self.notes.append(line)
 
-    def let_go(self, work: Any, reason: str) -> None:
+    def let_go(self, work: WorkLike, reason: str) -> None:
         """``work`` is stopping: its paused ranks go on, and so does any breakpoint it reaches later."""
         self.auto_release = (work, reason)
         self.release(reason, kind="breakpoint")

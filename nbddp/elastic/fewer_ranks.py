@@ -33,11 +33,14 @@ import dataclasses
 import numbers
 from typing import Any
 
+from nbddp.elastic.contracts import Relaunchable, RestartLedger
 from nbddp.protocol.errors import ClusterError, WorkerError
 from nbddp.protocol.parallel_settings import settings_of
+from nbddp.protocol.strategy_settings import StrategyChoice
 
 
-def check_min_workers(min_workers: Any, max_restarts: int, world: int, strategy: Any, stream: bool) -> int | None:
+def check_min_workers(min_workers: int | None, max_restarts: int, world: int, strategy: StrategyChoice,
+                      stream: bool) -> int | None:
     """``dist_fit(min_workers=...)`` checked against the running workers: the number, or None (not set).
 
     Raises:
@@ -89,7 +92,8 @@ def reason(failed: BaseException) -> str:
     return words if len(words) <= 160 else words[:157] + "..."
 
 
-def go_on(recovery: Any, run: Any, lost: WorkerError, failed: ClusterError, event: dict[str, Any]) -> None:
+def go_on(recovery: RestartLedger, run: Relaunchable, lost: WorkerError, failed: ClusterError,
+          event: dict[str, Any]) -> None:
     """After a heal that could not replace the lost rank: relaunch on the survivors, or fail naming min_workers.
 
     Raises:
@@ -97,6 +101,7 @@ def go_on(recovery: Any, run: Any, lost: WorkerError, failed: ClusterError, even
         WorkerError: ``lost``, noted, when fewer than ``min_workers`` could go on.
     """
     s, cfg, minimum = run.session, run.config, recovery.policy.min_workers
+    assert minimum is not None, "only a fit with min_workers goes on with fewer ranks (Recovery.relaunch)"
     if s.workers is None or s.supervisor.closing:  # nbddp.stop() meanwhile: nothing to go on with
         raise failed
     before, alive = s.world_size, list(s.workers.ids)

@@ -11,13 +11,13 @@ runs before the session's next call). One place, so that the
 
 from __future__ import annotations
 
-from typing import Any
-
 from nbddp.elastic import job_loss, replacements, snapshot_folder
 from nbddp.elastic.spare import keep_spare
+from nbddp.execution.contracts import SessionLike
+from nbddp.protocol.fit_options import FitConfig
 
 
-def begin(session: Any, cfg: Any) -> None:
+def begin(session: SessionLike, cfg: FitConfig) -> None:
     """Before the ranks start: ``cfg.snapshot_dir`` made (0700, in ``/dev/shm``) and the heal prepared."""
     cfg.snapshot_dir = snapshot_folder.make(session.file_prefix)
     keep_spare(session)  # a warm engine to replace a lost rank with, started in the background
@@ -25,7 +25,7 @@ def begin(session: Any, cfg: Any) -> None:
     session.supervisor.await_engines_s = replacements.WAIT_S  # (where nbddp cannot start an engine)
 
 
-def end(session: Any, cfg: Any) -> None:
+def end(session: SessionLike, cfg: FitConfig) -> None:
     """After the fit, whatever its outcome: every host's snapshot folder removed, the heal's wait back to none."""
     snapshot_folder.remove(cfg.snapshot_dir, session)
     session.supervisor.await_engines_s = 0.0

@@ -22,7 +22,10 @@ import time
 from typing import Any
 
 from nbddp.cluster.slurm.queue import GONE, WAITING_STATES, cancel
+from nbddp.cluster.slurm.queue import JobState
 from nbddp.cluster.slurm.watch import fmt_clock
+from nbddp.elastic.contracts import Relaunchable, RestartLedger
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import silent_engines, to_engine
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.protocol.notices import notify
@@ -60,7 +63,7 @@ def retried(state: str) -> bool:
     return cause(state) in RETRIED
 
 
-def advise(session: Any, checkpoint_dir: str | None) -> str | None:
+def advise(session: SessionLike, checkpoint_dir: str | None) -> str | None:
     """At an elastic fit's launch on a Slurm job over several nodes without ``checkpoint_dir``: say, once, that a
     lost job may not be resumable (the snapshots are only in the lost job's nodes' ``/dev/shm``).
 
@@ -91,14 +94,16 @@ def not_retried(exc: SlurmError, max_restarts: int) -> str | None:
             f"{', '.join(RETRIED)}")
 
 
-def relaunch(recovery: Any, run: Any, exc: SlurmError, steps: list[int]) -> dict[str, Any]:
+def relaunch(recovery: RestartLedger, run: Relaunchable, exc: SlurmError, steps: list[int]) -> dict[str, Any]:
     """Submit a new job, wait for it (shown live), and launch the same fit again from what survived.
 
     Returns the restart's event (``History.restarts``); ``recovery.fit_resumed`` completes it.
     """
     noticed = time.monotonic()
     s = run.session
-    jobs = s.workers.jobs
+    workers = s.workers
+    jobs = workers.jobs if workers is not None else None
+    assert workers is not None and jobs is not None, "a SlurmError's fit ran on a Slurm job's workers"
     event = recovery.lost(None, cause(exc.state), max(steps), job=exc.job_id, new_job=None, resumed_from=None)
     head = f"Slurm job {exc.job_id} lost at step {event['step_lost_at']} ({event['cause']})"
     run.show_restart(f"{head}; submitting a new job", status="recovering")
@@ -116,7 +121,7 @@ def relaunch(recovery: Any, run: Any, exc: SlurmError, steps: list[int]) -> dict
     return event
 
 
-def new_job_ready(run: Any, head: str, exc: SlurmError) -> None:
+def new_job_ready(run: Relaunchable, head: str, exc: SlurmError) -> None:
     """The supervisor's heal submits the new job and forms the group on it; wait, the job's line in the live view.
 
     Raises:
@@ -124,8 +129,8 @@ def new_job_ready(run: Any, head: str, exc: SlurmError) -> None:
         ClusterError: the new job could not start (Slurm refused it, or ``queue_timeout`` passed).
     """
     s = run.session
-    request = s.options.slurm
-    wait = {"queue_timeout": getattr(request, "queue_timeout", None), "show": LiveJobLine(run, head)}
+    request = s.options.slurm if s.options is not None else None
+    wait = {"queue_timeout": request.queue_timeout if request is not None else None, "show": LiveJobLine(run, head)}
     s.supervisor.recover([], job_wait=wait)
     try:
         s.wait_healed(raise_error=True)
@@ -150,19 +155,21 @@ class LiveJobLine:
     A stop asked meanwhile (Kernel > Interrupt, ``handle.stop()``) cancels the new job.
     """
 
-    def __init__(self, run: Any, head: str):
+    def __init__(self, run: Relaunchable, head: str):
         self.run, self.head = run, head
 
-    def show(self, job: Any, waited: float, have: int, n: int, final: str = "") -> None:
+    def show(self, job: JobState, waited: float, have: int, n: int, final: str = "") -> None:
         run = self.run
+        workers = run.session.workers
         if run.stopping:
-            run.session.workers.jobs.cancel()
+            if workers is not None and workers.jobs is not None:
+                workers.jobs.cancel()
             raise ClusterError(f"stopped while Slurm job {job.job_id} was {job.state}")
         words = job.headline() + (f", {have} of {n} engines registered" if job.running or final else "")
         run.show_restart(f"{self.head}; new {words}, {fmt_clock(waited)}", replace_last=True)
 
 
-def resume_point(run: Any, event: dict[str, Any]) -> tuple[Any, str]:
+def resume_point(run: Relaunchable, event: dict[str, Any]) -> tuple[bool | str, str]:
     """(``resume=`` for the relaunch, where that is in words): the newest state every rank of the new job reads."""
     from nbddp.worker.tasks.held_snapshots import held
 
@@ -232,14 +239,16 @@ def _held(pieces: dict[Any, dict[str, Any]]) -> str:
                      for k in sorted(pieces, key=int)) or "none"
 
 
-def _forget_lost_engines(session: Any) -> None:
+def _forget_lost_engines(session: SessionLike) -> None:
     """Unregister the lost job's engines, and wait until the client no longer lists them.
 
     When every job of the session is lost, so is every engine, and none is asked; otherwise those that
     do not answer a ping within 5 s are the lost ones.
     """
     workers = session.workers
-    if not set(workers.jobs.ids) - workers.jobs.retired:
+    jobs = workers.jobs if workers is not None else None
+    assert workers is not None and jobs is not None, "a lost job's engines are a Slurm job's"
+    if not set(jobs.ids) - jobs.retired:
         workers.forget_dead(list(workers.ids), timeout=FORGET_S)
         return
     # an engine unregistered meanwhile counts as lost too: forgetting it again does nothing

@@ -11,9 +11,15 @@ from __future__ import annotations
 import datetime
 import numbers
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import TypeAlias
 
 from nbddp.execution.policy import FailurePolicy
+
+# dist_fit(snapshot_every=...): int steps, "epoch", a duration ("30s" or a timedelta), "auto" (None: "auto")
+SnapshotEvery: TypeAlias = "int | str | datetime.timedelta | None"
+# dist_fit(retry_on=...): exception classes retried besides lost ranks
+RetryOn: TypeAlias = "type[BaseException] | Iterable[type[BaseException]] | None"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|seconds?|m|min|minutes?|h|hours?)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -21,7 +27,7 @@ FORMS = ("an int of optimizer steps (snapshot_every=200), 'epoch', a duration ('
          "datetime.timedelta), or 'auto' (the default: every 30 s or more, so that writing costs at most 2 %)")
 
 
-def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> FailurePolicy:
+def check_elastic(max_restarts: int, snapshot_every: SnapshotEvery, retry_on: RetryOn) -> FailurePolicy:
     """``dist_fit(max_restarts=, snapshot_every=, retry_on=)`` as the fit's ``FailurePolicy``.
 
     Raises:
@@ -43,36 +49,40 @@ def check_elastic(max_restarts: Any, snapshot_every: Any, retry_on: Any) -> Fail
     return FailurePolicy(int(max_restarts), snapshot_interval(snapshot_every), types)
 
 
-def snapshot_interval(value: Any) -> int | str | float:
+def snapshot_interval(value: SnapshotEvery) -> int | str | float:
     """``snapshot_every`` as the workers read it: int steps, ``"epoch"``, float seconds or ``"auto"``."""
-    if value is None or value in ("auto", "epoch"):
-        return value or "auto"
+    if value is None or value == "auto":
+        return "auto"
+    if value == "epoch":
+        return "epoch"
     if isinstance(value, datetime.timedelta):
         value = f"{value.total_seconds()}s"
+    duration = _DURATION.match(value) if isinstance(value, str) else None
+    amount: float
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        seconds = None
-    elif isinstance(value, str) and _DURATION.match(value):
-        number, unit = _DURATION.match(value).groups()
-        value, seconds = float(number) * _UNIT_S[unit[0]], True
+        amount, seconds = int(value), False
+    elif duration is not None:
+        number, unit = duration.groups()
+        amount, seconds = float(number) * _UNIT_S[unit[0]], True
     else:
         raise ValueError(f"dist_fit(snapshot_every={value!r}) must be {FORMS}")
-    if value <= 0:
-        raise ValueError(f"dist_fit(snapshot_every={value!r}): a snapshot interval must be above 0 "
-                         f"{'seconds' if seconds else 'steps'}; give {FORMS}")
-    return float(value) if seconds else int(value)
+    if amount <= 0:
+        raise ValueError(f"dist_fit(snapshot_every={(amount if seconds else value)!r}): a snapshot interval must be "
+                         f"above 0 {'seconds' if seconds else 'steps'}; give {FORMS}")
+    return amount if seconds else int(amount)
 
 
-def exception_types(retry_on: Any) -> tuple[type, ...]:
+def exception_types(retry_on: RetryOn) -> tuple[type[BaseException], ...]:
     """``retry_on``: an exception class or several (matched by name: the worker's exception comes back as text)."""
     if retry_on is None:
         return ()
-    items = (retry_on,) if isinstance(retry_on, type) else retry_on
+    items: tuple[object, ...]
     try:
-        items = tuple(items)
+        items = (retry_on,) if isinstance(retry_on, type) else tuple(retry_on)
     except TypeError:
         items = (retry_on,)
     bad = [item for item in items if not (isinstance(item, type) and issubclass(item, BaseException))]
     if bad:
         raise TypeError(f"dist_fit(retry_on=...) takes exception classes to retry besides lost ranks, such as "
                         f"retry_on=[OSError, TimeoutError]; {bad[0]!r} is not one")
-    return items
+    return tuple(item for item in items if isinstance(item, type) and issubclass(item, BaseException))

@@ -18,50 +18,13 @@ other trials end and the sweep heals (``nbddp/sweeps/resume.py``).
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from nbddp.elastic import fewer_ranks, job_loss
+from nbddp.elastic.contracts import Records, Relaunchable
 from nbddp.elastic.spare import keep_spare
-from nbddp.execution.contracts import SessionLike
 from nbddp.execution.policy import FailurePolicy, Verdict
 from nbddp.protocol.errors import ClusterError, SlurmError, WorkerDied, WorkerError
-from nbddp.protocol.fit_options import FitConfig
-
-Records = list[tuple[str, dict[str, Any]]]
-
-
-class Relaunchable(Protocol):
-    """What ``Recovery`` needs of a fit it relaunches (``nbddp/fit/fit_run.py``'s ``FitRun``)."""
-
-    session: SessionLike
-    policy: FailurePolicy
-    started_at: float
-
-    @property
-    def stopping(self) -> bool:
-        """A stop was asked (Kernel > Interrupt, ``handle.stop()``): nothing is relaunched."""
-
-    @property
-    def config(self) -> FitConfig:
-        """The fit's configuration, as the next launch sends it."""
-
-    def reconfigure(self, cfg: FitConfig, world_size: int) -> None:
-        """The next launch sends ``cfg`` to ``world_size`` ranks (going on with fewer: ``fewer_ranks.py``)."""
-
-    def steps_reached(self) -> list[int]:
-        """The steps the ranks were last seen at, and the last recorded one."""
-
-    def show_restart(self, line: str, replace_last: bool = False, status: str | None = None) -> None:
-        """The live view's restart line (a new one, or the last one replaced), drawn now."""
-
-    def records(self) -> Records:
-        """Every record the kernel has of this fit, as ``(kind, record)``."""
-
-    def keep_records(self, records: Records) -> None:
-        """The fit's History from now on holds ``records`` (and the relaunch's)."""
-
-    def relaunch(self, resume: Any = None) -> None:
-        """The same work again on the healed group (``resume``: a checkpoint chosen instead of the snapshot)."""
 
 
 class Recovery:
@@ -110,7 +73,7 @@ class Recovery:
         verdict = self.policy.verdict(exc, used)
         lost_job = isinstance(exc, SlurmError)  # the job holding every rank was lost
         why = None
-        if lost_job:
+        if isinstance(exc, SlurmError):
             why = job_loss.not_retried(exc, self.policy.max_restarts)
         elif verdict is Verdict.OWN_ERROR:
             why = (f"nbddp: not retried: {exc.exc_type} was raised by the fit's own code, and a bug does the same "

@@ -14,15 +14,15 @@ copy on another host (``worker/checkpoints/peer_copies.py``).
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from nbddp.cluster.engines import Workers
 from nbddp.protocol.errors import ClusterError
 
 WAIT_S = 300.0  # how long an elastic fit on an attached cluster waits for a lost engine's replacement
 POLL_S = 0.1
 
 
-def await_replacements(workers: Any, missing: int, want: int, timeout: float = WAIT_S) -> None:
+def await_replacements(workers: Workers, missing: int, want: int, timeout: float = WAIT_S) -> None:
     """Until ``want`` engines are registered (``missing`` of them new), or a ``ClusterError`` saying what to start."""
     deadline = time.monotonic() + timeout
     while len(workers.ids) < want:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from typing import Any
-
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import once_per_other_host
 from nbddp.protocol.notes import shm_dir
 
@@ -30,7 +29,7 @@ def make(prefix: str) -> str:
     return path
 
 
-def remove(path: str | None, session: Any = None) -> list[str]:
+def remove(path: str | None, session: SessionLike | None = None) -> list[str]:
     """Whatever happened to the fit: every snapshot goes, here and (``session``) on the group's other hosts.
 
     Returns the other hosts asked.
@@ -38,7 +37,9 @@ def remove(path: str | None, session: Any = None) -> list[str]:
     if not path:
         return []
     shutil.rmtree(path, ignore_errors=True)
-    group = getattr(session, "group", None)
+    if session is None:
+        return []
+    group = session.group
     placements = list(group.placements) if group else []
     workers = session.workers if any(not p.local for p in placements) else None
     if workers is None or workers.job_problem() is not None:  # (a lost job's engines are gone with their folders)

@@ -23,9 +23,9 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
-from nbddp.cluster.engines import START_TIMEOUT_S
+from nbddp.cluster.engines import START_TIMEOUT_S, Workers
+from nbddp.execution.contracts import SessionLike, SpareLike
 from nbddp.execution.send import to_engine
 from nbddp.protocol.notes import shm_dir
 
@@ -33,9 +33,9 @@ from nbddp.protocol.notes import shm_dir
 class Spare:
     """At most one warm engine, started in the ``nbddp-spare`` thread; the heal ``take``s it."""
 
-    def __init__(self, session: Any):
+    def __init__(self, session: SessionLike):
         self.session = session
-        self.workers: Any = None  # the Workers it belongs to (a restart makes new ones, and forgets it)
+        self.workers: Workers | None = None  # the Workers it belongs to (a restart makes new ones, and forgets it)
         self.engine_id: int | None = None  # warm and waiting
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # why the last one could not be started (then the heal starts one)
@@ -52,6 +52,8 @@ class Spare:
         workers = self.session.workers
         if self.workers is not workers:  # new workers: the old spare went with the old ones
             self.workers, self.engine_id = workers, None
+        if workers is None:  # (stopped meanwhile: no spare, and none is on its way)
+            return
         if self.engine_id is not None and self.engine_id not in workers.client.ids:
             workers.spare_ids.discard(self.engine_id)  # it died while waiting
             self.engine_id = None
@@ -72,19 +74,21 @@ class Spare:
         self.wait()
         eid, self.engine_id = self.engine_id, None
         workers = self.session.workers
-        if eid is None or self.workers is not workers:
+        if eid is None or workers is None or self.workers is not workers:
             return None
         workers.spare_ids.discard(eid)
         return eid if eid in workers.client.ids else None
 
-    def _start(self, workers: Any) -> None:
+    def _start(self, workers: Workers) -> None:
         started: list[int] = []
         eid = None
         t0 = time.monotonic()
         try:
+            cluster = workers.cluster
+            assert cluster is not None, "a spare is started only on a cluster this session started (allowed())"
             workers.spare_baseline = set(workers.client.ids)  # what registers from now on is the spare, not a rank
-            set_id = workers.cluster.start_engines_sync(1, environment=dict(workers.engine_env))
-            started = [launcher.pid for launcher in workers.cluster.engines[set_id].launchers.values()]
+            set_id = cluster.start_engines_sync(1, environment=dict(workers.engine_env))
+            started = [launcher.pid for launcher in cluster.engines[set_id].launchers.values()]
             workers.reaper.update(workers.all_pids(), workers.job_ids())
             eid = self._registered(workers, t0)
             if eid is not None:
@@ -109,9 +113,10 @@ class Spare:
         """Whether a spare on its way is still worth waiting for."""
         return not self.session.supervisor.closing and time.monotonic() - t0 < START_TIMEOUT_S
 
-    def _registered(self, workers: Any, t0: float) -> int | None:
+    def _registered(self, workers: Workers, t0: float) -> int | None:
         """The spare's engine id, once the controller has it (None: too late, or the session is stopping)."""
         baseline = workers.spare_baseline
+        assert baseline is not None, "_start sets the baseline before it waits"
         while self._waiting(t0):
             new = sorted(set(workers.client.ids) - baseline)
             if new:
@@ -119,7 +124,7 @@ class Spare:
             time.sleep(0.05)
         return None
 
-    def _warm(self, workers: Any, eid: int, t0: float) -> float | None:
+    def _warm(self, workers: Workers, eid: int, t0: float) -> float | None:
         """Probe it (it watches the kernel from then on) and import what a relaunch needs: the seconds it took."""
         from nbddp.worker.tasks.spare import warm_spare
 
@@ -142,9 +147,9 @@ class Spare:
         return seconds
 
 
-def keep_spare(session: Any) -> Spare:
+def keep_spare(session: SessionLike) -> SpareLike:
     """The session's spare keeper (made on the first elastic fit), asked to have one ready."""
-    spare = getattr(session.supervisor, "spare", None)
+    spare = session.supervisor.spare
     if spare is None:
         spare = session.supervisor.spare = Spare(session)
     spare.ensure()

@@ -6,7 +6,7 @@ A rank's task ends in one of five ways (``Kind``):
 * ``raised``: the person's code (or nbddp's on the rank) raised;
 * ``died``: the engine process is gone (killed, a segfault, the OOM
   killer): ipyparallel reports an ``EngineError``, and the engine's exit
-  tells how (``WorkersLike.how_died``: the signal, the log's tail);
+  tells how (``Workers.how_died``: the signal, the log's tail);
 * ``stuck``: still running after a peer failed and the grace period
   passed: waiting in a gloo/NCCL collective that no signal can break, so it
   is killed;
@@ -24,11 +24,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nbddp.protocol.errors import RankFailure
 from nbddp.protocol.messages import published
 from nbddp.protocol.placement import Placement
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 PEER_FAILED = "PeerFailed"
 WORKER_DIED = "WorkerDied"
@@ -120,7 +123,7 @@ def headline(outcomes: list[RankOutcome]) -> tuple[RankOutcome, list[RankOutcome
     return head, others
 
 
-def raised_at(ar: Any, finished: float) -> float:
+def raised_at(ar: AsyncResult, finished: float) -> float:
     """When the rank raised, as it published before its reply (read now: the reply may overtake it), else ``finished``.
 
     The task's end as the engine reports it comes after ipyparallel formatted
@@ -131,7 +134,7 @@ def raised_at(ar: Any, finished: float) -> float:
     return float(raised) if isinstance(raised, (int, float)) and not isinstance(raised, bool) else finished
 
 
-def finished_at(ar: Any) -> float:
+def finished_at(ar: AsyncResult) -> float:
     """When the task ended on the engine (wall clock), else now."""
     try:
         done = ar.metadata.get("completed")

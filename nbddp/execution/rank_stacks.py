@@ -21,18 +21,25 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import to_ranks
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL, published
 from nbddp.protocol.placement import Placement
 from nbddp.protocol.notes import shm_dir
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 IDLE_ASK_S = 1.5  # an engine believed idle that does not answer a task this fast is busy after all
 SETTLE_S = 0.1  # a dump is complete when the file stopped growing for this long
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+# what a signalled rank's answer is awaited from: ("file", its stack file, the size before) on the kernel's host,
+# ("published", its task's AsyncResult, the last StackDump's seq) on another
+Wait = tuple[str, Any, int]
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,12 @@ class RankStack:
         return f"{where}: {self.state}" + (", waiting in a collective" if collective else "")
 
 
-def stack_path(session: Any, rank: int) -> str:
+def stack_path(session: SessionLike, rank: int) -> str:
     """The stack file a rank's faulthandler writes to (named like every file of the session)."""
     return os.path.join(shm_dir(), f"{session.file_prefix}-w{rank}-stacks")
 
 
-def collect(session: Any, placements: list[Placement], busy: dict[int, Any], timeout: float,
+def collect(session: SessionLike, placements: list[Placement], busy: dict[int, AsyncResult], timeout: float,
             ranks: list[int] | None = None) -> tuple[list[RankStack], float]:
     """Ask ``ranks`` (all by default) for their stacks: busy ones by signal, the others by a task.
 
@@ -84,13 +91,15 @@ def collect(session: Any, placements: list[Placement], busy: dict[int, Any], tim
     return list(answers.values()), time.monotonic() - t0
 
 
-def _ask_idle(session: Any, placements: list[Any], wait_s: float) -> tuple[dict[int, RankStack], set[int]]:
+def _ask_idle(session: SessionLike, placements: list[Placement],
+              wait_s: float) -> tuple[dict[int, RankStack], set[int]]:
     """Idle engines answer a task at once; one that does not is busy with something after all."""
     from nbddp.worker.tasks.debugging import idle_stack
 
     ars = to_ranks(session.client, placements, idle_stack, lambda p: ())
     deadline = time.monotonic() + wait_s
-    answers, late = {}, set()
+    answers: dict[int, RankStack] = {}
+    late: set[int] = set()
     for p in placements:
         try:
             ars[p.rank].get(timeout=max(0.01, deadline - time.monotonic()))
@@ -100,9 +109,9 @@ def _ask_idle(session: Any, placements: list[Any], wait_s: float) -> tuple[dict[
     return answers, late
 
 
-def _signal(session: Any, placements: list[Any], busy: dict[int, Any]) -> dict[Any, tuple]:
+def _signal(session: SessionLike, placements: list[Placement], busy: dict[int, AsyncResult]) -> dict[Placement, Wait]:
     """SIGUSR1 to each engine; what to wait for: (file, offset) locally, (AsyncResult, last seq) remotely."""
-    waits: dict[Any, tuple] = {}
+    waits: dict[Placement, Wait] = {}
     remote = []
     for p in placements:
         if p.local:
@@ -124,7 +133,7 @@ def _signal(session: Any, placements: list[Any], busy: dict[int, Any]) -> dict[A
     return waits
 
 
-def _answer(p: Any, wait: tuple) -> RankStack | None:
+def _answer(p: Placement, wait: Wait) -> RankStack | None:
     """The rank's stack once it arrived, else None."""
     kind, where, mark = wait
     if kind == "file":
@@ -138,7 +147,7 @@ def _answer(p: Any, wait: tuple) -> RankStack | None:
     return RankStack(p.rank, p.host, p.pid, "busy", sent[1].text, "traceback")
 
 
-def _published_seq(ar: Any) -> int:
+def _published_seq(ar: AsyncResult | None) -> int:
     sent = published(ar, "stacks")
     return sent[0] if sent else 0
 
@@ -186,7 +195,7 @@ def main_thread_text(dump: str, main_ident: int | None) -> str:
 
 def task_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
     """Innermost-first frames -> the task's own, innermost last (the engine's loop left out)."""
-    mine = []
+    mine: list[tuple[str, int, str]] = []
     for frame in frames:
         if frame[0].endswith(ENGINE_FRAME):
             if mine and mine[-1][0] == "<string>":

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.execution import outcome
 from nbddp.execution.contracts import SessionLike
@@ -36,12 +36,15 @@ from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.stalls import StallGuard
 from nbddp.protocol.errors import ClusterError, WorkerDied, WorkerError
 
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
+
 CONTROLLER_CHECK_S = 1.0
 _TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)  # gloo's "Timed out waiting ...", NCCL's watchdog "timeout"
 
 
 class RankTasks:
-    def __init__(self, session: SessionLike, ars: dict[int, Any], what: str, fit: bool = False,
+    def __init__(self, session: SessionLike, ars: dict[int, AsyncResult], what: str, fit: bool = False,
                  policy: FailurePolicy | None = None, lose: Callable[[list[int]], None] | None = None,
                  failed_result: Callable[[Any], bool] | None = None, notify: Callable[[str], None] | None = None):
         """``ars``: rank -> the ``AsyncResult`` of that rank's task; ``what`` names the work in messages.
@@ -57,7 +60,7 @@ class RankTasks:
         self.ars = ars  # rank -> AsyncResult
         self.what = what
         self.policy = policy or FailurePolicy()
-        self.lose = lose or self._replace
+        self.lose: Callable[[list[int]], None] = lose or self._replace
         self.failed_result = failed_result
         self.results: dict[int, Any] = {}
         self.failures: dict[int, tuple[float, BaseException]] = {}

@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.protocol.placement import Placement
 
-def to_engine(client: Any, engine_id: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult, Client
+
+def to_engine(client: Client, engine_id: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AsyncResult:
     """``fn(*args, **kwargs)`` on one engine: its ``AsyncResult``."""
     return client[engine_id].apply_async(fn, *args, **kwargs)
 
 
-def to_engines(client: Any, engine_ids: Iterable[int], fn: Callable[..., Any], *args: Any,
-               **kwargs: Any) -> dict[int, Any]:
+def to_engines(client: Client, engine_ids: Iterable[int], fn: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> dict[int, AsyncResult]:
     """The same call on each engine: engine id -> its ``AsyncResult``."""
     return {eid: client[eid].apply_async(fn, *args, **kwargs) for eid in engine_ids}
 
 
-def to_ranks(client: Any, placements: Iterable[Placement], fn: Callable[..., Any],
-             args_for: Callable[[Placement], tuple[Any, ...]]) -> dict[int, Any]:
+def to_ranks(client: Client, placements: Iterable[Placement], fn: Callable[..., Any],
+             args_for: Callable[[Placement], tuple[Any, ...]]) -> dict[int, AsyncResult]:
     """``fn(*args_for(p))`` on each placement's engine: rank -> its ``AsyncResult``.
 
     ``args_for`` is called once per rank, in rank order, right before that
@@ -39,17 +42,18 @@ def to_ranks(client: Any, placements: Iterable[Placement], fn: Callable[..., Any
     return {p.rank: client[p.engine_id].apply_async(fn, *args_for(p)) for p in placements}
 
 
-def on_engines(client: Any, engine_ids: list[int], fn: Callable[..., Any], *args: Any) -> Any:
+def on_engines(client: Client, engine_ids: list[int], fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on all of ``engine_ids`` at once, waited for (ipyparallel's ``CompositeError`` if one raised)."""
     return client[engine_ids].apply_sync(fn, *args)
 
 
-def silent_engines(client: Any, engine_ids: Iterable[int], timeout: float) -> list[int]:
+def silent_engines(client: Client, engine_ids: Iterable[int], timeout: float) -> list[int]:
     """The engines that do not answer a ping within ``timeout`` s (asked at once, one bound for all): dead or
     stuck ones, for the supervisor's heal and a lost Slurm job's cleanup."""
     from nbddp.worker.tasks.entry import ping
 
-    asked, silent = {}, []
+    asked: dict[int, AsyncResult] = {}
+    silent: list[int] = []
     for eid in engine_ids:
         try:
             asked[eid] = client[eid].apply_async(ping)
@@ -64,7 +68,7 @@ def silent_engines(client: Any, engine_ids: Iterable[int], timeout: float) -> li
     return silent
 
 
-def once_per_other_host(client: Any, placements: Iterable[Placement], fn: Callable[..., Any], *args: Any,
+def once_per_other_host(client: Client, placements: Iterable[Placement], fn: Callable[..., Any], *args: Any,
                         timeout: float) -> list[str]:
     """``fn(*args)`` on one engine of every host but the kernel's, waited for ``timeout`` s in all: the hosts asked.
 

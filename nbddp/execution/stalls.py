@@ -34,13 +34,16 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.rank_stacks import collect
 from nbddp.protocol.errors import RankFailure, WorkerStalled
 from nbddp.protocol.messages import Beat, innermost_frames, published
 from nbddp.protocol.notices import notify
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 MIN_STALL_S = 10.0
 STEP_FACTOR = 10.0
@@ -85,7 +88,8 @@ class StallWatch:
         self.done: set[int] = set()
         self.held = float("-inf")  # kernel clock: when a rank was last seen paused at a debugger prompt
 
-    def feed(self, rank: int, beat: Any) -> None:
+    def feed(self, rank: int, beat: object) -> None:
+        """What the rank published last as its heartbeat (a ``Beat``; anything else, or None, is passed over)."""
         seen = self.seen[rank]
         if not isinstance(beat, Beat) or (seen.beat is not None and beat.seq == seen.beat.seq):
             return
@@ -162,6 +166,18 @@ def describe(stall: dict[str, Any], who: bool = True) -> str:
     return f"rank {stall['rank']} has {text}" if who else text
 
 
+class GuardedTasks(Protocol):
+    """What the guard reads of the work's tasks (``rank_tasks.py``'s ``RankTasks``, which imports this module)."""
+
+    ars: dict[int, AsyncResult]
+    results: dict[int, Any]
+    failures: dict[int, tuple[float, BaseException]]
+    lose: Callable[[list[int]], None]
+
+    @property
+    def pending(self) -> list[int]: ...
+
+
 class StallGuard:
     """Stall detection for one piece of work (the tasks of a fit, a cell, a call, a script or a sweep trial).
 
@@ -170,7 +186,7 @@ class StallGuard:
     ``tasks.lose`` (healed at once, or after a sweep's running trials end).
     """
 
-    def __init__(self, session: SessionLike, tasks: Any, fit: bool, stall_timeout: float | None = None,
+    def __init__(self, session: SessionLike, tasks: GuardedTasks, fit: bool, stall_timeout: float | None = None,
                  notify: Callable[[str], None] | None = None):
         self.session, self.tasks, self.fit = session, tasks, fit
         self.stall_timeout = stall_timeout

@@ -6,16 +6,27 @@ does anything.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
 
+from nbddp.protocol.data_forms import DataLike, DataSpec
 from nbddp.protocol.errors import ShippingError
 from nbddp.protocol.fit_options import PRECISION_ALIASES, PRECISIONS, check_device_rules
 from nbddp.protocol.messages import KeptModel, PredictLaunch
 from nbddp.protocol.strategy_settings import KEPT_KINDS
 from nbddp.shipping import pickling as shipping
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from nbddp.session.session import Session
+
+# predict(model=...): a module (shipped), a zero-argument factory of one (built on each rank), or the name of a
+# module an earlier dist_fit(keep=...) bound on every rank
+PredictModel: TypeAlias = "nn.Module | Callable[[], nn.Module] | str"
 
 OUTPUTS = ("tensor", "list")
 
@@ -36,7 +47,7 @@ class PredictPlan:
             parcel.discard()
 
 
-def check_model(model: Any, what: str) -> None:
+def check_model(model: PredictModel, what: str) -> None:
     """A module (shipped), a zero-argument factory of one (built on each rank), or the name of a kept one."""
     import torch
 
@@ -65,7 +76,7 @@ class Kept:
     mp: int = 1  # ranks per model copy (a pipeline's stages, a tensor-parallel group)
 
 
-def kept_model(session: Any, name: str, what: str) -> Kept:
+def kept_model(session: Session, name: str, what: str) -> Kept:
     """``model="name"``: every rank must hold a module under ``name`` that predict can run, asked before anything runs."""
     from nbddp.execution.calls import call_on_ranks
     from nbddp.worker.tasks.predict import kept_kind
@@ -86,28 +97,26 @@ def kept_model(session: Any, name: str, what: str) -> Kept:
     return Kept(KeptModel(name), first["kind"], first["precision"], first["mp"])
 
 
-def check_batch_size(batch_size: Any, what: str) -> int:
+def check_batch_size(batch_size: int, what: str) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{what}(batch_size=...) is the number of samples per forward on each rank, a positive "
                          f"integer; got {batch_size!r}")
     return batch_size
 
 
-def check_output(output: Any) -> str:
+def check_output(output: str) -> str:
     if output not in OUTPUTS:
         raise ValueError(f"nbddp.predict(output=...) must be 'tensor' (tensors and dicts of tensors concatenated "
                          f"over the batches) or 'list' (one entry per batch, as the step returned it); got {output!r}")
     return output
 
 
-def check_to(to: Any) -> str | None:
+def check_to(to: str | os.PathLike[str] | None) -> str | None:
     """``to=``: a ``.pt`` file (the index; the parts go next to it) or a directory, that this process can write.
 
     Checked here, on the kernel's machine: on one host the workers write
     where the kernel can; across hosts, each writes on its own file system.
     """
-    import os
-
     if to is None:
         return None
     if not isinstance(to, (str, os.PathLike)):
@@ -127,7 +136,7 @@ def check_to(to: Any) -> str | None:
     return path
 
 
-def check_precision(precision: Any, what: str, device_types: set[str]) -> str:
+def check_precision(precision: str, what: str, device_types: set[str]) -> str:
     name = PRECISION_ALIASES.get(precision, precision) if isinstance(precision, str) else precision
     if name not in PRECISIONS:
         raise ValueError(f"{what}(precision=...) must be one of {PRECISIONS} (or '32', 'bf16'); got {precision!r}")
@@ -135,7 +144,7 @@ def check_precision(precision: Any, what: str, device_types: set[str]) -> str:
     return name
 
 
-def check_metrics(metrics: Any) -> dict[str, Any]:
+def check_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """``name -> Metric object or per-sample function``; a value that is neither is refused, naming what it needs."""
     if not isinstance(metrics, Mapping) or not metrics or not all(isinstance(k, str) for k in metrics):
         raise TypeError("nbddp.evaluate(metrics=...) must be a non-empty dict of name -> metric, e.g. "
@@ -153,7 +162,7 @@ def check_metrics(metrics: Any) -> dict[str, Any]:
     return dict(metrics)
 
 
-def data_of(data: Any, what: str) -> tuple[Any, int | None, int | None]:
+def data_of(data: DataLike, what: str) -> tuple[DataSpec, int | None, int | None]:
     """``(DataSpec, length if known here, a DataLoader's batch size)``."""
     from nbddp.protocol.data_forms import data_spec
 
@@ -167,7 +176,7 @@ def data_of(data: Any, what: str) -> tuple[Any, int | None, int | None]:
     return spec, n, loader_batch_size
 
 
-def ship(session: Any, plan: PredictPlan, parts: dict[str, Any]) -> PredictPlan:
+def ship(session: Session, plan: PredictPlan, parts: dict[str, Any]) -> PredictPlan:
     """Pack ``parts`` once per kind of host (shared memory on the kernel's, inline elsewhere)."""
     t0 = time.perf_counter()
     try:
@@ -184,7 +193,8 @@ def ship(session: Any, plan: PredictPlan, parts: dict[str, Any]) -> PredictPlan:
     return plan
 
 
-def prepare(session: Any, what: str, model: Any, data: Any, batch_size: Any, precision: Any,
+def prepare(session: Session, what: str, model: PredictModel, data: DataLike, batch_size: int | None,
+            precision: str | None,
             output: str = "tensor", to: str | None = None, kept: Kept | None = None,
             **callables: Callable | None) -> PredictPlan:
     """Check everything, then pack ``model``, ``data`` and ``callables`` (``step_fn``, ``metrics``, ``loss_fn``,

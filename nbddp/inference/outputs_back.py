@@ -43,7 +43,7 @@ def rows_of(views: dict[str | None, Any], result: PredictResult, rows: list[int]
     return {"kind": "dict", "value": block, "rows": rows}
 
 
-def owned(value: Any) -> Any:
+def owned(value: object) -> object:
     """``value`` with no tensor left viewing a worker's file: batches are cloned (joined tensors are copies already).
 
     The workers rewrite their output files at the next call (pooled), so a
@@ -54,7 +54,7 @@ def owned(value: Any) -> Any:
     return cloned(value) if isinstance(value, list) else value
 
 
-def cloned(value: Any) -> Any:
+def cloned(value: object) -> object:
     import torch
 
     if isinstance(value, torch.Tensor):

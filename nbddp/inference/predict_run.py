@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
@@ -35,11 +35,17 @@ from nbddp.protocol.messages import PredictLaunch, PredictResult
 from nbddp.shipping import output_file
 from nbddp.shipping import pickling as shipping
 
+if TYPE_CHECKING:
+    from nbddp.protocol.placement import Placement
+    from nbddp.session.session import Session
+
 HARD_STOP_WAIT_S = 30.0
 
 
 class PredictRun(Work):
-    def __init__(self, session: Any, plan: PredictPlan, live: bool):
+    session: Session  # the sources its parcels carry are the session's (SessionLike does not hold them)
+
+    def __init__(self, session: Session, plan: PredictPlan, live: bool):
         super().__init__(session, f"a {plan.what}")
         self.plan = plan
         copies = session.world_size // plan.mp  # every rank of a model copy reads the copy's batches
@@ -79,11 +85,13 @@ class PredictRun(Work):
 
     def request_stop(self) -> None:
         """Every rank stops before its next batch; the call then raises ``KeyboardInterrupt``."""
-        if self.finished or self.stop_requested:
+        tasks, workers = self.tasks, self.session.workers
+        if self.finished or self.stop_requested or tasks is None:  # (tasks: set by launch, before it is running)
             return
         self.stop_requested = True
-        self.tasks.stopping()  # a rank that cannot take the stop is killed after a grace
-        self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
+        tasks.stopping()  # a rank that cannot take the stop is killed after a grace
+        if workers is not None:
+            workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
         """Kill every rank now (the supervisor replaces them)."""
@@ -96,7 +104,9 @@ class PredictRun(Work):
     # ---- watcher thread --------------------------------------------------------------
     def _watch(self) -> None:
         try:
-            results = self.tasks.wait(on_tick=lambda: self.progress.tick(self.tasks.ars))
+            tasks = self.tasks
+            assert tasks is not None, "launch() sets the tasks before it starts the watcher"
+            results = tasks.wait(on_tick=lambda: self.progress.tick(tasks.ars))
             self.value = self._finish(results)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             self.error = exc
@@ -152,7 +162,7 @@ class PredictRun(Work):
         return self.value
 
 
-def shares_file(launch: PredictLaunch, placements: list[Any]) -> bool:
+def shares_file(launch: PredictLaunch, placements: list[Placement]) -> bool:
     """Whether the ranks on this host write ``predict``'s outputs into one shared file (``shipping/output_file.py``):
     a predict returning tensors here (not ``to=``, not ``output="list"``)."""
     return launch.task == "predict" and not launch.to and launch.output == "tensor" and any(p.local for p in placements)

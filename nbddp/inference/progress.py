@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nbddp.protocol.messages import published
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 EVERY_S = 0.5
 
@@ -31,7 +34,7 @@ class ProgressLine:
         self._next = 0.0
         self.width = 0
 
-    def tick(self, ars: dict[int, Any]) -> None:
+    def tick(self, ars: dict[int, AsyncResult]) -> None:
         now = time.perf_counter()
         if not self.live or now < self._next:
             return

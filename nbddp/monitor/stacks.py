@@ -8,10 +8,15 @@ the answer.
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nbddp.execution.rank_stacks import RankStack, collect
 from nbddp.protocol.errors import ClusterError, NotStartedError
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
+
+    from nbddp.session.session import Session
 
 STACKS_TIMEOUT_S = 5.0
 
@@ -63,14 +68,15 @@ def stacks(timeout: float = STACKS_TIMEOUT_S) -> RankStacks:
     group = s.group
     if not s.started or group is None:
         raise NotStartedError("no workers are running, so there are no stacks; start them with nbddp.start()")
-    problem = s.workers.controller_problem()
+    workers = s.workers
+    problem = workers.controller_problem() if workers is not None else None  # (started: there are workers)
     if problem is not None:
         raise ClusterError(f"{problem}, so the workers cannot be asked for their stacks. Run nbddp.restart() to "
                            "start fresh workers.")
     return RankStacks(*collect(s, list(group.placements), busy_ars(s), timeout))
 
 
-def busy_ars(session: Any) -> dict[int, Any]:
+def busy_ars(session: Session) -> dict[int, AsyncResult]:
     """rank -> the AsyncResult of the task it runs now, for the work that holds the workers."""
     running = session.running
     tasks = getattr(running, "tasks", None)

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from nbddp.protocol.messages import Health
-from nbddp.session.session import get_session
+from nbddp.session.session import Session, get_session
 from nbddp.cluster.slurm.watch import job_lines
 from nbddp.execution.send import to_engines
 
@@ -62,7 +62,7 @@ def status_table() -> StatusTable | str:
     return StatusTable(rows, summary)
 
 
-def _probe_health(session: Any, busy: bool) -> dict[int, tuple[str, str, str]]:
+def _probe_health(session: Session, busy: bool) -> dict[int, tuple[str, str, str]]:
     """engine id -> (alive, memory, keeps). A fit keeps engines busy, so then only local pids are checked."""
     from nbddp.worker.tasks.status import health
 

@@ -26,7 +26,10 @@ import math
 import os
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hta.trace_analysis import TraceAnalysis
 
 INSTALL = "pip install 'nbddp[profile]' (HTA's package: holistictraceanalysis)"
 IDLE_KINDS = ("host_wait", "kernel_wait", "other")
@@ -82,7 +85,7 @@ def hta_analyses(files: dict[int, str], gpu_ranks: list[int]) -> dict[str, Any]:
     return {**out, "used": True, "version": version}
 
 
-def rank_figures(ta: Any, rank: int) -> dict[str, Any]:
+def rank_figures(ta: TraceAnalysis, rank: int) -> dict[str, Any]:
     """HTA's temporal breakdown, overlap and idle-time breakdown of one rank, in seconds and shares."""
     tb = ta.get_temporal_breakdown(visualize=False).iloc[0]
     total = float(tb["kernel_time(us)"])

@@ -21,19 +21,40 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from nbddp.execution.contracts import SessionLike
 from nbddp.profiling.trace_merge import profile_summary, write_trace
 from nbddp.protocol import store_channel
 from nbddp.protocol.messages import published
 from nbddp.protocol.profile_spec import request_path
 from nbddp.protocol.notes import write_note
+from nbddp.protocol.store_channel import KernelStore
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
+
+
+class Rank0Reach(Protocol):
+    """How a request reaches rank 0 (``nbddp/fit/rank0_store.py``'s ``Rank0Link``, which imports this package):
+    the file on its host, or the group's store (``remote``) under the fit's ``channel``."""
+
+    channel: str
+    reason: str  # why rank 0 cannot be reached ("": it can)
+
+    @property
+    def remote(self) -> bool: ...
+
+    @property
+    def reachable(self) -> bool: ...
+
+    def store(self) -> KernelStore: ...
 
 
 class ProfileRequests:
     """The profiles asked of one running fit: the request file, and the traces as the ranks publish them."""
 
-    def __init__(self, session: Any, link: Any = None):
+    def __init__(self, session: SessionLike, link: Rank0Reach | None = None):
         self.session = session
         self.link = link  # fit/rank0_store.Rank0Link: the file (None, or not remote) or rank 0's store
         self.keys: list[str] = []  # the store keys this fit set (removed when it ends)
@@ -66,7 +87,7 @@ class ProfileRequests:
             write_note(self.path, request)
             return self.asked
 
-    def collect(self, ars: dict[int, Any]) -> None:
+    def collect(self, ars: dict[int, AsyncResult]) -> None:
         """From the watcher thread: when every rank published the trace of the last request, merge them."""
         with self.arrived:
             if not self.asked or self.asked in self.results:
@@ -96,7 +117,8 @@ class ProfileRequests:
         with self.arrived:
             self.closed = True
             self._remove()
-            if self.keys:  # the counter, and a request rank 0 never took (the fit ended first)
+            # the counter, and a request rank 0 never took (the fit ended first): keys are set only through a link
+            if self.keys and self.link is not None:
                 try:
                     store = self.link.store()
                     for key in self.keys:

@@ -18,6 +18,9 @@ import tempfile
 import time
 from typing import Any
 
+from nbddp.protocol.messages import FitResult
+from nbddp.protocol.profile_spec import ProfileSpec
+
 from nbddp.profiling.hta_analysis import (has_gpu_kernels, hta_analyses, hta_lines, rank_trace_path,
                                            write_rank_traces)
 from nbddp.profiling.trace_analysis import breakdown_lines, trace_breakdown
@@ -116,9 +119,10 @@ def profile_summary(path: str, traces: dict[int, dict[str, Any]], expected: int)
             "rank_traces": folder, "summary": "\n".join(lines)}
 
 
-def gathered_profile(results: dict[int, Any], spec: Any, world: int) -> dict[str, Any]:
+def gathered_profile(results: dict[int, FitResult], spec: ProfileSpec, world: int) -> dict[str, Any]:
     """From every rank's fit result, the merged trace written and summarised (``History.profile``)."""
-    traces = {r: res.profile for r, res in results.items() if getattr(res, "profile", None)}
+    traces: dict[int, dict[str, Any]] = {r: trace for r, res in results.items()
+                                         if (trace := getattr(res, "profile", None))}
     if not traces:
         return {"path": None, "ranks": [], "top_ops": {}, "breakdown": {}, "hta": None, "rank_traces": None,
                 "summary": f"no trace: the fit ended before the profile's first traced step (step "

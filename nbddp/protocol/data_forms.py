@@ -17,8 +17,31 @@ a person without ``datasets`` installed never pays for it).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeAlias, TypeGuard, Union, cast
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+class MapStyle(Protocol):
+    """A dataset read by index: what ``DistributedSampler`` shards (torch's map-style ``Dataset`` declares no
+    ``__len__``; a Hugging Face ``datasets.Dataset`` is no torch ``Dataset`` at all)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+# What ``dist_fit(data=...)``, ``predict`` and the planner accept (``FORMS``), as ``data_spec`` tells them apart:
+# torch's datasets (map-style or ``IterableDataset``), a loader over one, any other map-style dataset (a Hugging
+# Face ``datasets.Dataset``), any other stream (an ``Iterable``: a Hugging Face ``datasets.IterableDataset``), a
+# ``DatasetDict`` of one split (a ``Mapping``), a tuple or list of tensors; or a zero-argument factory of one of
+# these, run on each worker.
+DataSource: TypeAlias = Union["Dataset[Any]", "DataLoader[Any]", MapStyle, Iterable[Any], Mapping[str, Any],
+                              "tuple[Tensor, ...]", "list[Tensor]"]
+DataLike: TypeAlias = Union[DataSource, Callable[[], DataSource]]
 
 FORMS = ("a map-style Dataset (with __len__ and __getitem__, e.g. a Hugging Face datasets.Dataset), "
          "an IterableDataset (torch's, or Hugging Face's from load_dataset(..., streaming=True)), "
@@ -26,36 +49,36 @@ FORMS = ("a map-style Dataset (with __len__ and __getitem__, e.g. a Hugging Face
          "builds one of these on each worker")
 
 
-def _hf(name: str) -> Any:
+def _hf(name: str) -> type | None:
     """``datasets.<name>`` if the person's code imported ``datasets``, else None."""
     module = sys.modules.get("datasets")
     return getattr(module, name, None) if module is not None else None
 
 
-def is_hf_iterable(obj: Any) -> bool:
+def is_hf_iterable(obj: object) -> bool:
     cls = _hf("IterableDataset")
     return cls is not None and isinstance(obj, cls)
 
 
-def is_stream(obj: Any) -> bool:
+def is_stream(obj: object) -> TypeGuard[Iterable[Any]]:
     """A dataset read by iterating it: torch's ``IterableDataset`` or Hugging Face's."""
     from torch.utils.data import IterableDataset
 
     return isinstance(obj, IterableDataset) or is_hf_iterable(obj)
 
 
-def is_map_style(obj: Any) -> bool:
+def is_map_style(obj: object) -> TypeGuard[MapStyle]:
     return (not isinstance(obj, (type, str, bytes, Mapping)) and not is_stream(obj)
             and hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
-def is_split_dict(obj: Any) -> bool:
+def is_split_dict(obj: object) -> TypeGuard[Mapping[str, Any]]:
     """A Hugging Face ``DatasetDict`` / ``IterableDatasetDict`` (splits by name)."""
     kinds = tuple(c for c in (_hf("DatasetDict"), _hf("IterableDatasetDict")) if c is not None)
     return bool(kinds) and isinstance(obj, kinds)
 
 
-def one_split(obj: Any, name: str) -> Any:
+def one_split(obj: Mapping[str, Any], name: str) -> Any:
     """The only split of a ``DatasetDict`` (what ``load_dataset`` returns without ``split=``).
 
     Raises:
@@ -75,16 +98,17 @@ def one_split(obj: Any, name: str) -> Any:
     )
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     return f"the class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
 
 
 class DataSpec:
     """How to rebuild a user's data on a worker (picklable)."""
 
-    def __init__(self, dataset: Any = None, factory: Callable[[], Any] | None = None,
-                 collate_fn: Callable | None = None, key: str | None = None, stream: bool = False,
-                 prebatched: bool = False, loader: dict[str, Any] | None = None, sampler: Any = None):
+    def __init__(self, dataset: DataSource | None = None, factory: Callable[[], DataSource] | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, key: str | None = None, stream: bool = False,
+                 prebatched: bool = False, loader: dict[str, Any] | None = None,
+                 sampler: Any = None):  # a loader's own: a Sampler, or any iterable of indices
         self.dataset = dataset
         self.factory = factory
         self.collate_fn = collate_fn
@@ -95,7 +119,7 @@ class DataSpec:
         self.sampler = sampler  # that DataLoader's own sampler (not Random/Sequential): shared out per rank
 
 
-def data_spec(data: Any, name: str) -> tuple[DataSpec, int | None, int | None]:
+def data_spec(data: DataLike, name: str) -> tuple[DataSpec, int | None, int | None]:
     """(``DataSpec``, its length if known in the kernel, a DataLoader's batch size).
 
     The kernel's one reading of a person's data, for ``dist_fit``, ``predict``,
@@ -119,7 +143,8 @@ def data_spec(data: Any, name: str) -> tuple[DataSpec, int | None, int | None]:
             return spec, None, data.batch_size
         settings, sampler = loader_settings(data)
         spec = DataSpec(dataset=data.dataset, collate_fn=collate, loader=settings, sampler=sampler)
-        return spec, len(data.dataset), data.batch_size
+        # a loader over anything but a stream is map-style (torch's Dataset declares no __len__; a loader needs it)
+        return spec, len(cast(MapStyle, data.dataset)), data.batch_size
     if isinstance(data, (tuple, list)) and _tensor_tuple(data):
         return DataSpec(dataset=_tensor_dataset(data, name)), len(data[0]), None
     if is_stream(data):
@@ -135,14 +160,14 @@ def data_spec(data: Any, name: str) -> tuple[DataSpec, int | None, int | None]:
     raise TypeError(f"{name} must be {FORMS}; got {describe(data)}{hint}")
 
 
-def _tensor_tuple(data: Any) -> bool:
+def _tensor_tuple(data: tuple[Any, ...] | list[Any]) -> bool:
     """Whether ``data`` is meant as tensors (x, y, ...): any tuple, or a list of tensors only."""
     import torch
 
     return isinstance(data, tuple) or bool(data) and all(isinstance(t, torch.Tensor) for t in data)
 
 
-def _tensor_dataset(data: Any, name: str) -> Any:
+def _tensor_dataset(data: tuple[Any, ...] | list[Any], name: str) -> Dataset[tuple[Tensor, ...]]:
     import torch
     from torch.utils.data import TensorDataset
 
@@ -158,7 +183,7 @@ def _tensor_dataset(data: Any, name: str) -> Any:
     return TensorDataset(*data)
 
 
-def stream_loader_settings(loader: Any) -> dict[str, Any]:
+def stream_loader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
     """A person's ``DataLoader`` over a stream (``IterableDataset``): the settings the workers' loaders keep.
 
     A stream has no sampler and no order to keep; each rank's loader reads
@@ -171,7 +196,7 @@ def stream_loader_settings(loader: Any) -> dict[str, Any]:
             "timeout": loader.timeout, "prefetch_factor": loader.prefetch_factor}
 
 
-def loader_settings(loader: Any) -> tuple[dict[str, Any], Any]:
+def loader_settings(loader: DataLoader[Any]) -> tuple[dict[str, Any], Sampler[Any] | Iterable[Any] | None]:
     """``(settings, sampler)`` of a person's map-style ``DataLoader``: what the workers' loaders keep.
 
     Lightning and accelerate keep every setting of a loader and swap only its

@@ -53,7 +53,7 @@ def read_answer(path: str, seq: int) -> EpochAnswer | None:
     data = read_note(path)
     if not isinstance(data, dict) or data.get("seq") != seq:
         return None
-    return EpochAnswer(**{k: data.get(k) for k in ("seq", "stop", "lr", "checkpoint")})
+    return EpochAnswer(seq, stop=data.get("stop"), lr=data.get("lr"), checkpoint=data.get("checkpoint"))
 
 
 def wait_answer(path: str, seq: int, timeout_s: float = TIMEOUT_S) -> EpochAnswer | None:

@@ -9,7 +9,7 @@ uninteresting kernel-side traceback).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nbddp.protocol.messages import innermost_frames
 
@@ -49,6 +49,12 @@ class SlurmError(ClusterError):
         self.state = state
 
 
+class Recorded(Protocol):
+    """What ``FitInterrupted`` reads of a fit's ``History`` (``nbddp/fit/history.py``, above this layer)."""
+
+    steps: list[dict[str, Any]]
+
+
 class FitInterrupted(KeyboardInterrupt):
     """Kernel > Interrupt stopped a blocking ``dist_fit``; raised after the clean stop, so that Run All stops.
 
@@ -58,7 +64,7 @@ class FitInterrupted(KeyboardInterrupt):
     ``nbddp.last_history()``.
     """
 
-    def __init__(self, history: Any):
+    def __init__(self, history: Recorded):
         step = history.steps[-1]["step"] if history.steps else 0
         super().__init__(f"dist_fit was interrupted (Kernel > Interrupt): every rank stopped at step {step} and the "
                          "model holds that step's weights; the History is e.history (and nbddp.last_history())")

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from nbddp.protocol.strategy_settings import StrategyChoice
+
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}  # the names nbddp used first, kept working
@@ -74,7 +76,8 @@ AUTO_SNAPSHOT_S = 30.0  # snapshot_every="auto": at least this many seconds apar
 AUTO_SNAPSHOT_COST = 0.02  # ... and far enough apart that writing one costs at most this share of the time
 
 
-def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str], strategy: Any = "ddp") -> None:
+def check_device_rules(precision: str, sync_batchnorm: bool, device_types: set[str],
+                       strategy: StrategyChoice = "ddp") -> None:
     """What needs CUDA, said once: checked in the kernel before a fit, and again on each rank.
 
     Raises:

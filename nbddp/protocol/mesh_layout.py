@@ -13,12 +13,11 @@ strategy's business (``parallel_settings.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 MESH_DIMS = ("dp", "pp", "tp")
 
 
-def count(where: str, name: str, value: Any, minimum: int) -> int:
+def count(where: str, name: str, value: object, minimum: int) -> int:
     """``value`` as a whole number of at least ``minimum``, or an error naming ``where(name=...)``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{where}({name}=...) must be an int, got {type(value).__name__} {value!r}")
@@ -27,7 +26,7 @@ def count(where: str, name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def check_mesh_shape(mesh: Any) -> dict[str, int] | None:
+def check_mesh_shape(mesh: dict[str, int] | None) -> dict[str, int] | None:
     """``dist_fit(mesh=...)``: named dimensions and their sizes (the world size is checked later)."""
     if mesh is None:
         return None

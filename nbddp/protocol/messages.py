@@ -31,13 +31,16 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
 
 PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks",
                 "profile": "nbddp-profile", "raised": "nbddp-raised"}
 
 
-def published(ar: Any, kind: str) -> Any:
+def published(ar: AsyncResult, kind: str) -> Any:
     """The latest value a rank published under ``PUBLISH_KEYS[kind]`` on the task ``ar``, or None."""
     data = getattr(ar, "data", None)
     return data.get(PUBLISH_KEYS[kind]) if isinstance(data, dict) else None

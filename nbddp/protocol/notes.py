@@ -23,7 +23,7 @@ def shm_dir() -> str:
     return tempfile.gettempdir()
 
 
-def write_note(path: str, value: Any) -> None:
+def write_note(path: str, value: object) -> None:
     """Replace the note at ``path`` with ``value`` as JSON, atomically and owner-only: a reader sees old or new."""
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from nbddp.protocol.mesh_layout import count
 from nbddp.protocol.mesh_layout import layout
-from nbddp.protocol.strategy_settings import StrategySettings
+from nbddp.protocol.strategy_settings import StrategyChoice, StrategySettings
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from nbddp.protocol.fit_options import FitConfig
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -35,7 +41,7 @@ PIPELINE_STREAMS = (
     "Dataset, or train the stream with nbddp.TensorParallel(), 'fsdp' or 'ddp'")
 
 
-def _dp(value: Any, where: str) -> Any:
+def _dp(value: StrategyChoice, where: str) -> str | FSDP:
     """What runs over the ``dp`` dimension: ``"ddp"`` or an ``FSDP`` (``"fsdp"`` is ``FSDP()``)."""
     if value == "ddp" or isinstance(value, FSDP):
         return value
@@ -110,7 +116,7 @@ class Pipeline(StrategySettings):
     refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS, "streams": PIPELINE_STREAMS}
 
 
-def _split(value: Any, stages: int) -> tuple[str, ...] | None:
+def _split(value: str | int | Iterable[str | int] | None, stages: int) -> tuple[str, ...] | None:
     if value is None:
         return None
     items = [value] if isinstance(value, (str, int)) else value
@@ -165,7 +171,7 @@ class TensorParallel(StrategySettings):
     refusals = {"fewer_ranks": MODEL_PARALLEL_FEWER_RANKS}
 
 
-def _plan(plan: Any) -> dict[str, Any] | None:
+def _plan(plan: dict[str, str | ParallelStyle] | None) -> dict[str, str | ParallelStyle] | None:
     if plan is None:
         return None
     if not isinstance(plan, dict) or not plan:
@@ -180,17 +186,18 @@ def _plan(plan: Any) -> dict[str, Any] | None:
     return dict(plan)
 
 
-def is_model_parallel(strategy: Any) -> bool:
-    """Whether ``strategy`` declares a model-parallel mesh dimension (``"ddp"``, the string, does not)."""
+def is_model_parallel(strategy: StrategyChoice) -> TypeGuard[Pipeline | TensorParallel]:
+    """Whether ``strategy`` declares a model-parallel mesh dimension (``"ddp"``, the string, does not): once resolved
+    (``resolve_strategy``), only a ``Pipeline`` or a ``TensorParallel`` does."""
     return getattr(strategy, "mp_dim", None) is not None
 
 
-def data_parallel_size(strategy: Any, mesh: dict[str, int] | None, world: int) -> int:
+def data_parallel_size(strategy: StrategyChoice, mesh: dict[str, int] | None, world: int) -> int:
     """How many ranks read different data (the model-parallel ranks of a group read the same batches)."""
     return layout(mesh, world).dp if is_model_parallel(strategy) else world
 
 
-def describe(strategy: Any, mesh: dict[str, int] | None, world: int) -> str:
+def describe(strategy: StrategyChoice, mesh: dict[str, int] | None, world: int) -> str:
     """``"dp=2 x pp=2 (1f1b, ddp)"``, ``"tp=2"``, ``"ddp"``: a fit's topology in a few words."""
     if not is_model_parallel(strategy):
         return getattr(strategy, "name", str(strategy))
@@ -259,12 +266,12 @@ class DDP(StrategySettings):
         return kwargs
 
 
-def is_replicated(strategy: Any) -> bool:
+def is_replicated(strategy: StrategyChoice) -> bool:
     """Whether every rank holds the whole model: ``"ddp"``, or settings that are not sharded (``nbddp.DDP(...)``)."""
     return strategy == "ddp" or (isinstance(strategy, StrategySettings) and not strategy.sharded)
 
 
-def settings_of(strategy: Any) -> StrategySettings:
+def settings_of(strategy: StrategyChoice) -> StrategySettings:
     """The settings object behind ``strategy``, to ask what it supports: ``"ddp"`` is ``DDP()``, ``"fsdp"`` ``FSDP()``.
 
     Raises:
@@ -279,7 +286,7 @@ def settings_of(strategy: Any) -> StrategySettings:
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def class_name(cls: Any) -> str:
+def class_name(cls: type | str) -> str:
     """How a module class is named across the kernel and the workers (notebook classes travel by value)."""
     if isinstance(cls, str):
         return cls
@@ -334,7 +341,8 @@ class FSDP(StrategySettings):
     kept_as = "fsdp"
 
 
-def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[str] | None:
+def module_classes(value: str | type | Iterable[str | type] | None, where: str,
+                   alternative: str = "") -> frozenset[str] | None:
     """nn.Module classes or class names -> a frozenset of names (``None`` stays ``None``); ``alternative`` ends errors."""
     import torch.nn as nn
 
@@ -354,7 +362,7 @@ def module_classes(value: Any, where: str, alternative: str = "") -> frozenset[s
     return frozenset(class_name(i) for i in items)
 
 
-def resolve_strategy(value: Any) -> Any:
+def resolve_strategy(value: StrategyChoice) -> StrategyChoice:
     """``"ddp"``, a ``DDP``, an ``FSDP`` (``"fsdp"`` is ``FSDP()``), a model-parallel setting, or any other
     ``StrategySettings`` whose declarations nbddp can act on.
 
@@ -376,11 +384,12 @@ def resolve_strategy(value: Any) -> Any:
                      f"nbddp.Pipeline(...) or nbddp.TensorParallel(...), got {value!r}")
 
 
-def within(cfg: Any, k: int) -> Any:
+def within(cfg: FitConfig, k: int) -> FitConfig:
     """``cfg`` for a subgroup of ``k`` ranks (the scaling report): one rank trains the model whole."""
     if not is_model_parallel(cfg.strategy):
         return cfg
-    mp = cfg.mesh[cfg.strategy.mp_dim]
+    mesh = cfg.mesh or {}  # a model-parallel fit's mesh, completed for its world size by preflight
+    mp = mesh[cfg.strategy.mp_dim]
     if k < mp:
         return dataclasses.replace(cfg, strategy=cfg.strategy.dp, mesh=None)
     return dataclasses.replace(cfg, mesh={"dp": k // mp, cfg.strategy.mp_dim: mp})

@@ -38,7 +38,7 @@ class ProfileSpec:
         return (self.wait + self.warmup + self.active) * self.repeat
 
 
-def profile_spec(value: Any) -> ProfileSpec | None:
+def profile_spec(value: bool | Mapping[str, Any] | None) -> ProfileSpec | None:
     """``dist_fit(profile=...)`` checked: ``None``/``False`` (off), ``True`` (the defaults) or a dict of fields.
 
     Raises:
@@ -61,7 +61,7 @@ def profile_spec(value: Any) -> ProfileSpec | None:
     return ProfileSpec(**value)
 
 
-def _check(key: str, item: Any) -> None:
+def _check(key: str, item: object) -> None:
     if key in MINIMUM:
         if isinstance(item, bool) or not isinstance(item, int):
             raise TypeError(f"dist_fit(profile={{'{key}': ...}}) must be a whole number of steps, got "

@@ -18,10 +18,14 @@ elsewhere).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+# one host's listing: step (an int, or its str once the listing travelled as JSON) -> {"path", "have", "needs"}
+Listing = Mapping[Any, dict[str, Any]]
 
-def newest_covered(listings: list[dict[int, dict[str, Any]]]) -> int | None:
+
+def newest_covered(listings: Sequence[Listing]) -> int | None:
     """The newest step whose every needed file is on some host (None: no step can be put together)."""
     steps: set[int] = set()
     for listing in listings:
@@ -35,7 +39,7 @@ def newest_covered(listings: list[dict[int, dict[str, Any]]]) -> int | None:
     return None
 
 
-def path_of(listings: list[dict[int, dict[str, Any]]], step: int) -> str:
+def path_of(listings: Sequence[Listing], step: int) -> str:
     """The snapshot's path (the same on every host) as the listings give it."""
     for listing in listings:
         entry = listing.get(step) or listing.get(str(step))

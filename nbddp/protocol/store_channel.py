@@ -21,7 +21,10 @@ from __future__ import annotations
 import json
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 #: how long the kernel tries to reach rank 0's store before it gives up (and the fit falls back to the file's
 #: behaviour, with a notice): the kernel never hangs on a store it cannot reach
@@ -98,7 +101,7 @@ class KernelStore:
                 pass
 
 
-def rank_store() -> Any:
+def rank_store() -> Store:
     """This rank's view of the group's store, without torch's own ``default_pg`` prefix (the kernel's keys are
     set on the bare ``TCPStore``)."""
     import torch.distributed as dist
@@ -110,7 +113,7 @@ def rank_store() -> Any:
     return store
 
 
-def wait_value(store: Any, key: str, timeout_s: float) -> dict[str, Any] | None:
+def wait_value(store: Store, key: str, timeout_s: float) -> dict[str, Any] | None:
     """Rank 0: block until the kernel sets ``key``, take its value and delete it; None after ``timeout_s``."""
     try:
         store.wait([key], timedelta(seconds=timeout_s))
@@ -121,7 +124,7 @@ def wait_value(store: Any, key: str, timeout_s: float) -> dict[str, Any] | None:
     return value
 
 
-def newest_request(store: Any, channel: str, seen: int) -> dict[str, Any] | None:
+def newest_request(store: Store, channel: str, seen: int) -> dict[str, Any] | None:
     """Rank 0, at a reduction: fit ``channel``'s newest profile request if its id is above ``seen``, taken (its key
     deleted); else None.
 

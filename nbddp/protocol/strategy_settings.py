@@ -31,7 +31,7 @@ workers cannot import travel by value, as models do (``__reduce_ex__``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsIndex, TypeAlias
 
 KEPT_KINDS = ("module", "fsdp", "pipeline", "tensor")  # how predict runs a kept model
 MP_DIMS = (None, "pp", "tp")
@@ -100,7 +100,7 @@ class StrategySettings:
                                  f"not one nbddp knows; declare one of {known}")
         return self
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         """nbddp's own settings pickle by name; anyone else's through cloudpickle, which takes the class by value
         where the workers cannot import it.
 
@@ -116,6 +116,11 @@ class StrategySettings:
         import cloudpickle
 
         return rebuild, (cloudpickle.dumps((type(self), dict(self.__dict__))),)
+
+
+# ``dist_fit(strategy=...)`` as given ("ddp", "fsdp" or a settings object), and once resolved ("ddp" or a settings
+# object: ``parallel_settings.resolve_strategy``)
+StrategyChoice: TypeAlias = "str | StrategySettings"
 
 
 def rebuild(payload: bytes) -> StrategySettings:

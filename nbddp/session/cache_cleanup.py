@@ -9,13 +9,13 @@ on another host (Slurm, SSH) can only be removed by a process there, so
 
 from __future__ import annotations
 
-from typing import Any
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import once_per_other_host
 
 REMOTE_CLEANUP_S = 5.0  # stop() waits at most this long for the other hosts to remove their cache
 
 
-def remove_remote_caches(session: Any, timeout: float = REMOTE_CLEANUP_S) -> list[str]:
+def remove_remote_caches(session: SessionLike, timeout: float = REMOTE_CLEANUP_S) -> list[str]:
     """At ``stop()``: remove the session's Inductor cache on every host but the kernel's; the hosts asked.
 
     One engine per other host removes the directory (the kernel's own is removed by ``stop()``,

@@ -17,8 +17,8 @@ import glob
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from nbddp.cluster.engines import Workers
 from nbddp.protocol import placement as topology
 from nbddp.protocol.errors import ClusterError
 from nbddp.protocol.notes import shm_dir
@@ -82,7 +82,7 @@ def check_versions(probes: list[topology.Probe]) -> None:
 class GroupFormer:
     """Probes engines and joins them into one generation of the process group."""
 
-    def __init__(self, workers: Any, file_prefix: str, token: str):
+    def __init__(self, workers: Workers, file_prefix: str, token: str):
         self.workers = workers
         self.file_prefix = file_prefix
         self.token = token

@@ -19,7 +19,7 @@ import shutil
 import secrets
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.protocol import placement as topology
 from nbddp.cluster.engines import Workers
@@ -31,13 +31,17 @@ from nbddp.session.resident_datasets import ResidentSet
 from nbddp.shipping.shm_files import BufferPool, remove_files
 from nbddp.protocol.compile_settings import session_cache_dir
 from nbddp.session.cache_cleanup import remove_remote_caches
-from nbddp.cluster.slurm.request import slurm_request
+from nbddp.cluster.slurm.request import SlurmChoice, SlurmRequest, slurm_request
 from nbddp.session.source_ledger import SourceLedger
 from nbddp.session.start_options import (DEFAULT_PG_TIMEOUT_S, StartOptions, check_stall_timeout, local_gpu_count,
                                  threads_per_worker, validate_start)
 from nbddp.session.supervisor import Supervisor
 from nbddp.protocol.allocator_setting import reason_to_leave_alone
+from nbddp.execution.contracts import WorkLike
 from nbddp.execution.send import on_engines
+
+if TYPE_CHECKING:
+    from ipyparallel import Client, Cluster
 
 
 class Session:
@@ -89,18 +93,24 @@ class Session:
         return group.backend if group else ""
 
     @property
-    def client(self) -> Any:
-        return self.workers.client
+    def client(self) -> Client:
+        return self._started()[0].client
+
+    def _started(self) -> tuple[Workers, StartOptions]:
+        """The engines and the options they were started with: ``start`` sets both before anything reads them."""
+        workers, options = self.workers, self.options
+        assert workers is not None and options is not None, "the session's workers are not started"
+        return workers, options
 
     @property
     def busy(self) -> bool:
         return self.running is not None and not self.running.finished
 
     # ---- lifecycle -------------------------------------------------------
-    def start(self, n: int | None = None, *, backend: str | None = None, cluster: Any = None,
+    def start(self, n: int | None = None, *, backend: str | None = None, cluster: Cluster | None = None,
               profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
               threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
-              slurm: Any = None) -> "Session":
+              slurm: SlurmChoice = None) -> "Session":
         attach = profile is not None or cluster_id is not None
         if attach and cluster is not None:
             raise ValueError("start() takes either cluster=... or profile=/cluster_id=..., not both")
@@ -130,25 +140,28 @@ class Session:
             self.stopped_explicitly = False
         return self
 
-    def _start_again(self, n: int | None, backend: str | None, attach: bool, cluster: Any, timeout: float | None,
-                     stall_timeout: float | None, request: Any = None) -> "Session":
+    def _start_again(self, n: int | None, backend: str | None, attach: bool, cluster: Cluster | None,
+                     timeout: float | None, stall_timeout: float | None,
+                     request: SlurmRequest | None = None) -> "Session":
+        options = self._started()[1]
         same = (n in (None, self.world_size)) and (backend in (None, self.backend))
-        if not same or attach or cluster is not None or request not in (None, self.options.slurm):
+        if not same or attach or cluster is not None or request not in (None, options.slurm):
             raise ClusterError(
                 f"workers are already running ({self.world_size} x {self.backend}); "
                 "call nbddp.stop() first, or nbddp.restart() to rebuild them"
             )
         if stall_timeout is not None:
-            self.options.stall_timeout = stall_timeout
-        if timeout is not None and float(timeout) != self.options.timeout:
+            options.stall_timeout = stall_timeout
+        if timeout is not None and float(timeout) != options.timeout:
             self._regroup(float(timeout))
         return self  # already running as asked: %ddp start twice is harmless
 
-    def _launch(self, n: int | None, cluster: Any, profile: str | None, cluster_id: str | None,
-                threads: int | None, request: Any = None) -> Workers:
+    def _launch(self, n: int | None, cluster: Cluster | None, profile: str | None, cluster_id: str | None,
+                threads: int | None, request: SlurmRequest | None = None) -> Workers:
         if profile is not None or cluster_id is not None:
             return Workers.attach(profile, cluster_id, n)
         if request is not None:  # a Slurm job: threads are its --cpus-per-task (the nodes' cores are not ours to count)
+            assert n is not None, "request.layout() counts the engines of a Slurm job"
             env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
             return Workers.start(n, request.cluster(n, threads), file_prefix=self.file_prefix, engine_env=env,
                                  queue_timeout=request.queue_timeout, show=JobLine())
@@ -204,12 +217,13 @@ class Session:
                 f"cannot change the process-group timeout while {self.running.describe()} runs; "
                 "wait for it or stop it first"
             )
-        old = self.options.timeout
-        self.options.timeout = timeout
+        options = self._started()[1]
+        old = options.timeout
+        options.timeout = timeout
         try:
             self.form_group(reprobe=False)
         except BaseException:
-            self.options.timeout = old
+            options.timeout = old
             raise
 
     def ensure_started(self) -> None:
@@ -265,7 +279,7 @@ class Session:
             on_engines(self.client, local, follow_paths, paths, wanted[1])
         self._paths_sent = wanted
 
-    def attend(self, work: Any) -> None:
+    def attend(self, work: WorkLike) -> None:
         """From the cell that waits for ``work``: open the debugger prompt for its ranks paused at ``breakpoint()``."""
         from nbddp.debugging.prompt import attend
 
@@ -277,8 +291,9 @@ class Session:
 
     # ---- process group ---------------------------------------------------
     def _group_former(self) -> GroupFormer:
-        if self._former is None or self._former.workers is not self.workers:
-            self._former = GroupFormer(self.workers, self.file_prefix, self.token)
+        workers = self._started()[0]
+        if self._former is None or self._former.workers is not workers:
+            self._former = GroupFormer(workers, self.file_prefix, self.token)
         return self._former
 
     def form_group(self, reprobe: bool, engines: list[int] | None = None) -> None:
@@ -290,16 +305,17 @@ class Session:
         """
         former = self._group_former()
         with self.lock:
+            workers, options = self._started()
             old = self.group
             probes = list(old.probes) if old else []
-            if reprobe or not probes or sorted(p.engine_id for p in probes) != self.workers.ids:
+            if reprobe or not probes or sorted(p.engine_id for p in probes) != workers.ids:
                 probes = former.probe()
             if engines is not None:
                 probes = [p for p in probes if p.engine_id in engines]
             self._generations += 1
-            self.group = former.form(self.options, self._generations, probes)
+            self.group = former.form(options, self._generations, probes)
             self.resident.clear()  # joining a group emptied the workers' dataset caches
-            self.debugger.announce(self.client, list(self.group.placements), self.workers.controller_host)
+            self.debugger.announce(workers.client, list(self.group.placements), workers.controller_host)
 
     def snapshot(self) -> dict[str, Any]:
         """What ``nbddp.status()`` shows: one consistent view of one generation."""

@@ -16,6 +16,8 @@ import os
 import threading
 from typing import Any
 
+from nbddp.protocol.placement import Placement
+from nbddp.shipping.pickling import Parcel
 from nbddp.shipping.source_lines import Source, cell_number
 
 
@@ -43,7 +45,7 @@ class SourceLedger:
         self._digests[filename] = (entry, found)
         return found
 
-    def attach(self, parcel: Any, placement: Any) -> Any:
+    def attach(self, parcel: Parcel | None, placement: Placement) -> Parcel | None:
         """``parcel`` carrying the lines this worker lacks (a copy; the shared parcel is left as it is)."""
         if parcel is None or not parcel.source_files:
             return parcel

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+from nbddp.cluster.slurm.request import SlurmRequest
 from nbddp.protocol.cpus import usable_cpus
+
+if TYPE_CHECKING:
+    from ipyparallel import Cluster
 
 __all__ = ["StartOptions", "threads_per_worker", "validate_start"]
 
@@ -24,14 +28,14 @@ class StartOptions:
 
     n: int | None
     backend: str | None
-    cluster: Any
+    cluster: Cluster | None
     profile: str | None
     cluster_id: str | None
     timeout: float
     threads: int | None
     interface: str | None
     stall_timeout: float | None = None
-    slurm: Any = None  # a slurm.SlurmRequest: the engines are a Slurm job (start(slurm=...))
+    slurm: SlurmRequest | None = None  # the engines are a Slurm job (start(slurm=...))
 
     @property
     def attach(self) -> bool:
@@ -48,7 +52,7 @@ def local_gpu_count() -> int:
         return 0
 
 
-def check_stall_timeout(value: Any, where: str) -> float | None:
+def check_stall_timeout(value: float | None, where: str) -> float | None:
     """``stall_timeout`` is seconds > 0, or None (stalls are shown, never fatal)."""
     if value is None:
         return None
@@ -60,7 +64,8 @@ def check_stall_timeout(value: Any, where: str) -> float | None:
     return float(value)
 
 
-def validate_start(n: Any, backend: Any, timeout: Any, threads: Any, gpus: int, attach: bool) -> tuple[int | None, str | None]:
+def validate_start(n: int | None, backend: str | None, timeout: float | None, threads: int | None, gpus: int,
+                   attach: bool) -> tuple[int | None, str | None]:
     """Check ``start()``'s arguments before any process starts; fill in the defaults."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
         raise TypeError(f"start(n=...) must be an int, got {type(n).__name__} {n!r}")

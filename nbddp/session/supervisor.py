@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
+from nbddp.cluster.engines import Workers
+from nbddp.cluster.slurm.queue import JobState
 from nbddp.elastic.replacements import await_replacements
+from nbddp.execution.contracts import SpareLike
 from nbddp.execution.send import silent_engines
 from nbddp.protocol.errors import ClusterError, SlurmError
+from nbddp.session.process_group import GroupState
+from nbddp.session.start_options import StartOptions
 
 PEER_SETTLE_S = 0.3  # a peer of a killed rank may go down with it; let that show before pinging
 PING_TIMEOUT_S = 5.0
@@ -34,14 +39,29 @@ class HealCancelled(Exception):
     """``stop()`` was called while a heal was under way."""
 
 
+class Supervised(Protocol):
+    """What the supervisor reads and does of its session (``session.py``'s ``Session``, which imports this module)."""
+
+    workers: Workers | None
+    group: GroupState | None
+    options: StartOptions | None
+    lock: threading.RLock
+    cond: threading.Condition
+
+    @property
+    def world_size(self) -> int: ...
+
+    def form_group(self, reprobe: bool, engines: list[int] | None = None) -> None: ...
+
+
 class Supervisor:
-    def __init__(self, session: Any):
+    def __init__(self, session: Supervised):
         self.session = session
         self.closing = False
         self._again = False
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.spare: Any = None  # an elastic fit's warm spare engine (nbddp/elastic/spare.py), taken by a heal
+        self.spare: SpareLike | None = None  # an elastic fit's warm spare engine (elastic/spare.py), taken by a heal
         # the last heal's phases in seconds (ping_s, spare_s, start_s, group_s) and how many engines it started
         # afresh (started: 0 when a warm spare replaced the lost rank); bench_elastic.py reports them
         self.last_heal: dict[str, float] = {}
@@ -60,8 +80,9 @@ class Supervisor:
         """SIGKILL these ranks' engines now; return their engine ids."""
         by_rank = self.session.group.by_rank() if self.session.group else {}
         ids = [by_rank[r].engine_id for r in ranks if r in by_rank]
-        if ids:
-            self.session.workers.kill(ids)
+        workers = self.session.workers
+        if ids and workers is not None:  # (ranks are known only while there are workers)
+            workers.kill(ids)
         return ids
 
     def replace_ranks(self, ranks: list[int]) -> None:
@@ -108,7 +129,7 @@ class Supervisor:
         return ClusterError(f"{problem} while {what} ran, so its results cannot come back.{killed} "
                             "Run nbddp.restart() to start fresh workers (or nbddp.stop()).")
 
-    def job_lost(self, job: Any, what: str | None = None) -> SlurmError:
+    def job_lost(self, job: JobState, what: str | None = None) -> SlurmError:
         """The Slurm job holding the engines is over (``job``: its ``nbddp.cluster.slurm.queue.JobState``).
 
         Its engines are gone with it, so nothing is healed: a replacement would
@@ -145,8 +166,9 @@ class Supervisor:
     def _heal(self, killed: list[int], job_wait: dict[str, Any] | None = None) -> None:
         """Replace ``killed`` engines and dead or unresponsive ones; form the group again."""
         s = self.session
-        workers = s.workers
-        want = max(s.world_size, self.regrow_to or 0) or (s.options.n or 2)
+        workers, options = s.workers, s.options
+        assert workers is not None and options is not None, "a heal runs only on started workers (stop() cancels it)"
+        want = max(s.world_size, self.regrow_to or 0) or (options.n or 2)
         lap = _Laps()
         workers.forget_dead(killed)
         if killed:

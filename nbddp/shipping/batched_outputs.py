@@ -16,7 +16,7 @@ another rank's part could not be joined.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -60,7 +60,7 @@ def batches_of(part: Mapping[str, Any]) -> list[Any]:
     return list(value)
 
 
-def assemble(parts: list[Mapping[str, Any]], output: str) -> Any:
+def assemble(parts: Sequence[Mapping[str, Any]], output: str) -> Any:
     """The ranks' parts, in rank order, as one value: joined (``output="tensor"``) or a list of batch outputs."""
     parts = [p for p in parts if p["kind"] != "empty"]
     if output == "tensor" and parts and all(p["kind"] in ("tensor", "dict") for p in parts):
@@ -70,7 +70,7 @@ def assemble(parts: list[Mapping[str, Any]], output: str) -> Any:
     return [b for p in parts for b in batches_of(p)]
 
 
-def in_stream_order(parts: list[Mapping[str, Any]], ids: list[Any], output: str) -> tuple[Any, Any]:
+def in_stream_order(parts: Sequence[Mapping[str, Any]], ids: list[Any], output: str) -> tuple[Any, Any]:
     """``(outputs, ids)`` of a stream's parts, in the order the samples came (by id).
 
     ``ids[r]``: the stream positions of rank ``r``'s samples, in the order it

@@ -129,7 +129,7 @@ def register_edited_modules() -> list[str]:
     return registered
 
 
-def _name_of(module: Any, what: str) -> str:
+def _name_of(module: ModuleType | str, what: str) -> str:
     if isinstance(module, ModuleType):
         return module.__name__
     if isinstance(module, str) and module:

@@ -70,12 +70,12 @@ class Layout:
         return Layout(raw["n"], tuple(Leaf(k, tuple(s), d) for k, s, d in raw["leaves"]))
 
 
-def layout_of(out: Any, n: int) -> Layout | None:
+def layout_of(out: object, n: int) -> Layout | None:
     """The layout a batch's output implies for ``n`` samples; None when it has none (not a tensor with a sample
     dimension, nor a non-empty dict of them with string keys)."""
     import torch
 
-    def leaf(key: str | None, t: Any) -> Leaf | None:
+    def leaf(key: str | None, t: object) -> Leaf | None:
         if type(t) is not torch.Tensor or t.dim() < 1 or t.layout != torch.strided:
             return None
         return Leaf(key, tuple(t.shape[1:]), str(t.dtype).removeprefix("torch."))
@@ -86,7 +86,8 @@ def layout_of(out: Any, n: int) -> Layout | None:
         leaves = tuple(leaf(k, v) for k, v in out.items())
     else:
         leaves = (leaf(None, out),)
-    return None if any(f is None for f in leaves) else Layout(n, leaves)
+    found = tuple(f for f in leaves if f is not None)
+    return Layout(n, found) if len(found) == len(leaves) else None
 
 
 def create(prefix: str) -> str:

@@ -26,7 +26,7 @@ import pickle
 import secrets
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import cloudpickle
 
@@ -36,6 +36,9 @@ from nbddp.protocol.notes import shm_dir
 from nbddp.shipping.shm_files import BufferPool, release_pooled
 from nbddp.shipping.source_lines import NamingPickler
 from nbddp.shipping.source_lines import register as register_sources
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _ALIGN = 64
 
@@ -87,15 +90,16 @@ def _torch():
     return sys.modules.get("torch")
 
 
-def _is_plain_tensor(obj: Any) -> bool:
+def _is_plain_tensor(obj: object) -> TypeGuard[Tensor]:
     torch = _torch()
     if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter):
         return False
+    t = cast("Tensor", obj)  # its type was just checked: exactly a Tensor or a Parameter
     return (
-        obj.layout == torch.strided
-        and not obj.is_quantized
-        and obj.device.type != "meta"
-        and (obj.is_leaf or not obj.requires_grad)
+        t.layout == torch.strided
+        and not t.is_quantized
+        and t.device.type != "meta"
+        and (t.is_leaf or not t.requires_grad)
     )
 
 
@@ -106,12 +110,12 @@ class _Pickler(NamingPickler):
     it is still one shared tensor after loading.
     """
 
-    def __init__(self, file: io.BytesIO, lifted: list[Any] | None):
+    def __init__(self, file: io.BytesIO, lifted: list[Tensor] | None):
         super().__init__(file, protocol=5)
         self._lifted = lifted
         self._seen: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> Any:  # noqa: D401 - pickle hook
+    def persistent_id(self, obj: object) -> tuple[str, int] | None:  # noqa: D401 - pickle hook
         if self._lifted is None or not _is_plain_tensor(obj):
             return None
         key = id(obj)
@@ -122,7 +126,7 @@ class _Pickler(NamingPickler):
         return ("nbddp-tensor", index)
 
 
-def fingerprint(obj: Any) -> str | None:
+def fingerprint(obj: object) -> str | None:
     """A content key for ``obj``, cheap even for gigabytes of tensors (``None``: cannot tell).
 
     The object is pickled with its tensors lifted out (so only the small
@@ -133,7 +137,7 @@ def fingerprint(obj: Any) -> str | None:
     import hashlib
 
     register_edited_modules()
-    lifted: list[Any] = []
+    lifted: list[Tensor] = []
     buf = io.BytesIO()
     try:
         _Pickler(buf, lifted).dump(obj)
@@ -145,7 +149,7 @@ def fingerprint(obj: Any) -> str | None:
     return h.hexdigest()[:32]
 
 
-def dumps(obj: Any, *, what: str = "object", label: str = "object") -> bytes:
+def dumps(obj: object, *, what: str = "object", label: str = "object") -> bytes:
     """cloudpickle ``obj`` with tensors inline (for other hosts), naming what failed.
 
     ``label`` is how the person calls the object (``data``), used to name the
@@ -154,7 +158,7 @@ def dumps(obj: Any, *, what: str = "object", label: str = "object") -> bytes:
     return _pickle(obj, None, what, label)[0]
 
 
-def _pickle(obj: Any, lifted: list[Any] | None, what: str, label: str) -> tuple[bytes, tuple[str, ...]]:
+def _pickle(obj: object, lifted: list[Tensor] | None, what: str, label: str) -> tuple[bytes, tuple[str, ...]]:
     """(pickle bytes, the files of the code inside); tensors go into ``lifted`` unless it is None."""
     register_edited_modules()
     buf = io.BytesIO()
@@ -166,7 +170,7 @@ def _pickle(obj: Any, lifted: list[Any] | None, what: str, label: str) -> tuple[
     return buf.getvalue(), tuple(sorted(pickler.code_files))
 
 
-def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "object",
+def pack(obj: object, *, what: str = "object", local: bool = True, label: str = "object",
          pool: BufferPool | None = None, prefix: str | None = None) -> Parcel:
     """Pickle ``obj`` for the workers; with ``local`` its tensors go by shared file.
 
@@ -175,7 +179,7 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
         prefix: name of a new file (default ``nbddp-<pid>``), so its owner can
             find and remove it.
     """
-    lifted: list[Any] | None = [] if local and _torch() is not None else None
+    lifted: list[Tensor] | None = [] if local and _torch() is not None else None
     data, files = _pickle(obj, lifted, what, label)
     if not lifted:
         return Parcel(data, source_files=files)
@@ -215,7 +219,7 @@ def pack(obj: Any, *, what: str = "object", local: bool = True, label: str = "ob
     return Parcel(data, path, metas, source_files=files)
 
 
-def _write_tensors(mm: mmap.mmap, tensors: list[Any], metas: list[TensorMeta], total: int) -> None:
+def _write_tensors(mm: mmap.mmap, tensors: list[Tensor], metas: list[TensorMeta], total: int) -> None:
     """Copy each tensor straight into its slot of the mapped file (from any device, any strides)."""
     torch = _torch()
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=max(total, 1))
@@ -227,11 +231,11 @@ def _write_tensors(mm: mmap.mmap, tensors: list[Any], metas: list[TensorMeta], t
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[Any]):
+    def __init__(self, file: io.BytesIO, tensors: list[Tensor]):
         super().__init__(file)
         self._tensors = tensors
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> Tensor:  # pickle.Unpickler's hook: pid is what persistent_id gave
         tag, index = pid
         if tag != "nbddp-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
@@ -252,7 +256,7 @@ def unpack(parcel: Parcel, *, copy: bool = True) -> Any:
         size = os.fstat(f.fileno()).st_size
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     flat = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-    tensors: list[Any] = []
+    tensors: list[Tensor] = []
     for meta in parcel.tensors:
         dtype = getattr(torch, meta.dtype)
         raw = flat[meta.offset : meta.offset + meta.nbytes]
@@ -271,7 +275,7 @@ def unpack(parcel: Parcel, *, copy: bool = True) -> Any:
 # Pre-flight: say which part of an object cannot be pickled.
 
 
-def _explain(obj: Any, what: str, exc: Exception, label: str) -> ShippingError:
+def _explain(obj: object, what: str, exc: Exception, label: str) -> ShippingError:
     found = _find_unpicklable(obj, label)
     culprit = ""
     if found is not None and found[0] != label:
@@ -284,7 +288,7 @@ def _explain(obj: Any, what: str, exc: Exception, label: str) -> ShippingError:
     )
 
 
-def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any] | None:
+def _find_unpicklable(obj: object, path: str, depth: int = 0) -> tuple[str, object] | None:
     """Walk attributes/items to the deepest part that still fails to pickle: (path, object)."""
     if depth > 6:
         return path, obj
@@ -293,7 +297,7 @@ def _find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any] | 
         return None
     except Exception:  # noqa: BLE001
         pass
-    children: list[tuple[str, Any]] = []
+    children: list[tuple[str, object]] = []
     if isinstance(obj, dict):
         children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
     elif isinstance(obj, (list, tuple, set, frozenset)):

@@ -82,7 +82,7 @@ class BufferPool:
                 return
             self._free[path] = size
             while len(self._free) > self.keep:
-                smallest = min(self._free, key=self._free.get)
+                smallest = min(self._free, key=self._free.__getitem__)
                 del self._free[smallest]
                 _POOL_OF.pop(smallest, None)
                 self._close_map(smallest)

@@ -27,7 +27,7 @@ import linecache
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import cloudpickle
 
@@ -52,11 +52,11 @@ def named_code(code: types.CodeType, filename: str) -> types.CodeType:
 class NamingPickler(cloudpickle.Pickler):
     """cloudpickle that keeps each code object's file name and notes the files (``code_files``) it needs."""
 
-    def __init__(self, file: Any, protocol: int = 5):
+    def __init__(self, file: IO[bytes], protocol: int = 5):
         super().__init__(file, protocol=protocol)
         self.code_files: set[str] = set()
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> Any:
         if type(obj) is types.CodeType and obj.co_filename != DYNAMIC:
             self.code_files.add(obj.co_filename)
             # the renamed copy is reduced by cloudpickle itself; named_code renames it back on loading

@@ -12,7 +12,7 @@ closed on every rank whatever happened, and the best weights come back.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.execution.work import is_interrupt
 from nbddp.session.session import get_session
@@ -23,6 +23,18 @@ from nbddp.sweeps.result import SweepResult
 from nbddp.sweeps.scheduler import SweepRun
 from nbddp.sweeps.view import SweepView, check_live
 from nbddp.execution.policy import FailurePolicy
+from nbddp.protocol.data_forms import DataLike
+from nbddp.sweeps.space import Space, SpaceSpec, SweepModel
+from nbddp.sweeps.view import LiveChoice
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
+
+    from nbddp.fit.preflight import FitPlan
+    from nbddp.session.session import Session
+    from nbddp.sweeps.handle import SweepHandle
 
 
 def optuna_module() -> Any:
@@ -34,7 +46,8 @@ def optuna_module() -> Any:
     return optuna
 
 
-def make_study(study: Any, mode: str, sampler: Any, pruner: Any) -> Any:
+def make_study(study: optuna.Study | None, mode: str, sampler: BaseSampler | None,
+               pruner: BasePruner | None) -> optuna.Study:
     """The person's study (with ``sampler``/``pruner`` put on it when given), or a new one in memory."""
     optuna = optuna_module()
     if study is None:
@@ -51,7 +64,7 @@ def make_study(study: Any, mode: str, sampler: Any, pruner: Any) -> Any:
     return study
 
 
-def trials_left(study: Any, n_trials: int) -> int:
+def trials_left(study: optuna.Study, n_trials: int) -> int:
     """``n_trials`` is the study's total: the trials it completed or pruned before (a resumed sweep) count."""
     from optuna.trial import TrialState
 
@@ -59,8 +72,9 @@ def trials_left(study: Any, n_trials: int) -> int:
     return max(0, n_trials - len(done))
 
 
-def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
-              sampler: Any, pruner: Any, study: Any, live: bool | None, fit_kwargs: dict[str, Any]) -> Any:
+def run_sweep(model: SweepModel, data: DataLike, *, space: SpaceSpec, n_trials: int, metric: str, mode: str,
+              workers_per_trial: int, sampler: BaseSampler | None, pruner: BasePruner | None,
+              study: optuna.Study | None, live: LiveChoice, fit_kwargs: dict[str, Any]) -> SweepResult | SweepHandle:
     """See ``nbddp.sweep``: a ``SweepResult``, or with ``block=False`` a ``SweepHandle``."""
     optuna = optuna_module()
     block = fit_kwargs.pop("block", True)
@@ -80,9 +94,10 @@ def run_sweep(model: Any, data: Any, *, space: Any, n_trials: int, metric: str, 
             optuna.logging.set_verbosity(verbosity)
 
 
-def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: str, workers_per_trial: int,
-           sampler: Any, pruner: Any, study: Any, live: Any, fit_kwargs: dict[str, Any], block: bool,
-           restore: Any) -> Any:
+def _sweep(model: SweepModel, data: DataLike, space: SpaceSpec, n_trials: int, metric: str, mode: str,
+           workers_per_trial: int, sampler: BaseSampler | None, pruner: BasePruner | None, study: optuna.Study | None,
+           live: LiveChoice, fit_kwargs: dict[str, Any], block: bool,
+           restore: Callable[[], None]) -> SweepResult | SweepHandle:
     from nbddp.session.start_options import check_stall_timeout
     from nbddp.sweeps.handle import SweepHandle
 
@@ -102,7 +117,7 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
     left = trials_left(study, n_trials)
     if left == 0:
         result = SweepResult(rows=[], metric=metric, mode=mode, study=study)
-        return result if block else SweepHandle(None, lambda: (restore(), result)[1])
+        return result if block else SweepHandle(None, lambda: _restored(restore, result))
     groups = [list(range(i, i + workers_per_trial)) for i in range(0, s.world_size, workers_per_trial)]
     policy = FailurePolicy(max_restarts, snapshot_every, stall_timeout=stall_timeout, retry_stalls=False)
     run = _open(s, model, data, sweep_space, study, left, groups, metric, mode, fit_kwargs, policy)
@@ -126,7 +141,13 @@ def _sweep(model: Any, data: Any, space: Any, n_trials: int, metric: str, mode: 
     return _result(run, model)
 
 
-def _finish(s: Any, run: SweepRun, view: SweepView, model: Any, restore: Any) -> SweepResult:
+def _restored(restore: Callable[[], None], result: SweepResult) -> SweepResult:
+    """A sweep with nothing left to run, in a handle's thread: Optuna's verbosity put back, then the result."""
+    restore()
+    return result
+
+
+def _finish(s: Session, run: SweepRun, view: SweepView, model: SweepModel, restore: Callable[[], None]) -> SweepResult:
     """A ``block=False`` sweep's waiting, in the handle's thread: the view drawn, then what a blocking call does."""
     try:
         while not run.wait_done(0.1):
@@ -141,7 +162,7 @@ def _finish(s: Any, run: SweepRun, view: SweepView, model: Any, restore: Any) ->
     return _result(run, model)
 
 
-def _settle_stale(study: Any) -> None:
+def _settle_stale(study: optuna.Study) -> None:
     """Trials a dead kernel left RUNNING: failed through Optuna's heartbeat (and retried by its callback), or,
     without a heartbeat, named in a warning that says how to set one up (``sweeps/stale.py``)."""
     import warnings
@@ -159,12 +180,13 @@ def _settle_stale(study: Any) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)
 
 
-def _open(s: Any, model: Any, data: Any, sweep_space: Any, study: Any, left: int, groups: list[list[int]],
+def _open(s: Session, model: SweepModel, data: DataLike, sweep_space: Space, study: optuna.Study, left: int,
+          groups: list[list[int]],
           metric: str, mode: str, fit_kwargs: dict[str, Any], policy: FailurePolicy) -> SweepRun:
     """Check and ship the fit's arguments once, open the groups on every rank: the schedule, ready to start."""
     from nbddp.fit.preflight import prepare
 
-    def ship() -> Any:  # again after a worker was replaced: the new one holds no resident data
+    def ship() -> FitPlan:  # again after a worker was replaced: the new one holds no resident data
         # a trial trains on its group: a model-parallel mesh and the data shards are laid out for that many ranks
         plan = prepare(s, model, data, return_weights=True, world=len(groups[0]), **fit_kwargs)
         plan.launch = replace(plan.launch, returns="state_dict")
@@ -202,7 +224,7 @@ def _wait(run: SweepRun, view: SweepView) -> None:
                 run.hard_stop()
 
 
-def _close(s: Any, run: SweepRun) -> None:
+def _close(s: Session, run: SweepRun) -> None:
     """Every rank destroys the sweep's groups; the files shipped go; the workers are free again."""
     try:
         close_trial_groups(s, run.token)
@@ -215,7 +237,7 @@ def _close(s: Any, run: SweepRun) -> None:
         s.resident.mark(run.plan.data_keys)
 
 
-def _result(run: SweepRun, model: Any) -> SweepResult:
+def _result(run: SweepRun, model: SweepModel) -> SweepResult:
     """The rows, histories and study; the best weights into ``model``, or a module the factory builds."""
     import torch
 

@@ -10,15 +10,15 @@ with the old process-group generation.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from nbddp.execution.calls import RankCall
+from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import to_ranks
 
 CLOSE_TIMEOUT_S = 10.0
 
 
-def open_trial_groups(s: Any, groups: list[list[int]]) -> str:
+def open_trial_groups(s: SessionLike, groups: list[list[int]]) -> str:
     """One process group per entry of ``groups`` on every rank; return their token. Takes the session's lock."""
     from nbddp.worker.tasks.sweep import open_groups
 
@@ -31,7 +31,7 @@ def open_trial_groups(s: Any, groups: list[list[int]]) -> str:
     return token
 
 
-def close_trial_groups(s: Any, token: str) -> None:
+def close_trial_groups(s: SessionLike, token: str) -> None:
     """Every rank destroys the groups of ``token`` (nothing to wait for on a rank that was replaced)."""
     from nbddp.worker.tasks.sweep import close_groups
 

@@ -13,16 +13,19 @@ what finished is returned).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.execution.work import is_interrupt
 from nbddp.sweeps.result import SweepResult, ranked
+
+if TYPE_CHECKING:
+    from nbddp.sweeps.scheduler import SweepRun
 
 
 class SweepHandle:
     """Returned by ``nbddp.sweep(..., block=False)``: ``done()``, ``wait()``, ``stop()``, ``trials`` so far."""
 
-    def __init__(self, run: Any, finish: Callable[[], SweepResult]):
+    def __init__(self, run: SweepRun | None, finish: Callable[[], SweepResult]):
         self._run = run  # None: nothing to run (the study had its trials), ``finish`` returns the result
         self._finish = finish
         self._result: SweepResult | None = None
@@ -56,6 +59,7 @@ class SweepHandle:
             raise TimeoutError(f"nbddp.sweep still running after {timeout} s; call .wait() again, or .stop()")
         if self._error is not None:
             raise self._error
+        assert self._result is not None, "finish() returned a result, or raised it as _error"
         return self._result
 
     def stop(self, wait: bool = True) -> SweepResult | None:

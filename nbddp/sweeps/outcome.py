@@ -16,7 +16,7 @@ A trial's tasks all returned (or raised) when this runs. The states:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.fit.history import History
@@ -25,8 +25,13 @@ from nbddp.sweeps import resume
 from nbddp.sweeps.schedule import Schedule
 from nbddp.sweeps.trial_run import TrialRun
 
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import TrialState
 
-def tell(sweep: Any, trial: Any, value: float | None = None, state: Any = None) -> None:
+
+def tell(sweep: Schedule, trial: optuna.trial.Trial, value: float | None = None,
+         state: TrialState | None = None) -> None:
     """``study.tell``; a sampler that says the study is done (Optuna's ``GridSampler`` once its grid is run)
     calls ``study.stop()``, which outside ``study.optimize`` raises: here it ends the hand-out instead.
     The trial's state is stored either way (Optuna stores it in a ``finally``)."""
@@ -101,7 +106,7 @@ def stall_words(stall: WorkerStalled) -> str:
             f"{stall.remote_traceback}")
 
 
-def _last_value(records: list[Any], metric: str) -> float | None:
+def _last_value(records: list[tuple[int, str, dict[str, Any]]], metric: str) -> float | None:
     values = [r[metric] for _, kind, r in records if kind in ("epoch", "val") and metric in r]
     if not values or not math.isfinite(values[-1]):
         return None
@@ -114,7 +119,7 @@ def _discard(results: dict[int, Any]) -> None:
             result.weights.discard()
 
 
-def drop_held(sweep: Any) -> None:
+def drop_held(sweep: Schedule) -> None:
     """The sweep stops: the trials held to resume are stopped (told failed, so a resumed study runs them again)."""
     from optuna.trial import TrialState
 

@@ -15,9 +15,12 @@ schedule's tick can be long; ``latest`` reads it with one dict lookup.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.protocol.messages import PUBLISH_KEYS
+
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult, Client
 
 
 class WakingData(dict):
@@ -32,7 +35,7 @@ class WakingData(dict):
         self.event.set()
 
 
-def wake_on_publish(client: Any, ar: Any, event: threading.Event) -> None:
+def wake_on_publish(client: Client, ar: AsyncResult, event: threading.Event) -> None:
     """Set ``event`` each time the task ``ar`` publishes (call it right after ``apply_async``).
 
     The swap follows the send by microseconds, long before the task can
@@ -46,7 +49,7 @@ def wake_on_publish(client: Any, ar: Any, event: threading.Event) -> None:
         md["data"] = WakingData(md.get("data") or {}, event)
 
 
-def latest(client: Any, ar: Any, kind: str) -> Any:
+def latest(client: Client, ar: AsyncResult, kind: str) -> Any:
     """The latest value the task ``ar`` published under ``PUBLISH_KEYS[kind]``, or None: one dict lookup."""
     md = client.metadata.get(ar.msg_ids[0])
     data = md.get("data") if md is not None else None

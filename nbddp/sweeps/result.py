@@ -33,7 +33,7 @@ class TrialRow:
                 "rank": self.rank, "error": self.error}
 
 
-def fmt(v: Any) -> str:
+def fmt(v: object) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -48,8 +48,9 @@ def line(row: TrialRow, metric: str) -> str:
 
 def ranked(rows: list[TrialRow], mode: str) -> list[TrialRow]:
     """Completed trials best first, then the others by trial number."""
-    done = [r for r in rows if r.state == "complete" and r.value is not None]
-    done.sort(key=lambda r: r.value if mode == "min" else -r.value)
+    scored = [(r.value, r) for r in rows if r.state == "complete" and r.value is not None]
+    scored.sort(key=lambda pair: pair[0] if mode == "min" else -pair[0])
+    done = [r for _, r in scored]
     return done + sorted((r for r in rows if r not in done), key=lambda r: r.trial)
 
 
@@ -139,6 +140,7 @@ class SweepResult:
         import warnings
 
         import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
         from optuna.exceptions import ExperimentalWarning
         from optuna.trial import TrialState
         from optuna.visualization.matplotlib import plot_parallel_coordinate
@@ -151,6 +153,7 @@ class SweepResult:
             warnings.simplefilter("ignore", ExperimentalWarning)  # Optuna's matplotlib plots are marked experimental
             ax = plot_parallel_coordinate(self.study, params=params, target_name=self.metric)
         fig = ax.figure
+        assert isinstance(fig, Figure), "Optuna draws the plot on a figure of its own"
         fig.set_size_inches(*figsize)
         plt.close(fig)  # returned, not left to pyplot: a notebook shows it once, as it does History.plot()'s
         return fig

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 from nbddp.elastic import snapshot_folder
 from nbddp.elastic.recovery import Records
 from nbddp.execution.policy import Verdict
 from nbddp.protocol.errors import WorkerError
 from nbddp.protocol.fit_options import FitConfig
-from nbddp.protocol.messages import published
+from nbddp.protocol.messages import FitResult, published
 from nbddp.sweeps.schedule import Schedule
 from nbddp.sweeps.trial_run import TrialRun
 
@@ -102,7 +101,7 @@ def relaunch(sweep: Schedule, g: int, run: TrialRun) -> None:
     sweep.changed += 1
 
 
-def records_of(run: TrialRun, head: Any) -> Records:
+def records_of(run: TrialRun, head: FitResult) -> Records:
     """A finished trial's records, as ``(kind, record)``: those kept across its resumes, then its last attempt's."""
     if run.restarts:
         cut(run, head.plan.start_step if head.plan is not None else 0)

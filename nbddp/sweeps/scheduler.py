@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.rank_tasks import RankTasks
@@ -36,7 +36,14 @@ from nbddp.sweeps import resume
 from nbddp.sweeps.published import latest, wake_on_publish
 from nbddp.sweeps.result import TrialRow, line
 from nbddp.sweeps.stale import Heartbeats, ask
+from nbddp.sweeps.space import Space
 from nbddp.sweeps.trial_run import TrialRun
+
+if TYPE_CHECKING:
+    import optuna
+
+    from nbddp.fit.preflight import FitPlan
+    from nbddp.session.session import Session
 
 # the schedule's own pace, for what no event announces (stalls, storage heartbeats, a stuck peer's grace): a
 # trial's published records (sweeps/published.py), a task's return, a stop and a prune signal's delivery wake it at
@@ -49,8 +56,10 @@ LANDING_S = 5.0  # the most a group waits for its prune signal's delivery to be 
 class SweepRun(Work):
     """The schedule of one ``nbddp.sweep`` call (see the module docstring)."""
 
-    def __init__(self, session: Any, plan: Any, space: Any, study: Any, n_trials: int, groups: list[list[int]],
-                 metric: str, token: str, mode: str, policy: FailurePolicy | None = None):
+    session: Session  # its trials' parcels carry the session's source lines (SessionLike does not hold them)
+
+    def __init__(self, session: Session, plan: FitPlan, space: Space, study: optuna.Study, n_trials: int,
+                 groups: list[list[int]], metric: str, token: str, mode: str, policy: FailurePolicy | None = None):
         super().__init__(session, "an nbddp.sweep")
         self.plan, self.space, self.study = plan, space, study
         self.n_trials, self.groups, self.metric, self.token, self.mode = n_trials, groups, metric, token, mode
@@ -67,7 +76,7 @@ class SweepRun(Work):
         self.curves: dict[int, list[tuple[int, float]]] = {}  # trial number -> (step, metric) as reported
         self.changed = 0  # counts what the live view should redraw for
         self.dead: list[int] = []  # engines lost (died, or killed stuck): replaced once the running trials end
-        self.reship: Any = None  # () -> a new FitPlan, after a worker was replaced
+        self.reship: Callable[[], FitPlan] | None = None  # a new FitPlan, after a worker was replaced
         # each trial's failure policy: max_restarts (default 1) for a trial whose worker died, snapshot_every (it
         # resumes from its snapshot), stall_timeout; a stall is not retried (the same values would stall again)
         self.policy = policy or FailurePolicy(max_restarts=1, retry_stalls=False)
@@ -172,6 +181,7 @@ class SweepRun(Work):
         from nbddp.worker.tasks.sweep import trial_task
 
         s = self.session
+        assert s.group is not None, "a sweep's trials are sent to a formed group"
         by_rank = s.group.by_rank()
         members = [by_rank[r] for r in self.groups[g]]
         ars = to_ranks(s.client, members, trial_task,
@@ -263,20 +273,21 @@ class SweepRun(Work):
         """Replace the lost engines (a new process-group generation), ship again, open the trial groups again."""
         from nbddp.sweeps.groups import open_trial_groups
 
-        s = self.session
+        s, reship = self.session, self.reship
+        assert reship is not None, "the call sets how to ship again before the schedule runs (call._open)"
         dead, self.dead = list(dict.fromkeys(self.dead)), []
         s.supervisor.recover(dead)
         s.wait_healed()
         s.running = None  # the groups are opened as any other work is, on a free session
         try:
             with s.lock:
-                plan, self.plan = self.plan, self.reship()
+                plan, self.plan = self.plan, reship()
             plan.discard()
             self.token = open_trial_groups(s, self.groups)
         finally:
             s.running = self
 
-    def keep_if_best(self, value: float, parcel: Any, params: dict[str, Any]) -> None:
+    def keep_if_best(self, value: float, parcel: shipping.Parcel | None, params: dict[str, Any]) -> None:
         """Copy the weights out of the returned parcel when this trial is the best so far (before it is reused)."""
         better = self.best is None or (value < self.best[0] if self.mode == "min" else value > self.best[0])
         if better and parcel is not None:

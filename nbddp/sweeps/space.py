@@ -11,19 +11,30 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
+
+from nbddp.protocol.data_forms import DataLike
+
+if TYPE_CHECKING:
+    from optuna.distributions import BaseDistribution
+    from torch import nn
 
 # the dist_fit options that change one trial's FitConfig and nothing else (no topology, no files)
 SWEEPABLE = ("lr", "batch_size", "epochs", "max_steps", "seed", "grad_accum", "clip_grad_norm", "precision",
              "shuffle", "log_every", "val_every", "drop_last")
 MODES = {"min": "minimize", "max": "maximize"}
+# nbddp.sweep(model=...): a module (only the fit options vary), or a factory whose arguments a trial may vary
+SweepModel: TypeAlias = "nn.Module | Callable[..., nn.Module]"
+# nbddp.sweep(space=...): name -> an Optuna distribution, (low, high), (low, high, "log") or a list of choices
+SpaceSpec: TypeAlias = "Mapping[str, BaseDistribution | tuple[float, float] | tuple[float, float, str] | list[Any]]"
 
 
 @dataclass
 class Space:
     """The distributions, and where each name goes: ``"fit"``, ``"model"`` or ``"step_fn"``."""
 
-    distributions: dict[str, Any]
+    distributions: dict[str, BaseDistribution]
     where: dict[str, str] = field(default_factory=dict)
 
     def split(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -33,7 +44,7 @@ class Space:
         return fit, bind
 
 
-def distribution(name: str, value: Any) -> Any:
+def distribution(name: str, value: object) -> BaseDistribution:
     """``value`` as an Optuna distribution (its own checks name the bad bound)."""
     from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -56,11 +67,11 @@ def distribution(name: str, value: Any) -> Any:
                     "'width': [64, 128]}")
 
 
-def _number(v: Any) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def arguments(fn: Any, skip: int = 0) -> tuple[set[str], bool]:
+def arguments(fn: Callable[..., Any], skip: int = 0) -> tuple[set[str], bool]:
     """The keyword-bindable argument names of ``fn`` (its first ``skip`` left out), and whether it takes ``**kwargs``."""
     try:
         params = list(inspect.signature(fn).parameters.values())[skip:]
@@ -70,7 +81,8 @@ def arguments(fn: Any, skip: int = 0) -> tuple[set[str], bool]:
     return {p.name for p in params if p.kind in kinds}, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def build_space(space: Any, model: Any, step_fn: Callable | None, given: dict[str, Any]) -> Space:
+def build_space(space: SpaceSpec, model: SweepModel, step_fn: Callable[..., Any] | None,
+                given: dict[str, Any]) -> Space:
     """Check ``space`` against what a trial can vary; ``given``: the fit options passed to the sweep."""
     import torch
 
@@ -97,7 +109,8 @@ def build_space(space: Any, model: Any, step_fn: Callable | None, given: dict[st
     return out
 
 
-def _unknown(name: str, factory: Any, model_args: set[str], step_fn: Any, step_args: set[str]) -> str:
+def _unknown(name: str, factory: Callable[..., Any] | None, model_args: set[str], step_fn: Callable[..., Any] | None,
+             step_args: set[str]) -> str:
     where = [f"the dist_fit options a trial may change ({', '.join(SWEEPABLE)})"]
     if factory is not None:
         where.append(f"the model factory's arguments ({', '.join(sorted(model_args)) or 'none'})")
@@ -109,7 +122,7 @@ def _unknown(name: str, factory: Any, model_args: set[str], step_fn: Any, step_a
     return f"nbddp.sweep(space=...) names {name!r}, which is none of: {'; '.join(where)}. Fix the name or drop it"
 
 
-def check_run(n_trials: Any, mode: Any, workers_per_trial: Any, world: int) -> None:
+def check_run(n_trials: int, mode: str, workers_per_trial: int, world: int) -> None:
     """The sweep's own arguments, against the running workers."""
     for arg, value in (("n_trials", n_trials), ("workers_per_trial", workers_per_trial)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,7 +134,8 @@ def check_run(n_trials: Any, mode: Any, workers_per_trial: Any, world: int) -> N
                          f"workers into whole groups; use one of {[k for k in range(1, world + 1) if world % k == 0]}")
 
 
-def check_metric(metric: Any, val_data: Any, metrics: Any, step_fn: Any) -> None:
+def check_metric(metric: str, val_data: DataLike | None, metrics: dict[str, Any] | None,
+                 step_fn: Callable[..., Any] | None) -> None:
     """``metric`` must be a value every trial's records carry (epoch and validation records)."""
     reported = {"loss"}
     if val_data is not None:
@@ -157,7 +171,7 @@ def check_strategy(options: dict[str, Any], workers_per_trial: int) -> None:
                              f"or a mesh of {workers_per_trial} ranks")
 
 
-def pop_restarts(options: dict[str, Any]) -> tuple[int, Any]:
+def pop_restarts(options: dict[str, Any]) -> tuple[int, int | str | float | None]:
     """``max_restarts`` and ``snapshot_every`` taken out of the fit options.
 
     ``max_restarts`` (default 1): how many times a trial whose worker died

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.distributions import BaseDistribution
+    from optuna.storages._heartbeat import BaseHeartbeat
 
 SETUP_HINT = ("create the study's storage with a heartbeat, e.g. optuna.storages.RDBStorage('sqlite:///sweep.db', "
               "heartbeat_interval=60, grace_period=120, heartbeat_stale_trial_callback="
@@ -30,17 +35,21 @@ SETUP_HINT = ("create the study's storage with a heartbeat, e.g. optuna.storages
               "and runs their parameters again")
 
 
-def interval(study: Any) -> float | None:
-    """The storage's heartbeat interval in seconds, or None when it has no heartbeat (in memory, journal, plain URL)."""
+def heartbeat_storage(study: optuna.Study) -> BaseHeartbeat | None:
+    """The study's storage when it records heartbeats, else None (in memory, journal, plain URL)."""
     from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's own test of the same thing (fail_stale_trials)
 
     storage = study._storage  # noqa: SLF001 - Optuna exposes a study's storage only here
-    if not isinstance(storage, BaseHeartbeat):
-        return None
-    return storage.get_heartbeat_interval()
+    return storage if isinstance(storage, BaseHeartbeat) else None
 
 
-def fail_stale(study: Any) -> list[int]:
+def interval(study: optuna.Study) -> float | None:
+    """The storage's heartbeat interval in seconds, or None when it has no heartbeat (in memory, journal, plain URL)."""
+    storage = heartbeat_storage(study)
+    return storage.get_heartbeat_interval() if storage is not None else None
+
+
+def fail_stale(study: optuna.Study) -> list[int]:
     """Fail the study's trials whose heartbeat stopped (Optuna's ``fail_stale_trials``); their numbers, for the
     person. The storage's ``heartbeat_stale_trial_callback`` runs for each (a retry queues its parameters again)."""
     from optuna.exceptions import ExperimentalWarning
@@ -57,7 +66,7 @@ def fail_stale(study: Any) -> list[int]:
     return sorted(before - still)
 
 
-def stale_warning(study: Any) -> str | None:
+def stale_warning(study: optuna.Study) -> str | None:
     """A message when a stored study without a heartbeat holds RUNNING trials (perhaps left by a dead kernel)."""
     from optuna.storages import InMemoryStorage
     from optuna.trial import TrialState
@@ -72,7 +81,7 @@ def stale_warning(study: Any) -> str | None:
             f"storage has no heartbeat to tell a dead trial from a live one. To have them failed and retried, {SETUP_HINT}")
 
 
-def ask(study: Any, distributions: dict[str, Any]) -> Any:
+def ask(study: optuna.Study, distributions: dict[str, BaseDistribution]) -> optuna.trial.Trial:
     """``study.ask``, without Optuna's warning that a heartbeat storage "is supposed to be used with Study.optimize":
     the sweep records the heartbeats itself (``Heartbeats``), which is what that warning is about."""
     with warnings.catch_warnings():
@@ -83,22 +92,23 @@ def ask(study: Any, distributions: dict[str, Any]) -> Any:
 class Heartbeats:
     """Records a heartbeat for each trial the sweep runs, at most once per the storage's interval."""
 
-    def __init__(self, study: Any):
+    def __init__(self, study: optuna.Study):
         self.study = study
+        self.storage = heartbeat_storage(study)
         self.every = interval(study)
         self.last = 0.0
 
-    def start(self, trial: Any) -> None:
+    def start(self, trial: optuna.trial.Trial) -> None:
         """A trial was just asked: its first heartbeat (a trial with none is never found stale)."""
-        if self.every is not None:
-            self.study._storage.record_heartbeat(trial._trial_id)  # noqa: SLF001 - what study.optimize's thread does
+        if self.every is not None and self.storage is not None:  # (an interval: a heartbeat storage)
+            self.storage.record_heartbeat(trial._trial_id)  # noqa: SLF001 - what study.optimize's thread does
 
-    def beat(self, trials: list[Any]) -> None:
+    def beat(self, trials: list[optuna.trial.Trial]) -> None:
         """Called every tick: once an interval has passed, every running trial's heartbeat, and other processes'
         stale trials failed (what ``study.optimize`` does before each trial)."""
-        if self.every is None or time.monotonic() - self.last < self.every:
+        if self.every is None or self.storage is None or time.monotonic() - self.last < self.every:
             return
         self.last = time.monotonic()
         for trial in trials:
-            self.study._storage.record_heartbeat(trial._trial_id)  # noqa: SLF001
+            self.storage.record_heartbeat(trial._trial_id)  # noqa: SLF001
         fail_stale(self.study)

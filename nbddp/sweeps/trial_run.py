@@ -14,21 +14,39 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nbddp.elastic.recovery import Recovery, Records
+from nbddp.execution.contracts import SessionLike
+from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.work import Work
 from nbddp.protocol.errors import WorkerStalled
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.sweeps.result import TrialRow
-from nbddp.sweeps.schedule import Schedule
+
+if TYPE_CHECKING:
+    import optuna
+    from ipyparallel import AsyncResult
+
+
+class Trials(Protocol):
+    """What a trial reads of its sweep (``scheduler.py``'s ``SweepRun``): its session, its failure policy, its
+    groups of ranks, and how to wake its schedule."""
+
+    policy: FailurePolicy
+    groups: list[list[int]]
+
+    @property
+    def session(self) -> SessionLike: ...
+
+    def wake(self) -> None: ...
 
 
 class TrialRun(Work):
     """One trial on its group: Optuna's trial, its tasks, what the kernel has seen of it."""
 
-    def __init__(self, sweep: Schedule, trial: Any, row: TrialRow, cfg: FitConfig,
+    def __init__(self, sweep: Trials, trial: optuna.trial.Trial, row: TrialRow, cfg: FitConfig,
                  bind: dict[str, dict[str, Any]], walls: dict[str, float]):
         super().__init__(sweep.session, f"trial {row.trial} of an nbddp.sweep")
         self.sweep = sweep
@@ -68,7 +86,7 @@ class TrialRun(Work):
             raise RuntimeError(f"{self.description} was not sent")
         return self.tasks
 
-    def first_rank_task(self) -> Any:
+    def first_rank_task(self) -> AsyncResult:
         """The ``AsyncResult`` of the group's first rank: it publishes the trial's records."""
         return self.attempt.ars[self.sweep.groups[self.row.group][0]]
 

@@ -25,20 +25,26 @@ from __future__ import annotations
 import base64
 import html
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from nbddp.sweeps.result import fmt, ranked
+from nbddp.sweeps.result import TrialRow, fmt, ranked
+
+if TYPE_CHECKING:
+    from ipywidgets import Button
+
+    from nbddp.sweeps.scheduler import SweepRun
 
 REDRAW_S = 0.5
 LIVE = (None, True, False, "text", "html")
+LiveChoice = bool | str | None  # nbddp.sweep(live=...): one of LIVE
 
 
-def check_live(live: Any) -> None:
+def check_live(live: LiveChoice) -> None:
     if live not in LIVE:
         raise ValueError(f"nbddp.sweep(live={live!r}) must be None (automatic), True, False, 'text' or 'html'")
 
 
-def leaderboard_html(rows: list[Any], metric: str, mode: str) -> str:
+def leaderboard_html(rows: list[TrialRow], metric: str, mode: str) -> str:
     """The leaderboard as an HTML table, best first (the rows of ``SweepResult.trials``)."""
     head = "".join(f"<th>{h}</th>" for h in ("trial", "parameters", html.escape(metric), "epoch", "state", "time"))
     body = []
@@ -53,7 +59,7 @@ def leaderboard_html(rows: list[Any], metric: str, mode: str) -> str:
 class SweepView:
     """Shows one ``SweepRun`` as the module docstring says; ``tick`` and ``finish`` from the waiting cell."""
 
-    def __init__(self, live: Any, stop: Callable[[], None] | None = None):
+    def __init__(self, live: LiveChoice, stop: Callable[[], None] | None = None):
         from nbddp.live import in_notebook_kernel
 
         self.mode = "off" if live is False else ("html" if live == "html" or (live != "text" and in_notebook_kernel())
@@ -80,10 +86,12 @@ class SweepView:
         self.stop_button.on_click(self._on_stop)
         self.button_handle = display(self.stop_button, display_id=True)
 
-    def _on_stop(self, _button: Any = None) -> None:
+    def _on_stop(self, _button: Button | None = None) -> None:
+        """The Stop button's click (ipywidgets passes the button); shown only when there is a ``stop``."""
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping..."
-        self.stop()
+        if self.stop is not None:
+            self.stop()
 
     def close(self) -> None:
         """The sweep ended: the Stop button goes (its output replaced by nothing)."""
@@ -95,7 +103,7 @@ class SweepView:
         self.stop_button.close()
         self.stop_button = None
 
-    def tick(self, run: Any, final: bool = False) -> None:
+    def tick(self, run: SweepRun, final: bool = False) -> None:
         if self.mode == "text":
             while run.lines:
                 print(run.lines.pop(0), flush=True)
@@ -108,7 +116,7 @@ class SweepView:
         self.drawn, self.last = run.changed, time.monotonic()
         self._draw(run)
 
-    def _draw(self, run: Any) -> None:
+    def _draw(self, run: SweepRun) -> None:
         from IPython.display import HTML, display
 
         from nbddp.live.plot import figure_png

@@ -32,7 +32,8 @@ class SlurmEngines(SlurmEngineSetLauncher):
 
     def write_batch_script(self, n: int = 1) -> None:
         per_node = max(1, self.tasks_per_node)
-        self.namespace = {**self.namespace, "nodes": -(-n // per_node), "tasks_on_node": min(n, per_node)}
+        self.namespace: dict[str, Any] = {**self.namespace, "nodes": -(-n // per_node),
+                                          "tasks_on_node": min(n, per_node)}
         super().write_batch_script(n)
 
     def _run_command(self, command: list[str], **kwargs: Any) -> str:

@@ -23,10 +23,13 @@ import shutil
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from nbddp.protocol.errors import SlurmError
 from nbddp.cluster.slurm.queue import run_slurm
+
+if TYPE_CHECKING:
+    from ipyparallel import Cluster
 
 CPU_WORKERS_PER_NODE = 2  # without GPUs, as nbddp.start() on one machine
 COMMANDS = ("sbatch", "squeue", "scancel")
@@ -71,7 +74,7 @@ class SlurmRequest:
                              "--gpus-per-node G (slurm={'gpus_per_node': G}), or use backend='gloo' on CPU nodes")
         return n, backend or ("nccl" if self.gpus_per_node else "gloo")
 
-    def cluster(self, n: int, threads: int | None = None) -> Any:
+    def cluster(self, n: int, threads: int | None = None) -> Cluster:
         """An ``ipyparallel.Cluster`` (not started) whose engines are this request's Slurm job."""
         import ipyparallel as ipp
         from traitlets.config import Config
@@ -88,7 +91,11 @@ class SlurmRequest:
                            controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"])
 
 
-def slurm_request(value: Any, cluster: Any = None, attach: bool = False) -> SlurmRequest | None:
+# ``start(slurm=...)``: off (None, False), the defaults (True), a dict of SlurmRequest's fields, or a SlurmRequest
+SlurmChoice: TypeAlias = "bool | Mapping[str, Any] | SlurmRequest | None"
+
+
+def slurm_request(value: SlurmChoice, cluster: Cluster | None = None, attach: bool = False) -> SlurmRequest | None:
     """``start(slurm=...)`` checked: None/False -> None; True -> the defaults; a dict -> its settings.
 
     Raises before anything is submitted: TypeError/ValueError on a bad
@@ -112,7 +119,7 @@ def slurm_request(value: Any, cluster: Any = None, attach: bool = False) -> Slur
     return request
 
 
-def _from_mapping(value: Mapping) -> SlurmRequest:
+def _from_mapping(value: Mapping[str, Any]) -> SlurmRequest:
     known = set(SlurmRequest.__dataclass_fields__)
     unknown = sorted(map(str, set(value) - known))
     if unknown:
@@ -126,12 +133,12 @@ def _from_mapping(value: Mapping) -> SlurmRequest:
         queue_timeout=_seconds(v.get("queue_timeout")), controller_ip=_address(v.get("controller_ip")))
 
 
-def check_time(value: Any) -> str | None:
+def check_time(value: object) -> str | None:
     """A time limit in one of Slurm's formats ("minutes", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS",
     "UNLIMITED"/"INFINITE"), or an int of minutes; checked here because sbatch's own complaint comes late."""
     if value is None:
         return None
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0:
         return str(int(value))
     text = value.strip() if isinstance(value, str) else None
     if text is not None and (_TIME.fullmatch(text) or text.upper() in ("UNLIMITED", "INFINITE")):
@@ -140,7 +147,7 @@ def check_time(value: Any) -> str | None:
                      "MM:SS, HH:MM:SS (04:00:00), D-HH, D-HH:MM, D-HH:MM:SS (1-12:00:00) or UNLIMITED")
 
 
-def check_sbatch_args(value: Any) -> tuple[str, ...]:
+def check_sbatch_args(value: object) -> tuple[str, ...]:
     """Extra ``sbatch`` arguments (a string, split as a shell would, or a list), minus the ones nbddp owns."""
     if value is None:
         return ()
@@ -219,7 +226,7 @@ def batch_template(request: SlurmRequest, threads: int | None = None) -> str:
     return "\n".join([*lines, f"srun {cpus}{{program_and_args}}", ""])
 
 
-def _name(value: Any, key: str) -> str | None:
+def _name(value: object, key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not _NAME.fullmatch(value):
@@ -228,25 +235,25 @@ def _name(value: Any, key: str) -> str | None:
     return value
 
 
-def _count(value: Any, key: str, least: int) -> int:
+def _count(value: object, key: str, least: int) -> int:
     flag = "--" + key.replace("_", "-")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{flag} (slurm={{'{key}': ...}}) must be an int, got {type(value).__name__} {value!r}")
-    if value < least:
+    if int(value) < least:
         raise ValueError(f"{flag} (slurm={{'{key}': ...}}) must be >= {least}, got {value}")
     return int(value)
 
 
-def _seconds(value: Any) -> float | None:
+def _seconds(value: object) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise ValueError(f"--queue-timeout (slurm={{'queue_timeout': ...}}) must be seconds > 0 or None (wait as long "
                          f"as Slurm holds the job), got {value!r}")
     return float(value)
 
 
-def _address(value: Any) -> str | None:
+def _address(value: str | int | None) -> str | None:
     if value is None:
         return None
     try:

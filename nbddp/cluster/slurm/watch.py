@@ -18,11 +18,14 @@ replacement. Batch launchers never poll their job, so this module does:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from nbddp.protocol.errors import ClusterError, SlurmError
 from nbddp.cluster.engine_exits import read_tail
 from nbddp.cluster.slurm.queue import GONE, JobState, cancel, never_starts, query
+
+if TYPE_CHECKING:
+    from ipyparallel import Client, Cluster
 
 STATE_MAX_AGE_S = 1.0  # squeue is asked at most this often (each ask is a slurmctld RPC)
 GONE_WAIT_S = 10.0
@@ -67,10 +70,24 @@ def job_lines(rows: list[dict[str, str]]) -> list[str]:
             + (f" of {r['time_limit']}" if r["time_limit"] else "") for r in rows]
 
 
+class JobShow(Protocol):
+    """What draws a Slurm job's wait: ``live/job_line.py``'s ``JobLine``, or an elastic fit's live view."""
+
+    def show(self, job: JobState, waited: float, have: int, n: int, final: str = "") -> None: ...
+
+
+class Registering(Protocol):
+    """What ``SlurmJobs.wait_started`` reads of the engines (``cluster/engines.py``'s ``Workers``, which imports
+    this module): the client that lists them as they register."""
+
+    @property
+    def client(self) -> Client: ...
+
+
 class SlurmJobs:
     """The jobs of one Cluster's engine sets, and their states (asked at most once a second)."""
 
-    def __init__(self, cluster: Any):
+    def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self._known: list[str] = []
         self._states: dict[str, JobState] = {}
@@ -79,7 +96,7 @@ class SlurmJobs:
         self.retired: set[str] = set()  # lost jobs an elastic fit went on without (elastic/job_loss.py): not news
 
     @classmethod
-    def of(cls, cluster: Any) -> "SlurmJobs | None":
+    def of(cls, cluster: Cluster | None) -> "SlurmJobs | None":
         from ipyparallel.cluster.launcher import SlurmLauncher
 
         launcher = getattr(cluster, "engine_launcher_class", None)
@@ -153,8 +170,8 @@ class SlurmJobs:
                 return
             time.sleep(0.1)
 
-    def wait_started(self, workers: Any, n: int, queue_timeout: float | None, run_timeout: float,
-                     show: Any = None) -> None:
+    def wait_started(self, workers: Registering, n: int, queue_timeout: float | None, run_timeout: float,
+                     show: JobShow | None = None) -> None:
         """Wait until ``n`` engines registered, while the newest job waits in Slurm's queue and starts.
 
         ``show``: None for nothing, or what draws the wait: an object with a
