@@ -17,8 +17,31 @@ a person without ``datasets`` installed never pays for it).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeAlias, Union
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.utils.data import DataLoader, Dataset
+
+
+class MapStyle(Protocol):
+    """A dataset read by index: what ``DistributedSampler`` shards (torch's map-style ``Dataset`` declares no
+    ``__len__``; a Hugging Face ``datasets.Dataset`` is no torch ``Dataset`` at all)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+# What ``dist_fit(data=...)``, ``predict`` and the planner accept (``FORMS``), as ``data_spec`` tells them apart:
+# torch's datasets (map-style or ``IterableDataset``), a loader over one, any other map-style dataset (a Hugging
+# Face ``datasets.Dataset``), any other stream (an ``Iterable``: a Hugging Face ``datasets.IterableDataset``), a
+# ``DatasetDict`` of one split (a ``Mapping``), a tuple or list of tensors; or a zero-argument factory of one of
+# these, run on each worker.
+DataSource: TypeAlias = Union["Dataset[Any]", "DataLoader[Any]", MapStyle, Iterable[Any], Mapping[str, Any],
+                              "tuple[Tensor, ...]", "list[Tensor]"]
+DataLike: TypeAlias = Union[DataSource, Callable[[], DataSource]]
 
 FORMS = ("a map-style Dataset (with __len__ and __getitem__, e.g. a Hugging Face datasets.Dataset), "
          "an IterableDataset (torch's, or Hugging Face's from load_dataset(..., streaming=True)), "
