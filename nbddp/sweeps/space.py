@@ -13,9 +13,10 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nbddp.fit.arguments import sweepable
+
 # the dist_fit options that change one trial's FitConfig and nothing else (no topology, no files)
-SWEEPABLE = ("lr", "batch_size", "epochs", "max_steps", "seed", "grad_accum", "clip_grad_norm", "precision",
-             "shuffle", "log_every", "val_every", "drop_last")
+SWEEPABLE = sweepable()
 MODES = {"min": "minimize", "max": "maximize"}
 
 
