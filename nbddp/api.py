@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nbddp.fit.arguments import (Callbacks, CompileChoice, FitArguments, Loggers, Metrics, ModelLike, ModuleClasses,
-                                 FilePath, OptimizerLike, ProfileChoice, RetryOn, SchedulerLike, SnapshotEvery)
+from nbddp.fit.arguments import (Callbacks, CompileChoice, FilePath, FitArguments, Loggers, Metrics, ModelLike,
+                                 ModuleClasses, OptimizerLike, ProfileChoice, RetryOn, SchedulerLike, SnapshotEvery)
 from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.session.session import get_session
@@ -16,10 +17,20 @@ from nbddp.execution.work import wait_interruptibly
 from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
 
+if TYPE_CHECKING:
+    from ipyparallel import Cluster
+    from optuna import Study
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
 
-def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
-          cluster_id: str | None = None, timeout: float | None = None, threads: int | None = None,
-          interface: str | None = None, stall_timeout: float | None = None,
+    from nbddp.fit.fit_run import FitRun
+    from nbddp.sweeps.handle import SweepHandle
+    from nbddp.sweeps.result import SweepResult
+
+
+def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster | None = None,
+          profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
+          threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
           slurm: bool | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
@@ -325,7 +336,7 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
     return _wait_for_fit(run_)
 
 
-def _wait_for_fit(run_: Any) -> History:
+def _wait_for_fit(run_: FitRun) -> History:
     """The History of a blocking fit; after a Kernel > Interrupt's clean stop, ``FitInterrupted`` carrying it."""
     from nbddp.protocol.errors import FitInterrupted
 
@@ -347,9 +358,10 @@ def last_history() -> History | None:
     return get_session().last_history
 
 
-def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
-          mode: str = "min", workers_per_trial: int = 1, sampler: Any = None, pruner: Any = None, study: Any = None,
-          live: bool | str | None = None, **fit_kwargs: Any) -> Any:
+def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
+          pruner: BasePruner | None = None, study: Study | None = None, live: bool | str | None = None,
+          **fit_kwargs: Any) -> SweepResult | SweepHandle:
     """Run ``n_trials`` independent fits on groups of the warm workers, sampled and pruned by Optuna.
 
     For a small model, DDP over every worker buys little; independent trials
@@ -409,9 +421,9 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
                      fit_kwargs=fit_kwargs)
 
 
-def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Callable | None = None,
-            output: str = "tensor", to: Any = None, precision: str | None = None, live: bool = True,
-            block: bool = True) -> Any:
+def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
+            step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
+            precision: str | None = None, live: bool = True, block: bool = True) -> Any:
     """Run ``model`` over ``data`` on every worker; the outputs come back here, in the dataset's order.
 
     Each rank predicts one contiguous block of the data, so every sample is
@@ -469,8 +481,9 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
                       to=check_to(to), step_fn=step_fn)
 
 
-def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Callable | None = None,
-             batch_size: int | None = None, step_fn: Callable | None = None, target_fn: Callable | None = None,
+def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
+             loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
+             step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
              precision: str | None = None, live: bool = True, block: bool = True) -> Any:
     """Exact metric values over the whole of ``data``, computed on every worker; a dict ``name -> value``.
 
@@ -501,8 +514,9 @@ def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Call
                       metrics=check_metrics(metrics), loss_fn=loss_fn, step_fn=step_fn, target_fn=target_fn)
 
 
-def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any, live: Any, block: Any,
-               output: str = "tensor", to: str | None = None, **callables: Any) -> Any:
+def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: int | None, precision: str | None,
+               live: bool, block: bool, output: str = "tensor", to: str | None = None,
+               **callables: Any) -> Any:
     """The one path of ``predict`` and ``evaluate``: check, ship, run on every rank, wait or hand back."""
     from nbddp.inference.checks import prepare
     from nbddp.inference.predict_run import PredictHandle, PredictRun
@@ -536,8 +550,6 @@ def export_checkpoint(path: str, out: str) -> str:
     ``plain_model.load_state_dict(torch.load(out)["model"])`` works without
     nbddp or a process group. Runs here, in the kernel. Returns ``out``.
     """
-    import os
-
     from nbddp.worker.tasks.checkpoint_export import export
 
     return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)))

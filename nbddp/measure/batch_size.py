@@ -22,19 +22,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal, overload
 
-from nbddp.protocol.errors import WorkerError
+from nbddp.protocol.errors import RankFailure, WorkerError
 from nbddp.execution.calls import RankCall
 from nbddp.protocol.messages import TrialResult
-from nbddp.session.session import get_session
+from nbddp.session.session import Session, get_session
 from nbddp.protocol.parallel_settings import data_parallel_size
 from nbddp.fit.arguments import FitArguments, ModelLike, ResultOptions
+from nbddp.fit.preflight import FitPlan, plan_fit
 from nbddp.fit.parallel_checks import batch_unit
 from nbddp.protocol.data_forms import DataLike
 
 
-def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
+@overload
+def _positive(name: str, value: object, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def _positive(name: str, value: object, allow_none: bool) -> int | None: ...
+
+
+def _positive(name: str, value: object, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -47,7 +56,7 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
 class Trials:
     """Runs trials on the workers for one shipped plan, and says what it found."""
 
-    def __init__(self, session: Any, plan: Any, say: Any = print):
+    def __init__(self, session: Session, plan: FitPlan, say: Callable[[str], object] = print):
         self.session, self.plan, self.say = session, plan, say
         self.results: dict[int, list[TrialResult]] = {}
         self.shard: int | None = None
@@ -90,7 +99,7 @@ class Trials:
         return True
 
 
-def search(fits: Any, start: int, bound: int | None, first_bound: Any) -> int:
+def search(fits: Callable[[int], bool], start: int, bound: int | None, first_bound: Callable[[], int | None]) -> int:
     """Double from ``start`` to the first failure (or ``bound``), then bisect; 0 when even 1 fails.
 
     ``first_bound()`` gives the bound known only after the first trial (a
@@ -171,8 +180,6 @@ def trial_arguments(args: FitArguments) -> FitArguments:
 def search_batch_size(model: ModelLike, data: DataLike, args: FitArguments, start: int = 1,
                       max_batch_size: int | None = None) -> int:
     """``find_batch_size`` with the options as records: ``dist_fit(batch_size="auto")`` passes its own."""
-    from nbddp.fit.preflight import plan_fit
-
     s = get_session()
     s.ensure_started()
     unit = batch_unit(args.layout.strategy, args.layout.mesh, s.world_size)  # a pipeline's microbatches
@@ -199,15 +206,13 @@ def search_batch_size(model: ModelLike, data: DataLike, args: FitArguments, star
     return found
 
 
-def _length(data: Any) -> int | None:
+def _length(data: DataLike) -> int | None:
     from nbddp.protocol.data_forms import data_spec
 
     return data_spec(data, "find_batch_size(data=...)")[1]
 
 
-def _failure(result: TrialResult | None) -> Any:
-    from nbddp.protocol.errors import RankFailure
-
+def _failure(result: TrialResult | None) -> RankFailure:
     if result is None:
         return RankFailure(rank=0, exc_type="OutOfMemoryError", message="out of memory")
     exc_type, _, message = result.message.partition(": ")
