@@ -13,6 +13,7 @@ records). The records hold the values as the person gave them; ``option_checks.p
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -44,8 +45,8 @@ ProfileChoice: TypeAlias = Union[bool, Mapping[str, Union[int, str, None]], None
 Metrics: TypeAlias = Mapping[str, Callable[..., Any]]
 #: ``retry_on=``: exception classes retried besides lost ranks
 RetryOn: TypeAlias = Union[type[BaseException], Iterable[type[BaseException]], None]
-#: ``snapshot_every=``: an int of steps, ``"epoch"``, a duration (``"30s"``) or ``"auto"``
-SnapshotEvery: TypeAlias = Union[int, float, str, None]
+#: ``snapshot_every=``: an int of steps, ``"epoch"``, a duration (``"30s"``, a ``timedelta``) or ``"auto"``
+SnapshotEvery: TypeAlias = Union[int, str, datetime.timedelta, None]
 #: ``loggers=``: logger names or ``nbddp.loggers.Logger`` objects (one, or a list)
 Loggers: TypeAlias = Union[LoggerChoice, Sequence[LoggerChoice], None]
 #: ``callbacks=``: any objects with one or more of the hooks (``callbacks/base.py``)

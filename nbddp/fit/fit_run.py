@@ -128,7 +128,7 @@ class FitRun(Work):
         ended within ``timeout``."""
         return wait_interruptibly(self, timeout)
 
-    def relaunch(self, resume: str | None = None) -> None:
+    def relaunch(self, resume: bool | str | None = None) -> None:
         """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``).
 
         ``resume``: a checkpoint the kernel chose instead (a new Slurm job: ``elastic/job_loss.py``).

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from nbddp.fit.arguments import FitArguments, SchedulerLike
+from nbddp.fit.arguments import FitArguments, ModuleClasses, SchedulerLike
 from nbddp.fit.compile_checks import resolve_compile
 from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
 from nbddp.protocol.mesh_layout import check_mesh_shape
@@ -158,7 +158,7 @@ def _check_loading(cfg: FitConfig) -> None:
         cfg.pin_memory = _bool("pin_memory", cfg.pin_memory)
 
 
-def _checkpointing(value: object) -> bool | frozenset[str] | None:
+def _checkpointing(value: ModuleClasses | None) -> bool | frozenset[str] | None:
     """``activation_checkpointing``: False, True (every unit), or module classes / class names."""
     if isinstance(value, bool):
         return value
