@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 from nbddp.loggers import LoggerChoice
 from nbddp.protocol.data_forms import DataLike
@@ -207,11 +207,6 @@ _GROUPS: dict[str, type[Any]] = {f.name: type(getattr(FitArguments(), f.name)) f
 def _names(watched: bool) -> dict[str, list[str]]:
     """Each group's option names (``watch``'s only when ``watched``)."""
     return {group: [f.name for f in fields(kind)] for group, kind in _GROUPS.items() if watched or group != "watch"}
-
-
-def option_names() -> list[str]:
-    """Every option's name, in the records' order."""
-    return [name for names in _names(True).values() for name in names]
 
 
 def sweepable() -> tuple[str, ...]:

@@ -281,7 +281,7 @@ class FitRun(Work):
             self.session.resident.clear()
             self.history.status = self.live_state.status = "interrupted"
             self.launched.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
-                                     "this call; History.status is 'interrupted'.")
+                                 "this call; History.status is 'interrupted'.")
             self.hooks.close(self.history)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             self.error = exc
