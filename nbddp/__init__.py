@@ -142,6 +142,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.protocol.parallel_settings import Pipeline, TensorParallel
     from nbddp.monitor.stacks import stacks
     from nbddp.protocol.notices import NbddpWarning
+    from IPython.core.interactiveshell import InteractiveShell
 # modules people reached as nbddp.<name> before the code moved into packages: still reached, with a warning
 _MOVED = {"modules": ("nbddp.shipping", "nbddp.shipping (ship_by_value, ship_by_reference)")}
 
@@ -167,14 +168,14 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """``%load_ext nbddp``: register ``%ddp``/``%%ddp`` and expose ``dist_fit``."""
     from nbddp.magics import register
 
     register(ipython)
 
 
-def unload_ipython_extension(ipython: Any) -> None:
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
     """``%unload_ext nbddp``: remove the magics (workers keep running)."""
     from nbddp.magics import unregister
 

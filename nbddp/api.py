@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from nbddp.fit.arguments import (Callbacks, CompileChoice, FilePath, FitArguments, Loggers, Metrics, ModelLike,
+                                 ModuleClasses, OptimizerLike, ProfileChoice, RetryOn, SchedulerLike, SnapshotEvery)
 from nbddp.fit.handle import FitHandle
 from nbddp.fit.history import History
 from nbddp.session.session import get_session
 from nbddp.session.start_options import check_stall_timeout
 from nbddp.execution.work import interrupts_held, wait_interruptibly
+from nbddp.protocol.data_forms import DataLike
+from nbddp.protocol.strategy_settings import StrategySettings
+
+if TYPE_CHECKING:
+    from ipyparallel import Cluster
+    from optuna import Study
+    from optuna.pruners import BasePruner
+    from optuna.samplers import BaseSampler
+
+    from nbddp.fit.fit_run import FitRun
+    from nbddp.sweeps.handle import SweepHandle
+    from nbddp.sweeps.result import SweepResult
 
 
-def start(n: int | None = None, *, backend: str | None = None, cluster: Any = None, profile: str | None = None,
-          cluster_id: str | None = None, timeout: float | None = None, threads: int | None = None,
-          interface: str | None = None, stall_timeout: float | None = None,
+def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster | None = None,
+          profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
+          threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
           slurm: bool | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
@@ -94,18 +110,20 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     return call_everywhere(get_session(), fn, args, kwargs)
 
 
-def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, batch_size: int | str | None = None,
-             loss_fn: Callable | None = None, optimizer: Any = None, lr: float | None = None,
-             scheduler: Callable | dict[str, Any] | None = None, scheduler_interval: str | None = None,
-             metrics: Mapping[str, Callable] | None = None, step_fn: Callable | None = None, max_steps: int | None = None,
-             shuffle: bool | None = None, seed: int = 0, precision: str = "32-true", grad_accum: int = 1,
-             clip_grad_norm: float | None = None, sync_batchnorm: bool = False, checkpoint_dir: str | None = None,
-             checkpoint_every: int | None = None, resume: bool | str = False, log_every: int = 20,
-             val_every: int | str | None = None, strategy: Any = "ddp", mesh: dict[str, int] | None = None,
-             activation_checkpointing: Any = False, keep: str | None = None, return_weights: bool = True, block: bool = True,
-             live: bool | str | None = None, stall_timeout: float | None = None, on_nan: str = "raise",
-             profile: Any = False, loggers: Any = None, callbacks: Any = None, compile: Any = False,
-             max_restarts: int = 0, snapshot_every: Any = None, retry_on: Any = None, min_workers: int | None = None,
+def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: DataLike | None = None,
+             batch_size: int | str | None = None, loss_fn: Callable[..., Any] | None = None,
+             optimizer: OptimizerLike | None = None, lr: float | None = None, scheduler: SchedulerLike | None = None,
+             scheduler_interval: str | None = None, metrics: Metrics | None = None,
+             step_fn: Callable[..., Any] | None = None, max_steps: int | None = None, shuffle: bool | None = None,
+             seed: int = 0, precision: str = "32-true", grad_accum: int = 1, clip_grad_norm: float | None = None,
+             sync_batchnorm: bool = False, checkpoint_dir: FilePath | None = None, checkpoint_every: int | None = None,
+             resume: bool | FilePath = False, log_every: int = 20, val_every: int | str | None = None,
+             strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
+             activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
+             block: bool = True, live: bool | str | None = None, stall_timeout: float | None = None,
+             on_nan: str = "raise", profile: ProfileChoice = False, loggers: Loggers = None,
+             callbacks: Callbacks = None, compile: CompileChoice = False, max_restarts: int = 0,
+             snapshot_every: SnapshotEvery = None, retry_on: RetryOn = None, min_workers: int | None = None,
              **advanced: Any) -> History | FitHandle:
     """Train ``model`` with DistributedDataParallel on every worker; return a ``History``.
 
@@ -281,60 +299,49 @@ def dist_fit(model: Any, data: Any, *, epochs: int = 1, val_data: Any = None, ba
         WorkerDied: a worker process died (pid, signal, log tail).
         WorkerStalled: a rank made no progress for ``stall_timeout`` seconds (``.stacks``).
     """
+    given = dict(locals())  # first: this signature's parameters by name, and nothing else yet (the records' names)
     from nbddp.callbacks.fit_hooks import FitHooks
     from nbddp.fit.fit_run import FitRun
     from nbddp.live import choose_view
-    from nbddp.fit.preflight import prepare
+    from nbddp.fit.preflight import plan_fit
 
-    if not isinstance(block, bool):
-        raise TypeError(f"dist_fit(block=...) must be True or False, got {block!r}")
-    stall_timeout = check_stall_timeout(stall_timeout, "dist_fit")
-    view = choose_view(live)
-    hooks = FitHooks.build(loggers, callbacks, val_data=val_data, metrics=metrics, step_fn=step_fn,
-                           optimizer=optimizer, loss_fn=loss_fn,
-                           scheduler=scheduler.get("scheduler") if isinstance(scheduler, dict) else scheduler)
-    if batch_size == "auto":  # the same step the fit will take: strategy, precision, accumulation, checkpointing
-        batch_size = _auto_batch_size(
-            model, data, advanced, loss_fn=loss_fn, optimizer=optimizer, lr=lr, scheduler=scheduler, step_fn=step_fn,
-            seed=seed, precision=precision, grad_accum=grad_accum, clip_grad_norm=clip_grad_norm,
-            sync_batchnorm=sync_batchnorm, strategy=strategy, mesh=mesh, activation_checkpointing=activation_checkpointing)
+    del given["model"], given["data"]
+    advanced = given.pop("advanced")
+    args = FitArguments.of({**given, **advanced})
+    watch, step = args.watch, args.step
+    if not isinstance(watch.block, bool):
+        raise TypeError(f"dist_fit(block=...) must be True or False, got {watch.block!r}")
+    stall_timeout = check_stall_timeout(watch.stall_timeout, "dist_fit")
+    view = choose_view(watch.live)
+    hooks = FitHooks.build(watch.loggers, watch.callbacks, val_data=args.validation.val_data,
+                           metrics=args.validation.metrics, step_fn=step.step_fn, optimizer=step.optimizer,
+                           loss_fn=step.loss_fn,
+                           scheduler=step.scheduler.get("scheduler") if isinstance(step.scheduler, dict)
+                           else step.scheduler)
+    if args.data.batch_size == "auto":  # the step the fit will take: strategy, precision, accumulation, checkpointing
+        from nbddp.measure.batch_size import search_batch_size, trial_arguments
+
+        args = replace(args, data=replace(args.data, batch_size=search_batch_size(model, data, trial_arguments(args))))
     s = get_session()
     s.ensure_started()
-    options = dict(epochs=epochs, lr=lr, max_steps=max_steps, shuffle=shuffle, seed=seed, precision=precision,
-                   grad_accum=grad_accum, clip_grad_norm=clip_grad_norm, sync_batchnorm=sync_batchnorm,
-                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-                   log_every=log_every, val_every=val_every, scheduler_interval=scheduler_interval, strategy=strategy,
-                   mesh=mesh, activation_checkpointing=activation_checkpointing, on_nan=on_nan, compile=compile,
-                   profile=profile, max_restarts=max_restarts, snapshot_every=snapshot_every, retry_on=retry_on,
-                   min_workers=min_workers, **advanced)
     with interrupts_held() as held, s.lock:  # an interrupt while it launches stops it once launched
         s.ensure_ready()
-        plan = prepare(s, model, data, val_data=val_data, loss_fn=loss_fn, optimizer=optimizer, scheduler=scheduler,
-                       metrics=metrics, step_fn=step_fn, batch_size=batch_size, keep=keep,
-                       return_weights=return_weights, **options)
+        plan = plan_fit(s, model, data, args)
         if stall_timeout is None and s.options is not None:
             stall_timeout = s.options.stall_timeout
         run_ = FitRun(s, plan, view, stall_timeout, hooks)
         run_.launch()
-    return _wait_for_fit(run_, already=len(held)) if block else _handle(run_, held=len(held))
+    return _wait_for_fit(run_, already=len(held)) if watch.block else _handle(run_, held=len(held))
 
 
-def _auto_batch_size(model: Any, data: Any, advanced: dict[str, Any], **step: Any) -> int:
-    """``dist_fit(batch_size="auto")``: ``find_batch_size`` with the fit's own step and loader settings."""
-    from nbddp.measure.batch_size import find_batch_size
-
-    return find_batch_size(model, data, **step,
-                           **{k: v for k, v in advanced.items() if k in ("num_workers", "pin_memory", "prefetch")})
-
-
-def _handle(run_: Any, held: int) -> FitHandle:
+def _handle(run_: FitRun, held: int) -> FitHandle:
     """``block=False``: the handle at once (a Kernel > Interrupt while it launched has asked the fit to stop)."""
     if held:
         run_.request_stop()
     return FitHandle(run_)
 
 
-def _wait_for_fit(run_: Any, already: int = 0) -> History:
+def _wait_for_fit(run_: FitRun, already: int = 0) -> History:
     """The History of a blocking fit; after a Kernel > Interrupt's clean stop, ``FitInterrupted`` carrying it."""
     from nbddp.protocol.errors import FitInterrupted
 
@@ -356,9 +363,10 @@ def last_history() -> History | None:
     return get_session().last_history
 
 
-def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
-          mode: str = "min", workers_per_trial: int = 1, sampler: Any = None, pruner: Any = None, study: Any = None,
-          live: bool | str | None = None, **fit_kwargs: Any) -> Any:
+def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
+          pruner: BasePruner | None = None, study: Study | None = None, live: bool | str | None = None,
+          **fit_kwargs: Any) -> SweepResult | SweepHandle:
     """Run ``n_trials`` independent fits on groups of the warm workers, sampled and pruned by Optuna.
 
     For a small model, DDP over every worker buys little; independent trials
@@ -418,9 +426,9 @@ def sweep(model: Any, data: Any, *, space: Mapping[str, Any], n_trials: int, met
                      fit_kwargs=fit_kwargs)
 
 
-def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Callable | None = None,
-            output: str = "tensor", to: Any = None, precision: str | None = None, live: bool = True,
-            block: bool = True) -> Any:
+def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
+            step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
+            precision: str | None = None, live: bool = True, block: bool = True) -> Any:
     """Run ``model`` over ``data`` on every worker; the outputs come back here, in the dataset's order.
 
     Each rank predicts one contiguous block of the data, so every sample is
@@ -478,8 +486,9 @@ def predict(model: Any, data: Any, *, batch_size: int | None = None, step_fn: Ca
                       to=check_to(to), step_fn=step_fn)
 
 
-def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Callable | None = None,
-             batch_size: int | None = None, step_fn: Callable | None = None, target_fn: Callable | None = None,
+def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
+             loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
+             step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
              precision: str | None = None, live: bool = True, block: bool = True) -> Any:
     """Exact metric values over the whole of ``data``, computed on every worker; a dict ``name -> value``.
 
@@ -510,8 +519,9 @@ def evaluate(model: Any, data: Any, *, metrics: Mapping[str, Any], loss_fn: Call
                       metrics=check_metrics(metrics), loss_fn=loss_fn, step_fn=step_fn, target_fn=target_fn)
 
 
-def _inference(what: str, model: Any, data: Any, batch_size: Any, precision: Any, live: Any, block: Any,
-               output: str = "tensor", to: str | None = None, **callables: Any) -> Any:
+def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: int | None, precision: str | None,
+               live: bool, block: bool, output: str = "tensor", to: str | None = None,
+               **callables: Any) -> Any:
     """The one path of ``predict`` and ``evaluate``: check, ship, run on every rank, wait or hand back."""
     from nbddp.inference.checks import prepare
     from nbddp.inference.predict_run import PredictHandle, PredictRun
@@ -547,8 +557,6 @@ def export_checkpoint(path: str, out: str) -> str:
     ``plain_model.load_state_dict(torch.load(out)["model"])`` works without
     nbddp or a process group. Runs here, in the kernel. Returns ``out``.
     """
-    import os
-
     from nbddp.worker.tasks.checkpoint_export import export
 
     return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)))

@@ -26,6 +26,7 @@ import shlex
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring, real_name
 
@@ -114,7 +115,7 @@ def usage() -> str:
 SLURM_FLAGS = ("partition", "nodes", "gpus_per_node", "time", "account", "sbatch", "queue_timeout", "controller_ip")
 
 
-def slurm_settings(args: Any) -> dict[str, Any] | None:
+def slurm_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     """``%ddp start --slurm --nodes 2 ...`` -> ``start(slurm={"nodes": 2, ...})``; Slurm flags need ``--slurm``."""
     given = {k: getattr(args, k) for k in SLURM_FLAGS if getattr(args, k) is not None}
     extra = given.get("sbatch")
@@ -167,7 +168,12 @@ class DDPMagics(Magics):
             args = parse_argstring(func, rest)
         getattr(self, f"_do_{command}")(args)
 
-    def _run_cell(self, cell: str, args: Any) -> None:
+    def user_ns(self) -> dict[str, Any]:
+        """The notebook's namespace (a registered magic always has its shell)."""
+        assert self.shell is not None, "IPython gives a registered Magics its shell"
+        return self.shell.user_ns
+
+    def _run_cell(self, cell: str, args: argparse.Namespace) -> None:
         from nbddp.cells.cell_code import run_cell
         from nbddp.execution.calls import UnknownRanks
 
@@ -176,7 +182,7 @@ class DDPMagics(Magics):
         except UnknownRanks as exc:
             raise UsageError(f"%%ddp --ranks {args.ranks}: {exc.detail}") from None
 
-    def _do_start(self, args: Any) -> None:
+    def _do_start(self, args: argparse.Namespace) -> None:
         from nbddp import api
         from nbddp.monitor.status import status_table
 
@@ -185,44 +191,44 @@ class DDPMagics(Magics):
                   stall_timeout=args.stall_timeout, slurm=slurm_settings(args))
         _show(status_table())
 
-    def _do_stop(self, args: Any) -> None:
+    def _do_stop(self, args: argparse.Namespace) -> None:
         from nbddp import api
 
         api.stop()
         print("nbddp: workers stopped")
 
-    def _do_restart(self, args: Any) -> None:
+    def _do_restart(self, args: argparse.Namespace) -> None:
         from nbddp import api
         from nbddp.monitor.status import status_table
 
         api.restart()
         _show(status_table())
 
-    def _do_status(self, args: Any) -> None:
+    def _do_status(self, args: argparse.Namespace) -> None:
         from nbddp.monitor.status import status_table
 
         _show(status_table())
 
-    def _do_push(self, args: Any) -> None:
+    def _do_push(self, args: argparse.Namespace) -> None:
         from nbddp.cells.cell_code import push
 
-        ns = self.shell.user_ns
+        ns = self.user_ns()
         missing = [n for n in args.names if n not in ns]
         if missing:
             raise NameError(f"%ddp push: no variable named {', '.join(map(repr, missing))} in the notebook; "
                             "define it in a cell first (push sends existing notebook variables to the workers)")
         push(**{n: ns[n] for n in args.names})
 
-    def _do_script(self, args: Any) -> None:
+    def _do_script(self, args: argparse.Namespace) -> None:
         from nbddp.cells.scripts import run_script
 
         run_script(args.path, *args.args)
 
-    def _do_stacks(self, args: Any) -> None:
+    def _do_stacks(self, args: argparse.Namespace) -> None:
         from nbddp.monitor.stacks import stacks
         _show(stacks(timeout=args.timeout))
 
-    def _do_debug(self, args: Any) -> None:
+    def _do_debug(self, args: argparse.Namespace) -> None:
         from nbddp.debugging.conversation import NoPrompt
         from nbddp.api import clear_debug as clear, debug
         from nbddp.protocol.errors import NothingToDebug
@@ -235,17 +241,17 @@ class DDPMagics(Magics):
         except (ValueError, NothingToDebug, NoPrompt) as exc:
             raise UsageError(f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
 
-    def _do_pull(self, args: Any) -> None:
+    def _do_pull(self, args: argparse.Namespace) -> None:
         from nbddp.cells.cell_code import pull
         from nbddp.execution.calls import UnknownRanks
 
         try:
-            self.shell.user_ns.update(pull(*args.names, rank=args.rank))
+            self.user_ns().update(pull(*args.names, rank=args.rank))
         except UnknownRanks as exc:
             raise UsageError(f"%ddp pull --rank {args.rank}: {exc.detail}") from None
 
 
-def _show(obj: Any) -> None:
+def _show(obj: object) -> None:
     from IPython.display import display
 
     if isinstance(obj, str):
@@ -254,7 +260,7 @@ def _show(obj: Any) -> None:
         display(obj)
 
 
-def register(ipython: Any) -> None:
+def register(ipython: InteractiveShell) -> None:
     """Register ``%ddp``/``%%ddp`` and put ``dist_fit`` in the notebook's namespace."""
     from nbddp.api import dist_fit
 
@@ -262,7 +268,7 @@ def register(ipython: Any) -> None:
     ipython.user_ns.setdefault("dist_fit", dist_fit)
 
 
-def unregister(ipython: Any) -> None:
+def unregister(ipython: InteractiveShell) -> None:
     """Remove exactly what ``register`` added (workers keep running)."""
     from nbddp.api import dist_fit
 

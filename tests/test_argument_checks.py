@@ -112,3 +112,61 @@ def test_lr_goes_with_an_optimizer_class_and_a_factory_keeps_its_own():
     plan = preflight.prepare(session, nn.Linear(4, 2), DATA, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.2))
     assert plan.cfg.lr is None
     plan.discard()
+
+
+def test_dist_fit_keywords_are_the_option_records():
+    """The one list of option names is ``fit/arguments.py``'s records: ``dist_fit``'s keywords are their fields, with
+    the same defaults and types; the rest are the ``**advanced`` ones its docstring names."""
+    import dataclasses
+    import inspect
+
+    import nbddp
+    from nbddp.fit.arguments import FitArguments
+
+    fields = {f.name: f for group in FitArguments().groups() for f in dataclasses.fields(group)}
+    params = {p.name: p for p in inspect.signature(nbddp.dist_fit).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(params) <= set(fields), sorted(set(params) - set(fields))
+    for name, p in params.items():
+        assert (p.default, p.annotation) == (fields[name].default, fields[name].type), name
+    advanced = set(fields) - set(params)
+    assert advanced == {"drop_last", "num_workers", "pin_memory", "prefetch", "record_interval_s",
+                        "publish_interval_s"}
+    assert all(f"``{name}``" in nbddp.dist_fit.__doc__ for name in advanced)
+
+
+def test_options_are_sorted_into_their_records_once_and_a_typo_is_refused():
+    from nbddp.fit.arguments import FitArguments
+
+    args = FitArguments.of({"lr": 0.5, "val_every": 3, "block": False, "num_workers": 2})
+    assert (args.step.lr, args.validation.val_every, args.watch.block, args.data.num_workers) == (0.5, 3, False, 2)
+    assert args.by_name()["epochs"] == 1 and args.by_name()["lr"] == 0.5
+    with pytest.raises(TypeError, match=r"dist_fit\(\) got unknown option\(s\) \['epoch'\]; see help\(nbddp"):
+        FitArguments.of({"epoch": 3})
+    # a call that watches no fit of its own (sweep, find_batch_size, scaling_report) takes no watch options
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['callbacks', 'live'\]"):
+        preflight.prepare(fake_session(), nn.Linear(4, 2), DATA, live=False, callbacks=[])
+
+
+def test_what_a_sweep_may_vary_is_read_from_the_records_and_is_plain_config():
+    import dataclasses
+
+    from nbddp.protocol.fit_options import FitConfig
+    from nbddp.sweeps.space import SWEEPABLE
+
+    assert set(SWEEPABLE) == {"lr", "batch_size", "epochs", "max_steps", "seed", "grad_accum", "clip_grad_norm",
+                              "precision", "shuffle", "log_every", "val_every", "drop_last"}
+    assert set(SWEEPABLE) <= {f.name for f in dataclasses.fields(FitConfig)}
+
+
+def test_auto_batch_size_tries_the_fits_own_step_without_its_collectives():
+    from nbddp.fit.arguments import FitArguments
+    from nbddp.measure.batch_size import trial_arguments
+
+    args = FitArguments.of({"precision": "bf16-mixed", "grad_accum": 2, "on_nan": "skip", "strategy": "fsdp",
+                            "compile": True, "num_workers": 2, "batch_size": "auto", "epochs": 5, "keep": "m"})
+    trial = trial_arguments(args)
+    assert (trial.step.precision, trial.step.grad_accum, trial.layout.strategy, trial.data.num_workers) == (
+        "bf16-mixed", 2, "fsdp", 2)
+    assert (trial.step.on_nan, trial.layout.compile, trial.data.batch_size) == ("raise", False, None)
+    assert (trial.loop, trial.result) == (FitArguments().loop, FitArguments().result)

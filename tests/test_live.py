@@ -22,7 +22,7 @@ from nbddp.protocol.errors import FitRunningError
 from nbddp.fit.history import History
 from nbddp.live import NullView, choose_view
 from nbddp.live.state import LiveState
-from nbddp.protocol.messages import FitPlanInfo, Progress, RankInfo
+from nbddp.protocol.messages import FitLaunch, FitPlanInfo, Progress, RankInfo
 from nbddp.live.text import TextView, progress_line
 from nbddp.live import widget
 from nbddp.live.widget import WIDGET_VIEW, WidgetView, summary_text
@@ -235,7 +235,8 @@ def _bare_run():
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
     from nbddp.execution.policy import FailurePolicy
 
-    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), policy=FailurePolicy())
+    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), policy=FailurePolicy(),
+                           launch=FitLaunch(generation=0, returns="none"))
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})
     run.tasks = RankTasks(session, {0: ar}, "dist_fit", fit=True)

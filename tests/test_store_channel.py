@@ -120,6 +120,10 @@ def test_the_link_is_the_file_on_one_host_and_the_store_across_hosts(master):
     assert not unreachable_but_here.remote and unreachable_but_here.reachable  # the file still reaches rank 0
     gone = Rank0Link.open(_session(_closed_port()), timeout_s=1.0)
     assert not gone.remote and not gone.reachable and "did not answer within 1 s" in gone.reason
+    stopped = Rank0Link.open(_session(port))
+    stopped.session.group = None  # nbddp.stop() during the fit: the group and its store are gone
+    with pytest.raises(OSError, match=r"the workers were stopped \(nbddp.stop\(\)\): rank 0's store went with"):
+        stopped.store()
     there.close()  # the fit ended: the client goes, and nothing reconnects
     with pytest.raises(OSError, match=r"this fit has ended: its link to rank 0's store is closed"):
         there.store()
@@ -164,11 +168,10 @@ def test_unreachable_store_hooks_go_asynchronous_and_profile_is_refused_saying_w
     session = _session(_closed_port())
     link = Rank0Link.open(session, timeout_s=1.0)
     hooks = FitHooks([], [Hook()], {})
-    plan = SimpleNamespace(launch=FitLaunch(generation=0, returns="none"))
     with pytest.warns(NbddpWarning, match=r"rank 0 runs on far-away, and the callbacks' answers could not reach it: rank "
                                      r"0's torch.distributed store at 127.0.0.1:\d+ did not answer within 1 s"):
-        hooks.attach(plan, session, link)
-    assert hooks.answers is None and plan.launch.answers == ()
+        launch = hooks.attach(FitLaunch(generation=0, returns="none"), session, link)
+    assert hooks.answers is None and launch.answers == ()
     with pytest.raises(RuntimeError, match=r"handle.profile\(\) could not reach rank 0 on far-away: rank 0's "
                                            r"torch.distributed store .* dist_fit\(\.\.\., profile=True\)"):
         ProfileRequests(session, link).ask(3)

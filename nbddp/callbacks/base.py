@@ -42,13 +42,32 @@ from __future__ import annotations
 
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.protocol.errors import NbddpError
 from nbddp.protocol.notices import report
 
 HOOKS = ("on_fit_start", "on_record", "on_validation_end", "on_epoch_end", "on_fit_end")
 _current = threading.local()  # the hook being called in this thread: who asked nbddp.stop_fit() to stop
+
+
+class EndedFit(Protocol):
+    """The ``History`` ``on_fit_end`` gets (``nbddp.fit.history.History``: ``fit/`` imports this package), as far as
+    callbacks read it and the hooks write it."""
+
+    status: str
+    steps: list[dict[str, Any]]
+    epochs: list[dict[str, Any]]
+    validations: list[dict[str, Any]]
+    stop_reason: str | None
+    best: dict[str, Any] | None
+    loggers: list[dict[str, Any]]
+    errors: list[dict[str, str]]
+
+    @property
+    def last_step(self) -> int: ...
 
 
 class Callback:
@@ -59,23 +78,23 @@ class Callback:
     #: the running fit's ``FitHandle`` (set before ``on_fit_start``): ``set_lr``, ``save_checkpoint``, ``stop``
     handle: Any = None
 
-    def on_fit_start(self, info: Any) -> Any:
+    def on_fit_start(self, info: FitInfo) -> str | None:
         return None
 
-    def on_record(self, record: "Record") -> Any:
+    def on_record(self, record: Record) -> str | None:
         return None
 
-    def on_validation_end(self, record: "Record") -> Any:
+    def on_validation_end(self, record: Record) -> str | None:
         return None
 
-    def on_epoch_end(self, record: "Record") -> Any:
+    def on_epoch_end(self, record: Record) -> str | None:
         return None
 
-    def on_fit_end(self, history: Any) -> Any:
+    def on_fit_end(self, history: EndedFit) -> str | None:
         return None
 
 
-class Record(dict):
+class Record(dict[str, Any]):
     """A record as a callback gets it: a copy of History's dict, with ``.kind`` (``"step"``, ``"epoch"``, ``"val"``)."""
 
     def __init__(self, kind: str, values: dict[str, Any]):
@@ -88,7 +107,7 @@ FOREIGN = {"lightning": "Lightning", "pytorch_lightning": "Lightning", "keras": 
            "tensorflow": "Keras", "transformers": "Hugging Face"}
 
 
-def _refuse_foreign(cb: Any) -> None:
+def _refuse_foreign(cb: object) -> None:
     """A Lightning, Keras or HF callback has hooks of the same names but other arguments: refused at once."""
     for cls in type(cb).__mro__:
         framework = FOREIGN.get(cls.__module__.split(".")[0])
@@ -103,7 +122,7 @@ def _refuse_foreign(cb: Any) -> None:
                 "self.handle.set_lr(lr) act on every rank before the next epoch")
 
 
-def check_callbacks(callbacks: Any) -> list[Any]:
+def check_callbacks(callbacks: object) -> list[object]:
     """``dist_fit(callbacks=...)`` as a list; an object without any hook raises here, before training."""
     if callbacks is None:
         return []
@@ -152,7 +171,7 @@ def stop_fit(reason: str | None = None) -> None:
 class CallbackSet:
     """The callbacks of one fit, called by ``FitHooks`` in the watcher thread."""
 
-    def __init__(self, callbacks: list[Any]):
+    def __init__(self, callbacks: list[object]):
         self.callbacks = callbacks
         self.dropped: set[int] = set()
         self.errors: list[dict[str, str]] = []
@@ -160,7 +179,7 @@ class CallbackSet:
     def __bool__(self) -> bool:
         return bool(self.callbacks)
 
-    def call(self, hook: str, arg: Any, stop: Callable[[str], None]) -> None:
+    def call(self, hook: str, arg: FitInfo | Record | EndedFit, stop: Callable[[str], None]) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
             if fn is None or (id(cb) in self.dropped and hook != "on_fit_end"):
@@ -177,7 +196,7 @@ class CallbackSet:
             if isinstance(out, str) and out == "stop":
                 stop(f"{label} returned 'stop'")
 
-    def _failed(self, cb: Any, label: str, exc: Exception, stop: Callable[[str], None]) -> None:
+    def _failed(self, cb: object, label: str, exc: Exception, stop: Callable[[str], None]) -> None:
         text = "".join(traceback.format_exception(exc))
         stops = getattr(cb, "stop_on_error", True)
         then = "the fit stops at the next sync (the model keeps that step's weights)" if stops else "the fit goes on"

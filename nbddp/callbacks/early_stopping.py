@@ -16,6 +16,7 @@ import numbers
 from typing import Any
 
 from nbddp.callbacks.base import Callback, Record
+from nbddp.loggers.fit_info import FitInfo
 from nbddp.protocol.fit_options import MODES, BestSpec, Patience
 
 MAX_WORDS = ("acc", "auc", "f1", "precision", "recall", "iou")  # mode="auto": higher is better for these
@@ -64,10 +65,10 @@ class EarlyStopping(Callback):
             raise TypeError(f"EarlyStopping(restore_best=...) must be True or False; got {restore_best!r}")
         if not isinstance(check_finite, bool):
             raise TypeError(f"EarlyStopping(check_finite=...) must be True or False; got {check_finite!r}")
-        self.spec = BestSpec(monitor, mode, float(min_delta), int(patience),
-                             None if baseline is None else float(baseline), check_finite)
-        self.patience = int(patience)
-        self.restore_best = restore_best
+        self.spec: BestSpec = BestSpec(monitor, mode, float(min_delta), int(patience),
+                                       None if baseline is None else float(baseline), check_finite)
+        self.patience: int = int(patience)
+        self.restore_best: bool = restore_best
         self._reset()
 
     @property
@@ -80,9 +81,18 @@ class EarlyStopping(Callback):
         self.checks = 0
         self.stopped_at: int | None = None
 
-    best = property(lambda self: self.count.best)
-    best_step = property(lambda self: self.count.best_step)
-    wait = property(lambda self: self.count.wait)  # checks since the best one
+    @property
+    def best(self) -> float | None:
+        return self.count.best
+
+    @property
+    def best_step(self) -> int | None:
+        return self.count.best_step
+
+    @property
+    def wait(self) -> int:
+        """Checks since the best one."""
+        return self.count.wait
 
     def check_fit(self, known: set[str] | None, has_val: bool) -> None:
         """Raise before training when this fit will never record ``monitor``.
@@ -98,7 +108,7 @@ class EarlyStopping(Callback):
             raise ValueError(f"EarlyStopping(monitor={m!r}): this fit records {sorted(known)} at its checks, not "
                              f"{m!r}. A metric needs metrics={{'{m.removeprefix('val_')}': fn}} and val_data=...")
 
-    def on_fit_start(self, info: Any) -> None:
+    def on_fit_start(self, info: FitInfo) -> None:
         self._reset()
 
     def on_record(self, record: Record) -> None:

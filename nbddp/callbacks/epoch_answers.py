@@ -20,17 +20,34 @@ import math
 import os
 import threading
 from dataclasses import asdict
-from typing import Any
+from typing import Protocol
 
 from nbddp.callbacks.base import Callback
 from nbddp.protocol.epoch_answer import EpochAnswer, answer_path, remove_answer, write_answer
 from nbddp.protocol.notices import notify
+from nbddp.protocol.store_channel import KernelStore
 
 #: the hook behind each record kind the ranks can wait after
 HOOK_OF_KIND = {"epoch": "on_epoch_end", "val": "on_validation_end"}
 
 
-def defines(cb: Any, hook: str) -> bool:
+class Rank0Reach(Protocol):
+    """How one fit's kernel reaches rank 0: ``fit/rank0_store.Rank0Link`` (``fit/`` imports this package)."""
+
+    reason: str  # why rank 0 cannot be reached ("" when it can)
+
+    @property
+    def remote(self) -> bool: ...  # through the group's store (else the file in /dev/shm)
+
+    @property
+    def reachable(self) -> bool: ...
+
+    def store(self) -> KernelStore: ...
+
+    def answer_key(self, seq: int) -> str: ...
+
+
+def defines(cb: object, hook: str) -> bool:
     """Whether ``cb`` has its own ``hook`` (the empty one ``Callback`` inherits does not count: no wait for it)."""
     fn = getattr(type(cb), hook, None)
     if fn is None:
@@ -38,7 +55,7 @@ def defines(cb: Any, hook: str) -> bool:
     return callable(fn) and fn is not getattr(Callback, hook, None)
 
 
-def sync_kinds(callbacks: list[Any]) -> tuple[str, ...]:
+def sync_kinds(callbacks: list[object]) -> tuple[str, ...]:
     """The record kinds the ranks wait after: ``"epoch"`` for an ``on_epoch_end``, ``"val"`` for an
     ``on_validation_end``; ``()`` (no wait at all) when no callback defines either."""
     return tuple(kind for kind, hook in HOOK_OF_KIND.items() if any(defines(cb, hook) for cb in callbacks))
@@ -47,7 +64,7 @@ def sync_kinds(callbacks: list[Any]) -> tuple[str, ...]:
 class Answers:
     """What the synchronous hooks of one fit ask, and the answers written for rank 0."""
 
-    def __init__(self, worker_prefix: str, kinds: tuple[str, ...], link: Any = None):
+    def __init__(self, worker_prefix: str, kinds: tuple[str, ...], link: Rank0Reach | None = None):
         self.link = link if link is not None and link.remote else None  # rank 0's store, else the file
         self.path = "" if self.link is not None else answer_path(worker_prefix)
         self.last_key = ""  # the store key of the last answer (removed at close if rank 0 never took it)
@@ -106,15 +123,15 @@ class Answers:
             if self.link is None:
                 write_answer(self.path, answer)
             else:
-                self._send(answer)
+                self._send(self.link, answer)
             self.due.discard(seq)
             self.answered += 1
 
-    def _send(self, answer: EpochAnswer) -> None:
+    def _send(self, link: Rank0Reach, answer: EpochAnswer) -> None:
         """Set the answer's key in rank 0's store (rank 0 waits on it, takes it and deletes it)."""
-        key = self.link.answer_key(answer.seq)
+        key = link.answer_key(answer.seq)
         try:
-            self.link.store().set(key, asdict(answer))
+            link.store().set(key, asdict(answer))
         except Exception as e:  # noqa: BLE001 - the store went with its group: no rank waits any more
             notify(f"nbddp: the answer to the callbacks' point {answer.seq} could not reach rank 0's store "
                    f"({type(e).__name__}: {e}); rank 0 trains on without it after its timeout")

@@ -31,19 +31,42 @@ import dataclasses
 import queue
 import threading
 import traceback
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from nbddp.callbacks.base import Callback, CallbackSet, Record, check_callbacks
-from nbddp.callbacks.epoch_answers import Answers, sync_kinds
+from nbddp.callbacks.base import Callback, CallbackSet, EndedFit, Record, check_callbacks
+from nbddp.callbacks.epoch_answers import Answers, Rank0Reach, sync_kinds
 from nbddp.callbacks.early_stopping import EarlyStopping
 from nbddp.loggers.fit_info import FitInfo, callable_name, fit_info
-from nbddp.protocol.fit_options import BestSpec
-from nbddp.loggers import resolve
+from nbddp.protocol.data_forms import DataLike
+from nbddp.protocol.fit_options import BestSpec, FitConfig
+from nbddp.loggers import Logger, LoggerChoice, resolve
 from nbddp.loggers.guard import LoggerSet, read_runs, runs_file, write_runs
+from nbddp.protocol.messages import FitLaunch, FitPlanInfo
 from nbddp.protocol.notices import notify, report
+from nbddp.session.session import Session
 
 
-def _known_values(val_data: Any, metrics: Any, step_fn: Any) -> set[str] | None:
+class HookedFit(Protocol):
+    """What the hooks read of their fit, and how they stop it: ``fit.fit_run.FitRun`` (``fit/`` imports this
+    package, so it is named here by what is read)."""
+
+    stop_reason: str | None
+
+    @property
+    def config(self) -> FitConfig: ...
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def handle(self) -> object: ...  # the fit's FitHandle, handed to the callbacks
+
+    def request_stop(self, reason: str | None = None) -> None: ...
+
+
+def _known_values(val_data: DataLike | None, metrics: Mapping[str, object] | None,
+                  step_fn: Callable[..., Any] | None) -> set[str] | None:
     """Every value a check records (None: a step_fn may add its own ``val_*``)."""
     if step_fn is not None and val_data is not None:
         return None
@@ -57,14 +80,14 @@ JOIN_S = 300.0  # at the end, how long the fit waits for its loggers to close th
 
 
 class FitHooks:
-    def __init__(self, loggers: list[Any], callbacks: list[Any], described: dict[str, Any],
+    def __init__(self, loggers: list[Logger], callbacks: list[object], described: dict[str, str | None],
                  best: BestSpec | None = None):
         self.loggers = LoggerSet(loggers)
         self.callbacks = CallbackSet(callbacks)
         self.described = described
         self.best = best
         self.stoppers = [cb for cb in callbacks if isinstance(cb, EarlyStopping)]
-        self.run: Any = None
+        self.run: HookedFit | None = None
         self.info: FitInfo | None = None
         self.next_seq = 0  # the next record to hand over (watcher thread)
         self.flushed = 0  # records handed over when the last flush was asked for
@@ -72,13 +95,14 @@ class FitHooks:
         self.handed_through = -1  # after an elastic fit's relaunch: replays of steps up to here are not handed over
         self.last_step = -1  # the step of the last record handed over
         self.finishing = False
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # (what, its argument), for the hooks thread
         self.thread: threading.Thread | None = None
         self.answers: Answers | None = None  # the synchronous callbacks' answers (attach)
 
     @classmethod
-    def build(cls, loggers: Any = None, callbacks: Any = None, *, val_data: Any = None, metrics: Any = None,
-              step_fn: Any = None, **described: Any) -> "FitHooks":
+    def build(cls, loggers: LoggerChoice | Sequence[LoggerChoice] | None = None, callbacks: object = None, *,
+              val_data: DataLike | None = None, metrics: Mapping[str, object] | None = None,
+              step_fn: Callable[..., Any] | None = None, **described: object) -> FitHooks:
         """Check everything that can be checked before training (bad input raises here)."""
         chosen, cbs = resolve(loggers), check_callbacks(callbacks)
         known = _known_values(val_data, metrics, step_fn)
@@ -99,15 +123,15 @@ class FitHooks:
     def __bool__(self) -> bool:
         return bool(self.loggers) or bool(self.callbacks)
 
-    def attach(self, plan: Any, session: Any = None, link: Any = None) -> None:
-        """Tell the workers what each EarlyStopping monitors, which check's weights to end with (plain settings),
-        and after which records they wait for the synchronous callbacks (``link``: how rank 0 is reached,
-        ``fit/rank0_store.Rank0Link``)."""
+    def attach(self, launch: FitLaunch, session: Session | None = None, link: Rank0Reach | None = None) -> FitLaunch:
+        """``launch`` telling the workers what each EarlyStopping monitors, which check's weights to end with
+        (plain settings), and after which records they wait for the synchronous callbacks (``link``: how rank 0 is
+        reached, ``fit/rank0_store.Rank0Link``)."""
         kinds = sync_kinds(self.callbacks.callbacks)
         if kinds and session is not None:
             if link is None or link.reachable:
                 self.answers = Answers(f"{session.file_prefix}-w0", kinds, link)
-                plan.launch = dataclasses.replace(plan.launch, answers=kinds)
+                launch = dataclasses.replace(launch, answers=kinds)
             else:
                 notify(f"nbddp: rank 0 runs on {session.placements[0].host}, and the callbacks' answers could not "
                        f"reach it: {link.reason}. on_epoch_end/on_validation_end run asynchronously in this fit (the "
@@ -115,19 +139,25 @@ class FitHooks:
                        "refused). Check that this machine can reach rank 0's host on the group's port (a "
                        "firewall?), or start the workers with rank 0 on the kernel's host")
         if self.best is not None:
-            plan.launch = dataclasses.replace(plan.launch, best=self.best)
+            launch = dataclasses.replace(launch, best=self.best)
         if self.stoppers:
-            plan.launch = dataclasses.replace(plan.launch, stoppers=tuple(es.spec for es in self.stoppers))
+            launch = dataclasses.replace(launch, stoppers=tuple(es.spec for es in self.stoppers))
+        return launch
 
-    def bind(self, run: Any) -> None:
+    def bind(self, run: HookedFit) -> None:
         self.run = run
 
+    def running(self) -> HookedFit:
+        """The fit these hooks serve (``FitRun`` binds them as it is made, before any record comes)."""
+        assert self.run is not None, "FitRun binds its hooks before training starts"
+        return self.run
+
     def _stop(self, reason: str) -> None:
-        if not self.finishing:  # a stop asked while the fit ends has nothing left to stop
+        if not self.finishing and self.run is not None:  # a stop asked while the fit ends has nothing left to stop
             self.run.request_stop(reason)
 
     # ---- the watcher thread's side: hand over, in order --------------------------
-    def start(self, plan: Any) -> None:
+    def start(self, plan: FitPlanInfo) -> None:
         """The workers' plan arrived (``messages.FitPlanInfo``): training began."""
         if self.planned or not self:
             return
@@ -137,21 +167,21 @@ class FitHooks:
         self.queue.put(("start", plan))
 
     def record(self, seq: int, kind: str, record: dict[str, Any]) -> None:
-        waits = self.answers is not None and self.answers.waits_after(kind)
+        answers = self.answers if self.answers is not None and self.answers.waits_after(kind) else None
         if seq != self.next_seq or not self.planned:  # a gap (or no plan yet): finish() hands over from here
-            if waits and (seq > self.next_seq or not self.planned):  # never handed over in time: no wait for it
-                self.answers.answer(seq)
+            if answers is not None and (seq > self.next_seq or not self.planned):
+                answers.answer(seq)  # never handed over in time: no wait for it
             return
         self.next_seq += 1
         step = record.get("step", self.handed_through + 1)
         if step <= self.handed_through:
-            if waits:
-                self.answers.answer(seq)
+            if answers is not None:
+                answers.answer(seq)
             return  # a replayed step after a restart: the loggers have its record already (the same values)
         self.last_step = max(self.last_step, step)
-        if waits:
-            self.answers.due.add(seq)
-        self.queue.put(("record", (seq, kind, record, self.answers.launch if waits else None)))
+        if answers is not None:
+            answers.due.add(seq)
+        self.queue.put(("record", (seq, kind, record, answers.launch if answers is not None else None)))
 
     @property
     def answering(self) -> bool:
@@ -171,7 +201,7 @@ class FitHooks:
             self.flushed = self.next_seq
             self.queue.put(("flush", step))
 
-    def finish(self, history: Any, records: list[tuple[int, str, dict[str, Any]]], plan: Any,
+    def finish(self, history: EndedFit, records: list[tuple[int, str, dict[str, Any]]], plan: FitPlanInfo | None,
                restored: dict[str, Any] | None) -> None:
         """The fit ended on the workers: the records not handed over yet, then ``close``; wait for all of it."""
         self.finishing = True
@@ -181,7 +211,7 @@ class FitHooks:
             self.record(seq, kind, record)
         self.close(history, restored)
 
-    def close(self, history: Any, restored: dict[str, Any] | None = None) -> None:
+    def close(self, history: EndedFit, restored: dict[str, Any] | None = None) -> None:
         """Close the runs, call ``on_fit_end``, and keep in ``history`` what happened (also after a failure)."""
         self.finishing = True
         history.stop_reason = getattr(self.run, "stop_reason", None)
@@ -200,23 +230,25 @@ class FitHooks:
     def _serve(self) -> None:
         while True:
             what, arg = self.queue.get()
+            serve: dict[str, Callable[[Any], None]] = {"start": self._started, "record": self._deliver,
+                                                       "flush": self.loggers.flush, "close": self._closed}
             try:
-                {"start": self._started, "record": self._deliver, "flush": self.loggers.flush,
-                 "close": self._closed}[what](arg)
+                serve[what](arg)
             except Exception:  # noqa: BLE001 - the guards catch the loggers' and callbacks' own errors
                 report(f"nbddp: internal error in the fit's loggers/callbacks ({what})", traceback.format_exc())
             if what == "close":
                 return
 
-    def _started(self, plan: Any) -> None:
-        cfg = self.run.plan.cfg
+    def _started(self, plan: FitPlanInfo) -> None:
+        run = self.running()
+        cfg = run.config
         path = runs_file(cfg)
         saved = read_runs(path) if cfg.resume and plan.start_step > 0 else {}
-        self.info = fit_info(cfg, self.run.session, plan, self.described, saved.get("run_name"))
-        self.info.handle = self.run.handle
+        self.info = fit_info(cfg, run.session, plan, self.described, saved.get("run_name"))
+        self.info.handle = run.handle
         for cb in self.callbacks.callbacks:
             if isinstance(cb, Callback):
-                cb.handle = self.run.handle
+                cb.handle = run.handle
         if self.loggers:
             states = self.loggers.start(self.info, saved.get("loggers", {}))
             if cfg.checkpoint_dir:
@@ -225,13 +257,13 @@ class FitHooks:
 
     def _deliver(self, item: tuple[int, str, dict[str, Any], int | None]) -> None:
         seq, kind, record, launch = item
-        waits = self.answers is not None and self.answers.waits_after(kind)
+        answers = self.answers if self.answers is not None and self.answers.waits_after(kind) else None
         try:
             if self.loggers:
                 self.loggers.log(kind, record)
             if self.callbacks:
                 # at a point the ranks wait at, a stop is in the answer: the fit ends there, a normal end
-                stop = self.answers.stop if waits else self._stop
+                stop = answers.stop if answers is not None else self._stop
                 copy = Record(kind, record)
                 self.callbacks.call("on_record", copy, stop)
                 if kind == "val":
@@ -239,15 +271,15 @@ class FitHooks:
                 if kind == "epoch":
                     self.callbacks.call("on_epoch_end", copy, stop)
         finally:
-            if waits:  # whatever the hooks (or the loggers) did: the ranks wait for this (unless relaunched since)
-                self.answers.answer(seq, launch)
+            if answers is not None:  # whatever the hooks (or loggers) did: the ranks wait for this (unless relaunched)
+                answers.answer(seq, launch)
 
-    def _best(self, history: Any, restored: dict[str, Any] | None) -> None:
+    def _best(self, history: EndedFit, restored: dict[str, Any] | None) -> None:
         if self.stoppers:
             es = next((e for e in self.stoppers if e.restore_best), self.stoppers[0])
             history.best = {**es.summary(), "restored": restored is not None and es.restore_best}
 
-    def _closed(self, item: tuple[Any, dict[str, Any] | None]) -> None:
+    def _closed(self, item: tuple[EndedFit, dict[str, Any] | None]) -> None:
         history, restored = item
         self._best(history, restored)
         if self.loggers:

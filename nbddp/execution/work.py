@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from types import FrameType
+from typing import Callable
 
 from nbddp.execution.contracts import SessionLike
 
@@ -97,7 +98,7 @@ def interrupts_held() -> Iterator[list[int]]:
     came: list[int] = []
     previous = signal.getsignal(signal.SIGINT)
 
-    def hold(signum: int, frame: Any) -> None:
+    def hold(signum: int, frame: FrameType | None) -> None:
         came.append(signum)
 
     signal.signal(signal.SIGINT, hold)

@@ -17,12 +17,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbddp.session.session import Session
 
 FORMAT = "nbddp-compile-cache/1"
 
 
-def compile_cache(save: str | os.PathLike | None = None, load: str | os.PathLike | None = None) -> dict[str, Any]:
+def compile_cache(save: str | os.PathLike[str] | None = None,
+                  load: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Save what every rank compiled to ``save``, or load ``load`` into every rank; returns what moved.
 
     Returns ``{"path", "bytes", "artifacts": {kind: count}}`` (for ``load``,
@@ -34,17 +38,20 @@ def compile_cache(save: str | os.PathLike | None = None, load: str | os.PathLike
     """
     from nbddp.session.session import get_session
 
-    if (save is None) == (load is None):
+    if save is not None and load is None:
+        path, saving = save, True
+    elif load is not None and save is None:
+        path, saving = load, False
+    else:
         raise ValueError(f"nbddp.compile_cache() takes one of save=path or load=path, got save={save!r}, "
                          f"load={load!r}")
     session = get_session()
     session.ensure_started()
-    if save is not None:
-        return _save(session, os.path.abspath(os.fspath(save)))
-    return _load(session, os.path.abspath(os.fspath(load)))
+    path = os.path.abspath(os.fspath(path))
+    return _save(session, path) if saving else _load(session, path)
 
 
-def _save(session: Any, path: str) -> dict[str, Any]:
+def _save(session: Session, path: str) -> dict[str, Any]:
     import torch
 
     from nbddp.cells.function_calls import call_everywhere
@@ -101,7 +108,7 @@ def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
     return header, blobs
 
 
-def _load(session: Any, path: str) -> dict[str, Any]:
+def _load(session: Session, path: str) -> dict[str, Any]:
     from nbddp.protocol.compile_settings import session_cache_dir
     from nbddp.cells.function_calls import call_everywhere
     from nbddp.worker.tasks.compile_cache import load_artifacts

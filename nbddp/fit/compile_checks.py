@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from typing import Any
 
 from nbddp.protocol.compile_settings import COMPILE_KEYS, CompileSpec, session_cache_dir
 
 
-def resolve_compile(value: Any) -> CompileSpec | None:
+def resolve_compile(value: object) -> CompileSpec | None:
     """``False``/``None``: no compile; ``True``: torch's defaults, regional; a dict of ``COMPILE_KEYS``.
 
     Raises:
@@ -57,7 +56,7 @@ def check_dynamo_supported() -> None:
         )
 
 
-def _check_backend(backend: Any) -> None:
+def _check_backend(backend: object) -> None:
     import torch._dynamo
 
     if not isinstance(backend, str):
@@ -69,7 +68,7 @@ def _check_backend(backend: Any) -> None:
                          "'inductor' is the default")
 
 
-def _check_mode(mode: Any, backend: str) -> None:
+def _check_mode(mode: object, backend: str) -> None:
     from torch._inductor import list_mode_options
 
     modes = ["default", *[m for m in list_mode_options() if m != "default"]]

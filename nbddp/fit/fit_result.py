@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nbddp.fit.preflight import FitPlan
 from nbddp.profiling.time_split import split_ranks
 from nbddp.protocol.messages import FitResult, RankInfo
 
@@ -30,13 +31,13 @@ def rank_rows(head: FitResult, results: dict[int, FitResult], placements: list[R
     return rows
 
 
-def fit_timings(plan: Any, head: FitResult, t0: float, loaded: float, started_at: float,
+def fit_timings(plan: FitPlan, head: FitResult, t0: float, loaded: float, started_at: float,
                 local: bool) -> dict[str, float]:
     """``History.timings``: ``t0`` when the kernel began reading the weights, ``loaded`` when they were in the
     model, ``started_at`` when the call began shipping (``time.perf_counter``); ``local``: rank 0 shares the
     kernel's clock."""
     worker = head.timings
-    timings = {
+    timings: dict[str, float] = {
         "ship_s": plan.ship_s,
         "setup_s": worker["setup_s"],
         "train_s": worker["train_s"],

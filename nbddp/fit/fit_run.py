@@ -13,7 +13,7 @@ import dataclasses
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
@@ -21,22 +21,27 @@ from nbddp.fit import compile_report
 from nbddp.fit.handle import FitHandle
 from nbddp.fit.fit_result import fit_timings, rank_rows
 from nbddp.fit.history import History
+from nbddp.live import View
 from nbddp.live.state import LiveState
 from nbddp.protocol.fit_options import FitConfig
-from nbddp.protocol.messages import FitResult, RankInfo, published
+from nbddp.protocol.messages import FitLaunch, FitResult, RankInfo, published
 from nbddp.protocol.notices import notify
 from nbddp.fit.preflight import FitPlan
 from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
 from nbddp.execution.stalls import StuckStop
-from nbddp.execution.work import Work
+from nbddp.execution.work import Work, wait_interruptibly
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
 from nbddp.elastic import fit_scope
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import SlurmError, WorkerError
+from nbddp.session.session import Session
+
+if TYPE_CHECKING:
+    from torch.nn import Module
 
 HARD_STOP_WAIT_S = 30.0
 SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (benchmarks/epoch_round_trip.py)
@@ -46,7 +51,9 @@ PERSON_STOP = "stopped from the notebook (Kernel > Interrupt, the Stop button or
 class FitRun(Work):
     """One fit in flight: tasks on every rank, a watcher thread, the live view."""
 
-    def __init__(self, session: Any, plan: FitPlan, view: Any, stall_timeout: float | None = None,
+    session: Session  # the whole session (its sources, resident data, last History), not only SessionLike's parts
+
+    def __init__(self, session: Session, plan: FitPlan, view: View, stall_timeout: float | None = None,
                  hooks: FitHooks | None = None):
         super().__init__(session, "a dist_fit")
         self.plan = plan
@@ -64,7 +71,8 @@ class FitRun(Work):
         self.link = Rank0Link.open(session)  # rank 0's file on one host, the group's TCPStore across hosts
         if self.link.remote:
             plan.launch = dataclasses.replace(plan.launch, channel=self.link.channel)
-        self.hooks.attach(plan, session, self.link)  # restore_best: what the workers monitor; the synchronous callbacks
+        # restore_best: what the workers monitor; the synchronous callbacks
+        plan.launch = self.hooks.attach(plan.launch, session, self.link)
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -102,7 +110,7 @@ class FitRun(Work):
             self.release_workers()
             raise
 
-    def start_tasks(self, cfg: Any, launch: Any) -> None:
+    def start_tasks(self, cfg: FitConfig, launch: FitLaunch) -> None:
         """One ``fit_task`` per rank of the current group, watched by a new ``RankTasks``."""
         from nbddp.worker.tasks.entry import fit_task
 
@@ -115,7 +123,12 @@ class FitRun(Work):
         # with restarts, the policy's grace is longer: a survivor that raises on its own is kept, not replaced
         self.tasks = RankTasks(s, ars, "dist_fit", fit=True, policy=self.policy)
 
-    def relaunch(self, resume: Any = None) -> None:
+    def wait_in_cell(self, timeout: float | None = None) -> bool:
+        """Wait for the end in the calling cell (an interrupt stops every rank, a second kills them); whether it
+        ended within ``timeout``."""
+        return wait_interruptibly(self, timeout)
+
+    def relaunch(self, resume: bool | str | None = None) -> None:
         """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``).
 
         ``resume``: a checkpoint the kernel chose instead (a new Slurm job: ``elastic/job_loss.py``).
@@ -130,7 +143,13 @@ class FitRun(Work):
                          dataclasses.replace(self.plan.launch, generation=s.generation, resident=()))
         # a replaced engine's first set-up and step import and build for seconds: stall_timeout applies again
         # from the relaunch's first record (_take_records)
-        self.tasks.pause_stall_timeout()
+        self.launched.pause_stall_timeout()
+
+    @property
+    def launched(self) -> RankTasks:
+        """The current launch's tasks (``start_tasks`` runs before the watcher thread and every relaunch's reads)."""
+        assert self.tasks is not None, "FitRun.start_tasks comes before anything reads the tasks"
+        return self.tasks
 
     # ---- what a relaunch needs of the fit (elastic.recovery.Relaunchable) -----------------------
     @property
@@ -193,7 +212,8 @@ class FitRun(Work):
             # the request, since a stop asked during set-up is held until training starts (a slow set-up is no stall)
             if self.tasks is not None:
                 self.tasks.stopping()
-            self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
+            if self.session.workers is not None:  # None once the workers were stopped: nothing left to signal
+                self.session.workers.signal([p.engine_id for p in self.session.placements], signal.SIGINT)
 
     def hard_stop(self, reason: str = "a second interrupt") -> None:
         """Kill every rank now (they are replaced); the model keeps its old weights."""
@@ -208,19 +228,19 @@ class FitRun(Work):
     def _stream(self) -> None:
         """Every tick: rank 0's new records, every rank's position and stalls, then the view."""
         self._take_records()
-        self.requests.collect(self.tasks.ars)
+        self.requests.collect(self.launched.ars)
         if self.hooks.answering:  # the ranks wait for the kernel's on_epoch_end: that is no stall
-            self.tasks.hold_stalls()
-        self.tasks.check_stalls()
-        self.live_state.stalled = self.tasks.stalled()
-        self.live_state.positions = self.tasks.positions()
+            self.launched.hold_stalls()
+        self.launched.check_stalls()
+        self.live_state.stalled = self.launched.stalled()
+        self.live_state.positions = self.launched.positions()
         self.live_state.paused = self.session.debugger.paused()
         if self._training_started or self.live_state.stalled or self.live_state.paused:
             self.view.update(self)
 
     def _take_records(self) -> None:
         """Take new records from rank 0's published data (seq + window)."""
-        rank0 = self.tasks.ars.get(0)
+        rank0 = self.launched.ars.get(0)
         plan, msg = published(rank0, "plan"), published(rank0, "progress")
         if plan is not None and not self._plan_seen:
             self._plan_seen = True
@@ -248,10 +268,10 @@ class FitRun(Work):
                 self.history.add(kind, record)
                 self.hooks.record(seq, kind, record)
                 self._seen = seq + 1
-        if self._seen and self.tasks.stall_timeout_paused:
+        if self._seen and self.launched.stall_timeout_paused:
             # a record: every rank took a step together, so a relaunch's set-up is over; that is progress for
             # every rank (a fresh engine's heartbeats may still say "setup")
-            self.tasks.restore_stall_timeout()
+            self.launched.restore_stall_timeout()
         self.hooks.tick(self.history.last_step)
 
     def _watch(self) -> None:
@@ -260,8 +280,8 @@ class FitRun(Work):
         except StuckStop as exc:  # stopped, but a stalled rank could not: its weights never came back
             self.session.resident.clear()
             self.history.status = self.live_state.status = "interrupted"
-            self.tasks.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
-                                     "this call; History.status is 'interrupted'.")
+            self.launched.notify(f"nbddp: training stopped: {exc}. The model keeps the weights it had before "
+                                 "this call; History.status is 'interrupted'.")
             self.hooks.close(self.history)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting cell / handle
             self.error = exc
@@ -292,7 +312,7 @@ class FitRun(Work):
         """Every rank's result; a lost rank, with ``max_restarts``, is replaced and the fit relaunched."""
         while True:
             try:
-                return self.tasks.wait(on_tick=self._stream, tick_s=self.poll_s)
+                return self.launched.wait(on_tick=self._stream, tick_s=self.poll_s)
             except (WorkerError, SlurmError) as exc:  # a lost rank, or a lost Slurm job: every rank
                 if not self.recovery.should_retry(self, exc):
                     raise
@@ -329,7 +349,7 @@ class FitRun(Work):
         self.live_state.status = history.status
         self.session.resident.mark(self.plan.data_keys)
 
-    def _load_weights(self, parcel: shipping.Parcel) -> Any:
+    def _load_weights(self, parcel: shipping.Parcel) -> Module:
         """Into the notebook's own model (or one built from the factory); else the trained module itself."""
         target = self.plan.model
         if target is None and self.plan.factory is not None:

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import os
-
-from typing import Any
+from typing import Any, Protocol
 
 from nbddp.callbacks.base import hook_stop
+from nbddp.callbacks.epoch_answers import Answers
+from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit.history import History
-from nbddp.execution.work import wait_interruptibly
+from nbddp.live.state import LiveState
+from nbddp.profiling.requests import ProfileRequests
 from nbddp.protocol.errors import NbddpError
+
+
+class HandledFit(Protocol):
+    """What a handle acts on: the fit in flight (``fit_run.FitRun``, which imports this module to make one)."""
+
+    hooks: FitHooks
+    requests: ProfileRequests
+    live_state: LiveState
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def history(self) -> History: ...
+
+    def wait_in_cell(self, timeout: float | None = None) -> bool: ...
+
+    def request_stop(self, reason: str | None = None) -> None: ...
+
+    def result(self) -> History: ...
 
 
 class FitHandle:
@@ -20,7 +42,7 @@ class FitHandle:
     the trained weights when training ends (or is stopped).
     """
 
-    def __init__(self, run: Any):
+    def __init__(self, run: HandledFit):
         self._run = run
 
     def done(self) -> bool:
@@ -38,7 +60,7 @@ class FitHandle:
                 cannot end while its hook waits for it).
         """
         self._not_from_a_hook("wait")
-        if not wait_interruptibly(self._run, timeout):
+        if not self._run.wait_in_cell(timeout):
             raise TimeoutError(f"training still running after {timeout} s; call .wait() again or .stop()")
         return self._run.result()
 
@@ -95,7 +117,7 @@ class FitHandle:
                              "and the fit waits for the callback. Call it from a cell; from a hook, return 'stop', "
                              "or use handle.set_lr / handle.save_checkpoint")
 
-    def _answers(self, method: str) -> Any:
+    def _answers(self, method: str) -> Answers:
         run = self._run
         answers = run.hooks.answers
         if run.finished:
@@ -107,7 +129,7 @@ class FitHandle:
                              f"def on_epoch_end(self, record): self.handle.{method}(...)")
         return answers
 
-    def profile(self, steps: int = 10, dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    def profile(self, steps: int = 10, dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Trace the next ``steps`` optimizer steps on every rank with torch.profiler while the fit goes on.
 
         Every rank starts at the same step (the request rides in the next

@@ -6,8 +6,14 @@ Records are plain dicts so they print, pickle and go into pandas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from pandas import DataFrame
+    from typing_extensions import TypeIs
 
 
 @dataclass
@@ -121,7 +127,7 @@ class History:
     def last_step(self) -> int:
         return self.steps[-1]["step"] if self.steps else 0
 
-    def plot(self, figsize: tuple[float, float] = (6.0, 3.6), ax: Any = None) -> Any:
+    def plot(self, figsize: tuple[float, float] = (6.0, 3.6), ax: Axes | None = None) -> Any:
         """The training and validation loss: a matplotlib ``Figure``, or drawn on ``ax`` (which is returned).
 
         The figure shows as an image as a cell's last value in any Jupyter
@@ -171,16 +177,16 @@ class History:
         )
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else repr(value)
 
 
 class HistoryFrames(NamedTuple):
     """``History.to_frames()``: one DataFrame per kind of record (unpack it, or use the names)."""
 
-    steps: Any
-    epochs: Any
-    validations: Any
+    steps: DataFrame
+    epochs: DataFrame
+    validations: DataFrame
 
 
 def _pandas(what: str) -> Any:
@@ -191,7 +197,7 @@ def _pandas(what: str) -> Any:
     return pd
 
 
-def one_frame(history: Any) -> Any:
+def one_frame(history: History) -> DataFrame:
     """``History.to_pandas()``: steps, epochs and validations in one DataFrame, told apart by ``kind``."""
     pd = _pandas("to_pandas")
     rows = [{"kind": kind, **r} for kind, records in (("step", history.steps), ("epoch", history.epochs),
@@ -199,7 +205,7 @@ def one_frame(history: Any) -> Any:
     return pd.DataFrame(rows, columns=_columns(rows, ("kind", "step", "epoch", "loss")))
 
 
-def frames(history: Any) -> HistoryFrames:
+def frames(history: History) -> HistoryFrames:
     pd = _pandas("to_frames")
     return HistoryFrames(pd.DataFrame(history.steps, columns=_columns(history.steps, ("step", "epoch", "loss"))),
                          pd.DataFrame(history.epochs, columns=_columns(history.epochs, ("epoch", "step", "loss"))),
@@ -215,12 +221,13 @@ def _columns(records: list[dict[str, Any]], first: tuple[str, ...]) -> list[str]
     return list(seen)
 
 
-def _is_history(obj: Any) -> bool:
+def _is_history(obj: object) -> TypeIs[History]:
+    """A ``History``, or anything that reads as one (the records and the status)."""
     return all(hasattr(obj, name) for name in ("steps", "epochs", "validations", "status"))
 
 
-def plot_histories(histories: Sequence[Any], labels: Sequence[str] | None = None, *, metric: str = "loss",
-                   title: str = "", figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
+def plot_histories(histories: History | Sequence[History], labels: Sequence[str] | None = None, *,
+                   metric: str = "loss", title: str = "", figsize: tuple[float, float] = (7.0, 4.0)) -> Any:
     """Several fits on one matplotlib ``Figure``: each one's training ``metric`` and, dashed, its validation.
 
     The notebook habit of trying two learning rates and looking::
@@ -238,17 +245,17 @@ def plot_histories(histories: Sequence[Any], labels: Sequence[str] | None = None
     """
     from nbddp.live.compare import compare_figure
 
-    histories = [histories] if _is_history(histories) else list(histories)
-    if not histories or not all(_is_history(h) for h in histories):
-        kinds = sorted({type(h).__name__ for h in histories if not _is_history(h)}) or ["an empty list"]
+    given: list[History] = [histories] if _is_history(histories) else list(histories)
+    if not given or not all(_is_history(h) for h in given):
+        kinds = sorted({type(h).__name__ for h in given if not _is_history(h)}) or ["an empty list"]
         raise TypeError(f"nbddp.plot_histories(histories) takes a list of History objects (what dist_fit returns); "
                         f"got {', '.join(kinds)}")
-    labels = [f"run {i + 1}" for i in range(len(histories))] if labels is None else list(labels)
-    if len(labels) != len(histories):
-        raise ValueError(f"nbddp.plot_histories: {len(labels)} labels for {len(histories)} histories; give one "
+    labels = [f"run {i + 1}" for i in range(len(given))] if labels is None else list(labels)
+    if len(labels) != len(given):
+        raise ValueError(f"nbddp.plot_histories: {len(labels)} labels for {len(given)} histories; give one "
                          "label per history")
-    if not any(metric in r for h in histories for r in h.steps):
+    if not any(metric in r for h in given for r in h.steps):
         raise ValueError(f"nbddp.plot_histories(metric={metric!r}): no step record holds {metric!r}; the steps hold "
-                         f"{sorted({k for h in histories for r in h.steps for k in r})}")
-    runs = [(str(label), h.steps, h.validations) for label, h in zip(labels, histories)]
+                         f"{sorted({k for h in given for r in h.steps for k in r})}")
+    runs = [(str(label), h.steps, h.validations) for label, h in zip(labels, given)]
     return compare_figure(runs, metric, title, figsize)

@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+from nbddp.fit.arguments import FitArguments, ModuleClasses, SchedulerLike
 from nbddp.fit.compile_checks import resolve_compile
 from nbddp.protocol.fit_options import ON_NAN, PRECISION_ALIASES, PRECISIONS, SCHEDULER_INTERVALS, FitConfig
 from nbddp.protocol.mesh_layout import check_mesh_shape
 from nbddp.protocol.parallel_settings import is_replicated, module_classes, resolve_strategy
 from nbddp.protocol.profile_spec import profile_spec
 
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
-def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
+
+@overload
+def _int(name: str, value: object, minimum: int, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def _int(name: str, value: object, minimum: int, allow_none: bool) -> int | None: ...
+
+
+def _int(name: str, value: object, minimum: int, allow_none: bool = False) -> int | None:
+    """``value`` (as the person gave it) as an int ``>= minimum``, or None when that is allowed."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -29,7 +43,17 @@ def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int |
     return int(value)
 
 
-def _float(name: str, value: Any, minimum: float, allow_none: bool = False, strict: bool = False) -> float | None:
+@overload
+def _float(name: str, value: object, minimum: float, allow_none: Literal[False] = False,
+           strict: bool = False) -> float: ...
+
+
+@overload
+def _float(name: str, value: object, minimum: float, allow_none: bool, strict: bool = False) -> float | None: ...
+
+
+def _float(name: str, value: object, minimum: float, allow_none: bool = False, strict: bool = False) -> float | None:
+    """``value`` as a float ``>= minimum`` (``> minimum`` when ``strict``; never NaN), or None when that is allowed."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -40,13 +64,20 @@ def _float(name: str, value: Any, minimum: float, allow_none: bool = False, stri
     return float(value)
 
 
-def _bool(name: str, value: Any) -> bool:
+def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"dist_fit({name}=...) must be True or False, got {type(value).__name__} {value!r}")
     return value
 
 
 KERNEL_SET = {"snapshot_dir", "from_snapshot", "data_world"}  # set by the kernel for an elastic fit, never by a person
+
+
+def config_of(args: FitArguments, **decided: Any) -> FitConfig:
+    """The checked ``FitConfig`` of a fit's options: each field from the option of its name, or from what the kernel
+    ``decided`` instead (the batch size a loader gave, the checked snapshot interval, a scheduler dict's settings)."""
+    names = {f.name for f in fields(FitConfig)}
+    return make_config(**{**{k: v for k, v in args.by_name().items() if k in names}, **decided})
 
 
 def make_config(**options: Any) -> FitConfig:
@@ -127,7 +158,7 @@ def _check_loading(cfg: FitConfig) -> None:
         cfg.pin_memory = _bool("pin_memory", cfg.pin_memory)
 
 
-def _checkpointing(value: Any) -> Any:
+def _checkpointing(value: ModuleClasses | None) -> bool | frozenset[str] | None:
     """``activation_checkpointing``: False, True (every unit), or module classes / class names."""
     if isinstance(value, bool):
         return value
@@ -136,7 +167,7 @@ def _checkpointing(value: Any) -> Any:
     return module_classes(value, "dist_fit(activation_checkpointing=...)", " (or True for every unit)")
 
 
-def canonical_precision(value: Any) -> str:
+def canonical_precision(value: object) -> str:
     """``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``; ``"32"`` and ``"bf16"`` are accepted as aliases."""
     if isinstance(value, str) and value in PRECISIONS:
         return value
@@ -152,7 +183,7 @@ def canonical_precision(value: Any) -> str:
 SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor")
 
 
-def scheduler_settings(scheduler: Any) -> tuple[Any, dict[str, Any]]:
+def scheduler_settings(scheduler: SchedulerLike | None) -> tuple[Callable[[Optimizer], Any] | None, dict[str, Any]]:
     """``(factory, options)``: a Lightning-style dict ``{"scheduler": f, "interval": ..., "frequency": k, "monitor": ...}``.
 
     The dict's settings become ``scheduler_interval``, ``scheduler_frequency``

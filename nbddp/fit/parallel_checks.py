@@ -10,22 +10,23 @@ anything is shipped; the workers apply the same rules (``partitioning/pipeline_s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from nbddp.fit.arguments import ModelLike
 from nbddp.protocol.mesh_layout import layout
 from nbddp.protocol.parallel_settings import Pipeline, TensorParallel, is_model_parallel
+from nbddp.protocol.strategy_settings import StrategySettings
 
 
-def _mesh_for(strategy: Any, mesh: dict[str, int] | None, world: int) -> dict[str, int]:
+def _mesh_for(strategy: Pipeline | TensorParallel, mesh: dict[str, int] | None, world: int) -> dict[str, int]:
     """The full mesh of a model-parallel strategy: the given one, or its default for ``world`` ranks."""
     dim = strategy.mp_dim
+    assert dim is not None  # Pipeline and TensorParallel declare theirs
     if mesh is None:
-        if isinstance(strategy, TensorParallel):
-            mp = world
-        elif strategy.schedule == "interleaved":
-            mp = world
-        else:
-            mp = strategy.stages
+        if isinstance(strategy, TensorParallel) or strategy.schedule == "interleaved":
+            return {"dp": 1, dim: world}  # every rank holds a part of the one model
+        mp = strategy.stages
         if world % mp:
             raise ValueError(f"nbddp.Pipeline(stages={strategy.stages}) needs a multiple of {mp} workers, but {world} "
                              f"are running; pass mesh={{'dp': ..., 'pp': ...}} or start a multiple of {mp} workers")
@@ -40,7 +41,8 @@ def _mesh_for(strategy: Any, mesh: dict[str, int] | None, world: int) -> dict[st
     return full
 
 
-def resolve(strategy: Any, mesh: dict[str, int] | None, world: int) -> tuple[Any, dict[str, int] | None]:
+def resolve(strategy: str | StrategySettings, mesh: dict[str, int] | None,
+            world: int) -> tuple[str | StrategySettings, dict[str, int] | None]:
     """``(strategy, mesh)`` for ``world`` ranks: a mesh with ``pp``/``tp`` turns ``"ddp"``/``"fsdp"`` into its dp."""
     if mesh is not None and not is_model_parallel(strategy):
         size = 1
@@ -55,7 +57,7 @@ def resolve(strategy: Any, mesh: dict[str, int] | None, world: int) -> tuple[Any
             strategy = TensorParallel(dp=strategy)
         else:
             return strategy, None  # data parallel only: what strategy= says
-    if not is_model_parallel(strategy):
+    if not isinstance(strategy, (Pipeline, TensorParallel)):  # no other settings class may declare mp_dim
         return strategy, None
     full = _mesh_for(strategy, mesh, world)
     if isinstance(strategy, Pipeline):
@@ -78,7 +80,8 @@ def _check_pipeline(p: Pipeline, pp: int) -> None:
                          "stages per rank")
 
 
-def check_batch(strategy: Any, batch_size: int, step_fn: Any = None, precision: str = "32-true") -> None:
+def check_batch(strategy: str | StrategySettings, batch_size: int, step_fn: Callable[..., Any] | None = None,
+                precision: str = "32-true") -> None:
     """A pipeline's batch must split into equal micro-batches, and its loss is the last stage's."""
     if is_model_parallel(strategy) and precision == "16-mixed":
         raise ValueError(f"dist_fit(precision='16-mixed') cannot train under nbddp.{type(strategy).__name__}: its "
@@ -98,9 +101,9 @@ def check_batch(strategy: Any, batch_size: int, step_fn: Any = None, precision: 
                          "(x, y) batches and loss_fn=...; the loss is computed on the last stage")
 
 
-def check_model(model: Any, strategy: Any, mesh: dict[str, int] | None) -> None:
+def check_model(model: ModelLike, strategy: str | StrategySettings, mesh: dict[str, int] | None) -> None:
     """Cut points and TP plans against the model; a factory is built on ``meta`` (no memory, no init)."""
-    if not is_model_parallel(strategy):
+    if not isinstance(strategy, (Pipeline, TensorParallel)):  # no other settings class may declare mp_dim
         return
     import torch
 
@@ -113,13 +116,14 @@ def check_model(model: Any, strategy: Any, mesh: dict[str, int] | None) -> None:
         from nbddp.partitioning.pipeline_stages import plan_stages
 
         plan_stages(model, strategy.stages, strategy.split)
-    else:
+    elif mesh is not None:  # a TensorParallel's mesh, completed by resolve
         from nbddp.partitioning.tensor_plan import resolve_plan
 
         resolve_plan(model, strategy.plan, mesh["tp"])
 
 
-def scaling_sizes(strategy: Any, mesh: dict[str, int] | None, world: int, sizes: list[int]) -> list[int]:
+def scaling_sizes(strategy: str | StrategySettings, mesh: dict[str, int] | None, world: int,
+                  sizes: list[int]) -> list[int]:
     """World sizes a scaling report can measure: one rank (the model whole), then multiples of the group."""
     if not is_model_parallel(strategy):
         return sizes
@@ -127,7 +131,7 @@ def scaling_sizes(strategy: Any, mesh: dict[str, int] | None, world: int, sizes:
     return [1, *[k for k in sizes if k >= mp and k % mp == 0]]
 
 
-def batch_unit(strategy: Any, mesh: Any, world: int) -> int:
+def batch_unit(strategy: str | StrategySettings, mesh: dict[str, int] | None, world: int) -> int:
     """The step between batch sizes a fit accepts: a pipeline's microbatches, else 1."""
     from nbddp.protocol.parallel_settings import resolve_strategy
     from nbddp.protocol.mesh_layout import check_mesh_shape

@@ -1,6 +1,6 @@
 """Before a fit: check every argument the kernel can judge, then ship them.
 
-``prepare`` turns the person's arguments into a ``FitPlan``: the validated
+``plan_fit`` turns the person's arguments (``FitArguments``) into a ``FitPlan``: the validated
 ``FitConfig``, what each rank is told (``FitLaunch``), and the pickled
 arguments (one ``Parcel`` per kind of host). Everything that can be known
 before a worker starts is raised here, naming the argument and the fix, so
@@ -10,9 +10,9 @@ a typo costs an error message and nothing changes on the workers.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from nbddp.shipping import pickling as shipping
 from nbddp.protocol.errors import ShippingError
@@ -20,19 +20,24 @@ from nbddp.protocol.messages import FitLaunch
 from nbddp.elastic.fewer_ranks import check_min_workers
 from nbddp.elastic.policy import check_elastic
 from nbddp.execution.policy import FailurePolicy
+from nbddp.fit.arguments import DataOptions, FitArguments, ModelLike, ResultOptions, StepOptions, ValidationOptions
 from nbddp.fit.compile_checks import with_cache_dir
-from nbddp.fit.option_checks import make_config, scheduler_settings
-from nbddp.protocol.data_forms import data_spec
+from nbddp.fit.option_checks import config_of, scheduler_settings
+from nbddp.protocol.data_forms import DataLike, DataSpec, data_spec
 from nbddp.protocol.fit_options import FitConfig, check_device_rules
 from nbddp.protocol.parallel_settings import data_parallel_size, is_replicated, settings_of
+from nbddp.session.session import Session
+
+if TYPE_CHECKING:
+    from torch.nn import Module
 
 
 @dataclass
 class FitPlan:
     cfg: FitConfig
     launch: FitLaunch
-    model: Any  # the person's nn.Module (weights come back into it) or None for a factory
-    factory: Any = None  # the model factory, when the kernel builds the module the weights go into
+    model: Module | None  # the person's nn.Module (weights come back into it) or None for a factory
+    factory: Callable[[], Module] | None = None  # the model factory, when the kernel builds the module weights go into
     parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # local? -> parcel
     model_parcels: dict[bool, shipping.Parcel] = field(default_factory=dict)  # the model alone (sharded training)
     ship_s: float = 0.0
@@ -44,57 +49,61 @@ class FitPlan:
             parcel.discard()
 
 
-def keep_loader_settings(settings: dict[str, Any] | None, batch_size: Any, options: dict[str, Any]) -> None:
+def keep_loader_settings(settings: dict[str, Any] | None, data: DataOptions) -> DataOptions:
     """A DataLoader's own settings become the fit's; where ``dist_fit``'s arguments say otherwise, it is an error.
 
     Silently preferring either would surprise someone: the loader's author
     or the caller of ``dist_fit``. ``shuffle`` defaults to True without a loader.
     """
     if settings is None or "shuffle" not in settings:  # no loader, or one over a stream (no order to keep)
-        options["shuffle"] = True if options.get("shuffle") is None else options["shuffle"]
+        data = replace(data, shuffle=True if data.shuffle is None else data.shuffle)
     if settings is None:
-        return
-    if batch_size is not None and settings["batch_size"] is not None and batch_size != settings["batch_size"]:
-        raise ValueError(f"dist_fit(batch_size={batch_size!r}) and the DataLoader's batch_size={settings['batch_size']} "
-                         "disagree; give one of them: leave batch_size out of dist_fit to use the loader's, or build "
-                         "the loader with the batch size you want (it is per rank)")
+        return data
+    if (data.batch_size is not None and settings["batch_size"] is not None
+            and data.batch_size != settings["batch_size"]):
+        raise ValueError(f"dist_fit(batch_size={data.batch_size!r}) and the DataLoader's "
+                         f"batch_size={settings['batch_size']} disagree; give one of them: leave batch_size out of "
+                         "dist_fit to use the loader's, or build the loader with the batch size you want (it is per "
+                         "rank)")
     for name in ("shuffle", "num_workers", "pin_memory"):
         if name not in settings:
             continue
-        given, own = options.get(name), settings[name]
+        given, own = getattr(data, name), settings[name]
         if given is None:
-            options[name] = own
+            data = replace(data, **{name: own})
         elif given != own:
             raise ValueError(f"dist_fit({name}={given!r}) and the DataLoader's {name}={own!r} disagree; leave "
                              f"{name} out of dist_fit to keep the loader's, or build the loader with {name}={given!r}")
+    return data
 
 
-def check_model(model: Any) -> Any:
-    """The module the weights come back into, or None for a factory (built on each worker)."""
+def check_model(model: ModelLike) -> tuple[Module | None, Callable[[], Module] | None]:
+    """``(module, None)``: the module the weights come back into; ``(None, factory)``: built on each worker."""
     import torch
 
     if isinstance(model, torch.nn.Module):
-        return model
+        return model, None
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
-        return None  # a Module class is a factory: Net() is built on each worker
+        return None, model  # a Module class is a factory: Net() is built on each worker
     if callable(model) and not isinstance(model, type):
-        return None
+        return None, model
     what = f"the class {model.__name__}, which is not an nn.Module" if isinstance(model, type) else type(model).__name__
     raise TypeError(f"dist_fit(model=...) must be a torch.nn.Module or a zero-argument function returning one; got {what}")
 
 
-def _check_callable(name: str, value: Any) -> None:
+def _check_callable(name: str, value: object) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"dist_fit({name}=...) must be callable, got {type(value).__name__} {value!r}")
 
 
-def check_functions(optimizer: Any, lr: Any, metrics: Any, val_data: Any, step_fn: Any, **callables: Any) -> None:
-    """The optimizer, metrics and the other callables, and how they combine."""
+def check_functions(step: StepOptions, validation: ValidationOptions) -> None:
+    """The optimizer, metrics and the other callables, and how they combine (``step.scheduler``: the factory, a
+    Lightning dict's taken out of it)."""
     import torch
 
-    for name, value in callables.items():
-        _check_callable(name, value)
-    _check_callable("step_fn", step_fn)
+    for name in ("loss_fn", "scheduler", "step_fn"):
+        _check_callable(name, getattr(step, name))
+    optimizer, lr, metrics = step.optimizer, step.lr, validation.metrics
     if optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -112,13 +121,13 @@ def check_functions(optimizer: Any, lr: Any, metrics: Any, val_data: Any, step_f
     if metrics is not None:
         if not isinstance(metrics, Mapping) or not all(isinstance(k, str) and callable(v) for k, v in metrics.items()):
             raise TypeError("dist_fit(metrics=...) must be a dict of name -> fn(output, target), e.g. {'acc': accuracy}")
-        if val_data is None:
+        if validation.val_data is None:
             raise ValueError("dist_fit(metrics=...) are computed on validation data; pass val_data=... too")
-        if step_fn is not None:
+        if step.step_fn is not None:
             raise ValueError("dist_fit(metrics=...) cannot see outputs inside a step_fn; return the values in step_fn's dict instead")
 
 
-def check_keep(keep: Any, return_weights: Any) -> None:
+def check_keep(keep: str | None, return_weights: bool) -> None:
     import keyword
 
     if keep is not None and (not isinstance(keep, str) or not keep.isidentifier() or keyword.iskeyword(keep)):
@@ -128,7 +137,7 @@ def check_keep(keep: Any, return_weights: Any) -> None:
         raise TypeError(f"dist_fit(return_weights=...) must be True or False, got {return_weights!r}")
 
 
-def check_units(model: Any, cfg: FitConfig) -> None:
+def check_units(model: ModelLike, cfg: FitConfig) -> None:
     """Module classes named for sharding or checkpointing must exist in the model (a factory is built on meta)."""
     import torch
 
@@ -149,8 +158,8 @@ def check_units(model: Any, cfg: FitConfig) -> None:
             raise ValueError(f"{where}: {exc}") from None
 
 
-def check_topology(model: Any, cfg: FitConfig, world: int, step_fn: Any, stream: bool = False,
-                   keep: str | None = None) -> None:
+def check_topology(model: ModelLike, cfg: FitConfig, world: int, step_fn: Callable[..., Any] | None,
+                   stream: bool = False, keep: str | None = None) -> None:
     """A model-parallel strategy and its mesh, for these workers, this model and this data (``parallel_checks.py``);
     then what the fit asks of the strategy (a stream, ``keep=``), as it declares it."""
     from nbddp.fit.parallel_checks import check_batch, check_model, resolve
@@ -174,34 +183,39 @@ def check_shard(cfg: FitConfig, n: int, world: int) -> None:
         )
 
 
-def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_fn: Callable | None = None,
-            optimizer: Any = None, scheduler: Callable | None = None, metrics: Mapping[str, Callable] | None = None,
-            step_fn: Callable | None = None, batch_size: int | None = None, keep: str | None = None,
-            return_weights: bool = True, world: int | None = None, **options: Any) -> FitPlan:
+def prepare(session: Session, model: ModelLike, data: DataLike, *, world: int | None = None,
+            **options: Any) -> FitPlan:
+    """``plan_fit`` for the calls that take ``dist_fit``'s options flat and watch no fit of their own (``sweep``,
+    ``find_batch_size``, ``scaling_report``): ``WatchOptions``' names (``block``, ``live``, ...) are unknown to them."""
+    return plan_fit(session, model, data, FitArguments.of(options, watched=False), world)
+
+
+def plan_fit(session: Session, model: ModelLike, data: DataLike, args: FitArguments,
+             world: int | None = None) -> FitPlan:
     """Check everything, then pack the arguments for the workers.
 
     ``world``: the ranks one fit trains on, when not every worker (a sweep's trial group): the mesh and the
     data shards are checked for that many."""
     world = world or session.world_size
-    policy = check_elastic(options.pop("max_restarts", 0), options.pop("snapshot_every", None),
-                            options.pop("retry_on", None))
-    min_workers = options.pop("min_workers", None)
-    returned = check_model(model)
-    check_keep(keep, return_weights)
+    step, validation = args.step, args.validation
+    policy = check_elastic(args.faults.max_restarts, args.faults.snapshot_every, args.faults.retry_on)
+    returned, factory = check_model(model)
+    check_keep(args.result.keep, args.result.return_weights)
     spec, n_train, loader_bs = data_spec(data, "dist_fit(data=...)")
     if n_train == 0:
         raise ValueError("dist_fit(data=...) is empty (len 0); nothing to train on")
     val_spec = None
-    if val_data is not None:
-        val_spec, n_val, _ = data_spec(val_data, "dist_fit(val_data=...)")
+    if validation.val_data is not None:
+        val_spec, n_val, _ = data_spec(validation.val_data, "dist_fit(val_data=...)")
         if n_val == 0:
             raise ValueError("dist_fit(val_data=...) is empty (len 0); pass None to skip validation")
-    scheduler, scheduler_options = scheduler_settings(scheduler)
-    options.update(scheduler_options)
-    check_functions(optimizer, options.get("lr"), metrics, val_data, step_fn, loss_fn=loss_fn, scheduler=scheduler)
-    keep_loader_settings(spec.loader, batch_size, options)
-    cfg = make_config(batch_size=batch_size if batch_size is not None else (loader_bs or 32),
-                      snapshot_every=policy.snapshot_every, **options)
+    scheduler, scheduler_options = scheduler_settings(step.scheduler)
+    check_functions(replace(step, scheduler=scheduler), validation)
+    loading = keep_loader_settings(spec.loader, args.data)
+    batch_size = loading.batch_size if loading.batch_size is not None else (loader_bs or 32)
+    cfg = config_of(replace(args, data=loading), batch_size=batch_size, snapshot_every=policy.snapshot_every,
+                    **scheduler_options)
+    min_workers = args.faults.min_workers
     if min_workers is not None:  # going on with fewer ranks: the shards they began with, read by fewer
         policy = replace(policy, min_workers=check_min_workers(min_workers, policy.max_restarts, session.world_size,
                                                                  cfg.strategy, bool(getattr(spec, "stream", False))))
@@ -210,18 +224,13 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
                        cfg.strategy)
     cfg.compile = with_cache_dir(cfg.compile, session.file_prefix)
     check_units(model, cfg)
-    check_topology(model, cfg, world, step_fn, stream=bool(getattr(spec, "stream", False)), keep=keep)
+    check_topology(model, cfg, world, step.step_fn, stream=bool(getattr(spec, "stream", False)), keep=args.result.keep)
     if n_train is not None:
         check_shard(cfg, n_train, data_parallel_size(cfg.strategy, cfg.mesh, world))
-    # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole
-    keys = session.resident.key_specs([spec, val_spec], by_value=policy.restarts)
-    launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, return_weights),
-                       resident=session.resident.to_keep(keys), keep=keep)
-    parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": loss_fn, "optimizer": optimizer,
-             "scheduler": scheduler, "metrics": dict(metrics) if metrics else None, "step_fn": step_fn}
-    plan = FitPlan(cfg=cfg, launch=launch, model=returned if return_weights else None,
-                   factory=model if returned is None and launch.returns == "state_dict" else None, data_keys=keys,
-                   policy=policy)
+    plan = _plan(session, returned, factory, cfg, args.result, policy, spec, val_spec)
+    parts = {"model": model, "data": spec, "val_data": val_spec, "loss_fn": step.loss_fn, "optimizer": step.optimizer,
+             "scheduler": scheduler, "metrics": dict(validation.metrics) if validation.metrics else None,
+             "step_fn": step.step_fn}
     if not is_replicated(cfg.strategy) and returned is not None:
         parts["model"] = None  # travels alone, so that each rank can keep only its shard of it
         ship(session, plan, {"model": model}, plan.model_parcels, pooled=False)
@@ -229,7 +238,18 @@ def prepare(session: Any, model: Any, data: Any, *, val_data: Any = None, loss_f
     return plan
 
 
-def _returns(model: Any, cfg: FitConfig, return_weights: bool) -> str:
+def _plan(session: Session, returned: Module | None, factory: Callable[[], Module] | None, cfg: FitConfig,
+          result: ResultOptions, policy: FailurePolicy, spec: DataSpec, val_spec: DataSpec | None) -> FitPlan:
+    """The plan before shipping: what rank 0 returns, and which datasets the workers may keep."""
+    # a relaunch runs on replaced workers whose dataset caches are empty: an elastic fit ships its data whole
+    keys = session.resident.key_specs([spec, val_spec], by_value=policy.restarts)
+    launch = FitLaunch(generation=session.generation, returns=_returns(returned, cfg, result.return_weights),
+                       resident=session.resident.to_keep(keys), keep=result.keep)
+    return FitPlan(cfg=cfg, launch=launch, model=returned if result.return_weights else None,
+                   factory=factory if launch.returns == "state_dict" else None, data_keys=keys, policy=policy)
+
+
+def _returns(model: Module | None, cfg: FitConfig, return_weights: bool) -> str:
     """What rank 0 sends back: the weights (into the notebook's model), the trained module, or nothing."""
     if not return_weights:
         return "none"
@@ -238,7 +258,7 @@ def _returns(model: Any, cfg: FitConfig, return_weights: bool) -> str:
     return "module"
 
 
-def ship(session: Any, plan: FitPlan, parts: dict[str, Any], into: dict[bool, shipping.Parcel],
+def ship(session: Session, plan: FitPlan, parts: dict[str, Any], into: dict[bool, shipping.Parcel],
          pooled: bool = True) -> None:
     """Pack ``parts`` once per kind of host (shared memory on the kernel's, inline elsewhere).
 

@@ -18,22 +18,21 @@ when rank 0 shares this host, else on asynchronous hooks and a refused
 from __future__ import annotations
 
 import secrets
-from typing import Any
-
 from nbddp.protocol import store_channel
 from nbddp.protocol.store_channel import CONNECT_TIMEOUT_S, KernelStore
+from nbddp.session.session import Session
 
 
 class Rank0Link:
     """One fit's way to rank 0: ``channel`` is "" for the file, else the fit's token in every store key."""
 
-    def __init__(self, session: Any, channel: str = "", reason: str = "", timeout_s: float = CONNECT_TIMEOUT_S):
+    def __init__(self, session: Session, channel: str = "", reason: str = "", timeout_s: float = CONNECT_TIMEOUT_S):
         self.session, self.channel, self.reason, self.timeout_s = session, channel, reason, timeout_s
         self._store: KernelStore | None = None
         self.closed = False
 
     @classmethod
-    def open(cls, session: Any, timeout_s: float = CONNECT_TIMEOUT_S) -> "Rank0Link":
+    def open(cls, session: Session, timeout_s: float = CONNECT_TIMEOUT_S) -> Rank0Link:
         """A client of the group's TCPStore; the file on one host (``reason`` set when neither reaches rank 0)."""
         group = getattr(session, "group", None)
         if group is None or not str(getattr(group, "init_method", "")).startswith("tcp://"):
@@ -61,11 +60,14 @@ class Rank0Link:
         """The client of the current group's store (a new one after the group re-formed: an elastic relaunch).
 
         Raises:
-            OSError: the store did not answer within the connect timeout, or the fit ended (``close``).
+            OSError: the store did not answer within the connect timeout, the fit ended (``close``), or the
+                workers were stopped (no group, no store).
         """
         if self.closed:
             raise OSError("this fit has ended: its link to rank 0's store is closed")
         group = self.session.group
+        if group is None:
+            raise OSError("the workers were stopped (nbddp.stop()): rank 0's store went with their process group")
         store = self._store
         if store is None or (store.host, store.port, store.generation) != (group.master_addr, group.master_port,
                                                                            group.generation):

@@ -23,17 +23,29 @@ drawing, and import nothing of it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+from nbddp.live.state import ViewedFit
+
+
+class View(Protocol):
+    """What a fit's watcher calls: ``start`` in the calling cell, ``update`` (the view throttles), ``finish``."""
+
+    def start(self, run: ViewedFit) -> None: ...
+
+    def update(self, run: ViewedFit) -> None: ...
+
+    def finish(self, run: ViewedFit) -> None: ...
 
 
 class NullView:
-    def start(self, run: Any) -> None:
+    def start(self, run: ViewedFit) -> None:
         pass
 
-    def update(self, run: Any) -> None:
+    def update(self, run: ViewedFit) -> None:
         pass
 
-    def finish(self, run: Any) -> None:
+    def finish(self, run: ViewedFit) -> None:
         pass
 
 
@@ -46,7 +58,7 @@ def in_notebook_kernel() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
-def choose_view(live: Any) -> Any:
+def choose_view(live: bool | str | None) -> View:
     """The view for ``dist_fit(live=...)``: ``None`` means automatic."""
     if live is False:
         return NullView()

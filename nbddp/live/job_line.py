@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TextIO
 
 from nbddp.cluster.slurm.queue import JobState
 from nbddp.cluster.slurm.watch import fmt_clock
 from nbddp.live import in_notebook_kernel
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
 
 
 class JobLine:
@@ -24,12 +27,12 @@ class JobLine:
     Elsewhere (a log, a pipe) a new line is written only when what it says changes, not every second.
     """
 
-    def __init__(self, every: float = 1.0, stream: Any = None):
+    def __init__(self, every: float = 1.0, stream: TextIO | None = None):
         self.every = every
         self.stream = stream or sys.stdout
         self._kernel = stream is None and in_notebook_kernel()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._handle: Any = None
+        self._handle: DisplayHandle | None = None
         self._said = ""
         self._shown_at = float("-inf")
 

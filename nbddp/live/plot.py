@@ -12,7 +12,11 @@ from __future__ import annotations
 import functools
 import io
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 MAX_POINTS = 600  # the train line is thinned to about this many points: a plot is ~600 px wide
 
@@ -25,13 +29,13 @@ def _thin(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[fl
     return [r["step"] for r in picked], [r[key] for r in picked]
 
 
-def _style(ax: Any) -> None:
+def _style(ax: Axes) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
 
 
-def shown_figure(figsize: tuple[float, float], dpi: int = 100) -> Any:
+def shown_figure(figsize: tuple[float, float], dpi: int = 100) -> Figure:
     """A ``Figure`` (Agg canvas, no pyplot) that a plain Jupyter kernel displays as an image.
 
     IPython shows a figure as a PNG only when matplotlib's inline backend
@@ -48,7 +52,7 @@ def shown_figure(figsize: tuple[float, float], dpi: int = 100) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _shown_figure_class() -> type:
+def _shown_figure_class() -> type[Figure]:
     """Made on first use: importing matplotlib costs ~0.5 s, and importing nbddp must stay instant."""
     from matplotlib.figure import Figure
 
@@ -60,11 +64,18 @@ def _shown_figure_class() -> type:
 
 
 def loss_figure(steps: list[dict[str, Any]], validations: list[dict[str, Any]], title: str = "",
-                figsize: tuple[float, float] = (6.0, 3.6), ax: Any = None) -> Any:
+                figsize: tuple[float, float] = (6.0, 3.6), ax: Axes | None = None) -> Figure | Axes:
     """The loss curves on a new figure (returned), or on ``ax`` (returned, as pandas' ``plot(ax=...)`` does)."""
-    given = ax is not None
-    fig = ax.figure if given else shown_figure(figsize)
-    ax = ax if given else fig.add_subplot(1, 1, 1)
+    if ax is not None:
+        _draw_losses(ax, steps, validations, title)
+        return ax
+    fig = shown_figure(figsize)
+    _draw_losses(fig.add_subplot(1, 1, 1), steps, validations, title)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_losses(ax: Axes, steps: list[dict[str, Any]], validations: list[dict[str, Any]], title: str) -> None:
     if steps:
         ax.plot(*_thin(steps, "loss"), label="train loss", color="#1f77b4", lw=1.4)
     if validations:
@@ -75,13 +86,9 @@ def loss_figure(steps: list[dict[str, Any]], validations: list[dict[str, Any]], 
         ax.set_title(title, fontsize=10)
     if steps or validations:
         ax.legend(loc="upper right", fontsize=8)
-    if given:
-        return ax
-    fig.tight_layout()
-    return fig
 
 
-def figure_png(fig: Any) -> bytes:
+def figure_png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 import threading
-from typing import Any
+from nbddp.live.state import ViewedFit
 
 STEPS = 10
 
@@ -27,10 +27,10 @@ class ProfileButton:
         self.result = w.HTML(value="")
         self.widget = w.VBox([self.button, self.result])
         self.button.on_click(self._on_click)
-        self.run: Any = None
+        self.run: ViewedFit | None = None
         self.thread: threading.Thread | None = None
 
-    def _on_click(self, _button: Any = None) -> None:
+    def _on_click(self, _button: object = None) -> None:
         run = self.run
         if run is None or run.finished or (self.thread is not None and self.thread.is_alive()):
             return
@@ -39,7 +39,7 @@ class ProfileButton:
         self.thread = threading.Thread(target=self._profile, args=(run,), name="nbddp-profile", daemon=True)
         self.thread.start()
 
-    def _profile(self, run: Any) -> None:
+    def _profile(self, run: ViewedFit) -> None:
         try:
             profile = run.requests.wait(run.requests.ask(STEPS), None)
             text = profile["summary"] if profile else "the fit ended before a traced step"

@@ -2,13 +2,19 @@
 
 Plain data, written by the watcher thread (``nbddp.fit.fit_run.FitRun``) and read by
 the views; a field is replaced whole, never mutated in place, so a view
-drawing from another moment sees one consistent value per field.
+drawing from another moment sees one consistent value per field. ``ViewedFit``
+is what a view reads of the fit besides (its records, its end).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nbddp.protocol.messages import FitPlanInfo, RankInfo
+
+if TYPE_CHECKING:
+    from nbddp.profiling.requests import ProfileRequests
 
 
 @dataclass
@@ -17,8 +23,8 @@ class LiveState:
     world_size: int = 0
     backend: str = ""
     epochs: int = 0
-    placements: list[Any] = field(default_factory=list)  # messages.RankInfo, in rank order
-    plan: Any = None  # messages.FitPlanInfo once the workers sent it
+    placements: list[RankInfo] = field(default_factory=list)  # in rank order
+    plan: FitPlanInfo | None = None  # once the workers sent it
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each rank's latest figures
     restarts: list[str] = field(default_factory=list)  # "rank 1 lost at step 12 (...); replaced in 2.1 s; ..."
     missed: int = 0  # records the stream skipped (the final result fills them in)
@@ -35,3 +41,46 @@ class LiveState:
     @property
     def start_step(self) -> int:
         return self.plan.start_step if self.plan is not None else 0
+
+
+class FitRecords(Protocol):
+    """The records a view draws: ``fit.history.History`` (``fit/`` imports ``live/``, so it is named by its parts)."""
+
+    @property
+    def steps(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def epochs(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def validations(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def timings(self) -> dict[str, float]: ...
+
+
+class ViewedFit(Protocol):
+    """A fit as its view reads it and its buttons act on it: ``fit.fit_run.FitRun``."""
+
+    @property
+    def live_state(self) -> LiveState: ...
+
+    @property
+    def history(self) -> FitRecords: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def started_at(self) -> float: ...
+
+    @property
+    def requests(self) -> ProfileRequests: ...  # the Profile button's handle.profile
+
+    def request_stop(self, reason: str | None = None) -> None: ...

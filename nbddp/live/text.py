@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
+from nbddp.live.state import FitRecords, LiveState, ViewedFit
 from nbddp.live.time_bars import split_sentence
 
 
@@ -14,7 +15,7 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds // 60:d}:{seconds % 60:02d}"
 
 
-def estimated_total(state: Any, hist: Any) -> int:
+def estimated_total(state: LiveState, hist: FitRecords) -> int:
     """A stream's total steps, guessed from the epochs it finished (0: no guess yet).
 
     A stream's length is known only at its end, so until one epoch ended the
@@ -33,7 +34,7 @@ def estimated_total(state: Any, hist: Any) -> int:
     return done[-1]["step"] + per_epoch * max(0, state.epochs - done[-1]["epoch"] - 1)
 
 
-def progress_fields(run: Any) -> dict[str, Any]:
+def progress_fields(run: ViewedFit) -> dict[str, Any]:
     """What every view shows: step/total, epoch, loss, lr, throughput, elapsed, ETA."""
     state, hist = run.live_state, run.history
     last = hist.steps[-1] if hist.steps else {}
@@ -77,7 +78,7 @@ def fmt_bytes(n: float | None) -> str:
 FINAL_STATES = {"completed": "done", "interrupted": "stopped", "failed": "failed"}
 
 
-def ended_status(run: Any) -> str | None:
+def ended_status(run: ViewedFit) -> str | None:
     """``"completed"``, ``"interrupted"`` or ``"failed"`` once the fit ended, else None.
 
     The views draw their last frame before ``run.finished`` turns true, so the
@@ -91,14 +92,14 @@ def ended_status(run: Any) -> str | None:
     return "completed" if getattr(run, "finished", False) else None
 
 
-def failed_ranks(run: Any) -> set[int]:
+def failed_ranks(run: ViewedFit) -> set[int]:
     """The ranks the fit's error names (its first failure and the others)."""
     error = getattr(run, "error", None)
     ranks = {getattr(error, "rank", None)} | {getattr(f, "rank", None) for f in getattr(error, "others", [])}
     return {r for r in ranks if r is not None}
 
 
-def rank_state(run: Any, rank: int, positions: dict[int, dict[str, Any]]) -> str:
+def rank_state(run: ViewedFit, rank: int, positions: dict[int, dict[str, Any]]) -> str:
     """Where a rank is (``"step 12 · backward"``, from its heartbeat), or, once the fit ended, its final state.
 
     A failed fit reads ``failed`` on the ranks its error names and ``stopped``
@@ -114,7 +115,7 @@ def rank_state(run: Any, rank: int, positions: dict[int, dict[str, Any]]) -> str
     return f"step {pos['step']} · {pos['phase']}" if pos else "-"
 
 
-def rank_positions(state: Any) -> str:
+def rank_positions(state: LiveState) -> str:
     """Where every rank is, from its heartbeat: ``"0: step 3 backward · 1: step 3 data, stalled 12 s"``."""
     stalled = {s["rank"]: s for s in state.stalled}
     paused = {p["rank"]: p for p in state.paused}
@@ -131,13 +132,13 @@ def rank_positions(state: Any) -> str:
     return " · ".join(parts)
 
 
-def paused_lines(state: Any) -> list[str]:
+def paused_lines(state: LiveState) -> list[str]:
     """``"rank 1 paused at Cell In[3], line 4 (step_fn), %ddp debug 1 to attach"`` for each paused rank."""
     return [f"rank {p['rank']} paused at {p['where']}" + (f" ({p['function']})" if p.get("function") else "")
             + f", `%ddp debug {p['rank']}` to attach" for p in state.paused]
 
 
-def progress_line(run: Any) -> str:
+def progress_line(run: ViewedFit) -> str:
     f = progress_fields(run)
     parts = [f"[{f['status']}]", f"step {f['step']}/{f['total_text']}", f"epoch {f['epoch'] + 1}/{f['epochs'] or '?'}"]
     if f["loss"] is not None:
@@ -159,19 +160,19 @@ def progress_line(run: Any) -> str:
 class TextView:
     """One line, rewritten in place on a terminal, at most every ``every`` seconds."""
 
-    def __init__(self, stream: Any = None, every: float = 1.0):
+    def __init__(self, stream: TextIO | None = None, every: float = 1.0):
         self.stream = stream or sys.stdout
         self.every = every
         self._last = 0.0
         self._paused: tuple[int, ...] = ()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
 
-    def start(self, run: Any) -> None:
+    def start(self, run: ViewedFit) -> None:
         state = run.live_state
         self.stream.write(f"nbddp: training on {state.world_size or '?'} rank(s), backend {state.backend or '?'}\n")
         self.stream.flush()
 
-    def update(self, run: Any) -> None:
+    def update(self, run: ViewedFit) -> None:
         now = time.monotonic()
         if now - self._last < self.every:
             return
@@ -183,7 +184,7 @@ class TextView:
         self.stream.write(("\r" + line + "\x1b[K") if self._tty else line + "\n")
         self.stream.flush()
 
-    def finish(self, run: Any) -> None:
+    def finish(self, run: ViewedFit) -> None:
         # on a terminal the final line replaces the last progress line instead of repeating it below
         self.stream.write(("\r" + progress_line(run) + "\x1b[K\n") if self._tty else progress_line(run) + "\n")
         sentence = split_sentence(run)

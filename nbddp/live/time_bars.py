@@ -8,8 +8,7 @@ Live, from the seconds every rank sent in the last reduction
 from __future__ import annotations
 
 import html
-from typing import Any
-
+from nbddp.live.state import ViewedFit
 from nbddp.profiling.time_split import SPLIT_PHASES, WORDS, shares, split_ranks, summary
 
 COLOURS = {"data": "#ff7f0e", "forward": "#1f77b4", "backward": "#2ca02c", "optimizer": "#17becf",
@@ -18,10 +17,11 @@ COLOURS = {"data": "#ff7f0e", "forward": "#1f77b4", "backward": "#2ca02c", "opti
 BAR_PX = 160
 
 
-def rank_splits(run: Any) -> list[dict[str, float]]:
+def rank_splits(run: ViewedFit) -> list[dict[str, float]]:
     """Each rank's split as far as known (rank order), or ``[]`` before the first reduction."""
-    final = [r.get("time_split") for r in run.history.ranks]
-    if final and all(s is not None for s in final):
+    ranks = run.history.ranks
+    final = [r["time_split"] for r in ranks if r.get("time_split") is not None]
+    if final and len(final) == len(ranks):
         return final
     live = run.live_state.ranks or []
     if not live or not all("phase_s" in r for r in live):
@@ -29,7 +29,7 @@ def rank_splits(run: Any) -> list[dict[str, float]]:
     return split_ranks([r["phase_s"] for r in sorted(live, key=lambda r: r["rank"])])
 
 
-def split_sentence(run: Any) -> str:
+def split_sentence(run: ViewedFit) -> str:
     """``rank 1 is 18 % slower (data loading); rank 0 waits 15 % of each step for it; ...`` ("" before data)."""
     return summary(rank_splits(run))
 
@@ -50,7 +50,7 @@ def legend_html() -> str:
     return " ".join(f"<span style='color:{COLOURS[p]}'>&#9632;</span> {p}" for p in SPLIT_PHASES)
 
 
-def split_html(run: Any) -> str:
+def split_html(run: ViewedFit) -> str:
     """The legend and the sentence, under the rank table."""
     sentence = split_sentence(run)
     if not sentence:

@@ -14,7 +14,10 @@ nothing of ``live/``; this module reads its breakdown from there.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 from nbddp.live.plot import shown_figure
 from nbddp.profiling.trace_analysis import trace_breakdown
@@ -66,7 +69,7 @@ def timeline_figure(path: str, figsize: tuple[float, float] = (10.0, 2.6)) -> An
     return fig
 
 
-def breakdown_bars(ax: Any, breakdown: dict[int, dict[str, Any]], ranks: list[int]) -> None:
+def breakdown_bars(ax: Axes, breakdown: dict[int, dict[str, Any]], ranks: list[int]) -> None:
     """One stacked bar a rank, beside its lane: the shares of its traced steps by kind, adding up to 1."""
     for lane, rank in enumerate(ranks):
         left = 0.0

@@ -36,13 +36,17 @@ import base64
 import functools
 import html
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.live.plot import LossPlot
 from nbddp.live.profile_button import ProfileButton
 from nbddp.live.time_bars import bar_html, rank_splits, split_html, split_sentence
 from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
+from nbddp.live.state import LiveState, ViewedFit
 from nbddp.protocol.messages import innermost_frames
+
+if TYPE_CHECKING:
+    from IPython.display import DisplayHandle
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STATUS_COLOURS = {"starting": "#777", "training": "#1f77b4", "validating": "#9467bd", "stopping": "#ff7f0e",
@@ -54,7 +58,7 @@ MAX_PLOT_INTERVAL = 3.0  # however slow the drawing, redraw at least this often
 FIRST_PLOT_COST_S = 0.03  # what a redraw is assumed to cost before one was measured
 
 
-def _num(v: Any) -> str:
+def _num(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -81,7 +85,7 @@ def progress_text(f: dict[str, Any]) -> str:
     return text
 
 
-def rank_rows(run: Any) -> list[dict[str, Any]]:
+def rank_rows(run: ViewedFit) -> list[dict[str, Any]]:
     """One row per rank: placement from the launch, figures from every rank's last report."""
     state = run.live_state
     figures = {r["rank"]: r for r in state.ranks or []}
@@ -123,7 +127,7 @@ def rank_table_html(rows: list[dict[str, Any]]) -> str:
             f"<tbody>{''.join(body)}</tbody></table>")
 
 
-def stalls_html(state: Any) -> str:
+def stalls_html(state: LiveState) -> str:
     """Each stalled rank: how long, where in the loop, and the innermost frames of its stack."""
     out = []
     for s in state.stalled:
@@ -135,7 +139,7 @@ def stalls_html(state: Any) -> str:
     return "".join(out)
 
 
-def status_html(run: Any, status: str) -> str:
+def status_html(run: ViewedFit, status: str) -> str:
     state = run.live_state
     colour = STATUS_COLOURS.get(status, "#777")
     badge = (f"<span class='nbddp-status' style='background:{colour};color:white;border-radius:3px;"
@@ -148,7 +152,7 @@ def status_html(run: Any, status: str) -> str:
     return f"<div style='font-size:13px'>{badge} {where}</div>"
 
 
-def summary_text(run: Any) -> str:
+def summary_text(run: ViewedFit) -> str:
     """The plain-text ending: what a saved notebook or a terminal shows."""
     f = progress_fields(run)
     lines = [f"nbddp fit {f['status']}: {progress_text(f)}", metrics_text(f)]
@@ -189,8 +193,8 @@ class WidgetView:
         self._last_plot = 0.0
         self._plot_cost = FIRST_PLOT_COST_S
         self._plotted = (-1, -1)  # (steps, validations) drawn last
-        self._handle: Any = None
-        self._run: Any = None
+        self._handle: DisplayHandle | None = None
+        self._run: ViewedFit | None = None
         self.redraws = 0
         self.plot_cpu_s = 0.0  # CPU seconds spent drawing the plot
         self._build()
@@ -231,7 +235,7 @@ class WidgetView:
         self.image.add_class("nbddp-plot")
         self.placeholder.add_class("nbddp-plot-placeholder")
 
-    def _on_stop(self, _button: Any = None) -> None:
+    def _on_stop(self, _button: object = None) -> None:
         run = self._run
         if run is None or run.finished:
             return
@@ -241,7 +245,7 @@ class WidgetView:
         self.status.value = status_html(run, "stopping")
 
     # -- view protocol -------------------------------------------------------
-    def start(self, run: Any) -> None:
+    def start(self, run: ViewedFit) -> None:
         """Called in the cell's thread: show the dashboard."""
         from IPython.display import display
 
@@ -252,7 +256,7 @@ class WidgetView:
         self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
         self._handle = display(self._bundle(run, final=False), raw=True, display_id=True)
 
-    def update(self, run: Any) -> None:
+    def update(self, run: ViewedFit) -> None:
         now = self.clock()
         if now - self._last_text < self.every:
             return
@@ -270,7 +274,7 @@ class WidgetView:
         within_budget = self.plot_cpu_s + self._plot_cost <= self.plot_cpu_share * (now - self._t_start)
         return within_budget or now - max(self._last_plot, self._t_start) >= MAX_PLOT_INTERVAL
 
-    def finish(self, run: Any) -> None:
+    def finish(self, run: ViewedFit) -> None:
         """The final state, whatever ended the fit; then the static fallback in the same display."""
         status = ended_status(run) or run.live_state.status
         self._draw_text(run, status)
@@ -285,7 +289,7 @@ class WidgetView:
             self._handle.update(self._bundle(run, final=True), raw=True)
 
     # -- drawing -------------------------------------------------------------
-    def _draw_text(self, run: Any, status: str) -> None:
+    def _draw_text(self, run: ViewedFit, status: str) -> None:
         f = progress_fields(run)
         if status == "completed":
             f["fraction"] = 1.0 if f["total"] and f["step"] >= f["total"] else f["fraction"]
@@ -303,7 +307,7 @@ class WidgetView:
         self.metrics.value = html.escape(metrics_text(f))
         self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
 
-    def _draw_plot(self, run: Any) -> None:
+    def _draw_plot(self, run: ViewedFit) -> None:
         hist = run.history
         drawn = (len(hist.steps), len(hist.validations))
         if drawn == self._plotted:
@@ -324,7 +328,7 @@ class WidgetView:
         if warm:
             self._plot_cost = cost
 
-    def _bundle(self, run: Any, final: bool) -> dict[str, Any]:
+    def _bundle(self, run: ViewedFit, final: bool) -> dict[str, Any]:
         """The display's mime bundle; the final one adds the static fallback."""
         bundle: dict[str, Any] = {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": self.box.model_id}}
         if not final:

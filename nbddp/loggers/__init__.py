@@ -10,7 +10,8 @@ only in the kernel. See ``docs/loggers.md``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TypeAlias, Union
 
 from nbddp.loggers.base import Logger, metrics_of
 from nbddp.loggers.csv_file import CSV
@@ -19,16 +20,18 @@ from nbddp.loggers.tboard import TensorBoard
 from nbddp.loggers.wandb_run import WandB
 
 NAMES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "csv": CSV}
+#: one of ``dist_fit(loggers=[...])``: a name in ``NAMES`` or a ``Logger`` object
+LoggerChoice: TypeAlias = Union[str, Logger]
 
 
-def resolve(loggers: Any) -> list[Logger]:
+def resolve(loggers: LoggerChoice | Sequence[LoggerChoice] | None) -> list[Logger]:
     """``dist_fit(loggers=...)`` as logger objects; unknown names and other objects raise here, before training."""
     if loggers is None:
         return []
     items = [loggers] if isinstance(loggers, (str, Logger)) else loggers
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"dist_fit(loggers=...) takes a list of loggers, got {type(loggers).__name__} {loggers!r}")
-    out = []
+    out: list[Logger] = []
     for item in items:
         if isinstance(item, str):
             if item.lower() not in NAMES:

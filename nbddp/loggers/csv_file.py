@@ -49,7 +49,7 @@ class CSV(Logger):
         self.path = path
 
     def start(self, info: FitInfo, resume: dict[str, Any] | None) -> dict[str, Any]:
-        columns, rows = _read(self.path)
+        columns, rows = _read(os.fspath(self.path))
         if resume and resume.get("run"):
             self.run = resume["run"]
             rows = [r for r in rows if r.get("run") != self.run or _step(r) <= info.start_step]
@@ -65,7 +65,7 @@ class CSV(Logger):
         if new:
             self.file.close()
             self.columns += new
-            self._rewrite(_read(self.path)[1])
+            self._rewrite(_read(os.fspath(self.path))[1])
         self.writer.writerow(row)
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:

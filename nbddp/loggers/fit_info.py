@@ -13,7 +13,10 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from nbddp.protocol.fit_options import FitConfig
+from nbddp.protocol.messages import FitPlanInfo
 
 
 @dataclass
@@ -37,8 +40,8 @@ class FitInfo:
     precision: str
     batch_size: int
     epochs: int
-    total_steps: int
-    steps_per_epoch: int
+    total_steps: int | None  # None: a stream without max_steps (its length shows at its end)
+    steps_per_epoch: int | None
     start_step: int
     resumed: bool
     model_class: str
@@ -49,7 +52,17 @@ class FitInfo:
     handle: Any = field(default=None, repr=False, compare=False)
 
 
-def plain(value: Any) -> Any:
+class TrainingGroup(Protocol):
+    """What ``FitInfo`` says of the workers: the session (``nbddp.session.session.Session``)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+
+def plain(value: object) -> str | int | float | bool | None:
     """A value every tracker stores: numbers, strings, booleans and None as they are, the rest as text."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -58,7 +71,7 @@ def plain(value: Any) -> Any:
     return getattr(value, "name", None) if hasattr(value, "shard_modules") else str(value)
 
 
-def callable_name(fn: Any) -> str | None:
+def callable_name(fn: object) -> str | None:
     """How an optimizer, loss or scheduler is named in the hyperparameters (None when not given)."""
     if fn is None:
         return None
@@ -70,7 +83,8 @@ def new_run_name(model_class: str) -> str:
     return f"{short}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def fit_info(cfg: Any, session: Any, plan: Any, described: dict[str, Any], run_name: str | None) -> FitInfo:
+def fit_info(cfg: FitConfig, session: TrainingGroup, plan: FitPlanInfo, described: dict[str, str | None],
+             run_name: str | None) -> FitInfo:
     """The ``FitInfo`` of a fit whose workers published ``plan`` (a ``messages.FitPlanInfo``)."""
     strategy = cfg.strategy if isinstance(cfg.strategy, str) else cfg.strategy.name
     info = FitInfo(run_name=run_name or new_run_name(plan.model_class), world_size=session.world_size,

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from nbddp.loggers.fit_info import FitInfo
 from nbddp.loggers.base import Logger
+from nbddp.protocol.fit_options import FitConfig
 from nbddp.protocol.notices import notify, report
 
 RUNS_FILE = "nbddp-runs.json"  # in checkpoint_dir: the run each logger wrote, for a resumed fit to continue
@@ -114,7 +115,7 @@ class LoggerSet:
         return [g.row() for g in self.guards]
 
 
-def runs_file(cfg: Any) -> str | None:
+def runs_file(cfg: FitConfig) -> str | None:
     """Where a fit's runs are noted: beside its checkpoints (``checkpoint_dir``, or the resumed checkpoint's)."""
     if cfg.checkpoint_dir:
         return os.path.join(cfg.checkpoint_dir, RUNS_FILE)

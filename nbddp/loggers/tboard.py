@@ -49,7 +49,7 @@ class TensorBoard(Logger):
             self.dir = resume["dir"]
             self.writer = SummaryWriter(self.dir, purge_step=info.start_step + 1, flush_secs=self.flush_secs)
         else:
-            self.dir = _free_dir(self.log_dir, self.run_name or info.run_name)
+            self.dir = _free_dir(os.fspath(self.log_dir), self.run_name or info.run_name)
             self.writer = SummaryWriter(self.dir, flush_secs=self.flush_secs)
             self._hparams(info)
         return {"dir": self.dir}

@@ -20,17 +20,30 @@ policy's grace those are killed and replaced (the supervisor's usual path,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Literal, overload
 
-from nbddp.protocol.errors import WorkerError
+from nbddp.protocol.errors import RankFailure, WorkerError
 from nbddp.execution.calls import RankCall
 from nbddp.protocol.messages import TrialResult
-from nbddp.session.session import get_session
+from nbddp.session.session import Session, get_session
 from nbddp.protocol.parallel_settings import data_parallel_size
+from nbddp.fit.arguments import FitArguments, ModelLike, ResultOptions
+from nbddp.fit.preflight import FitPlan, plan_fit
 from nbddp.fit.parallel_checks import batch_unit
+from nbddp.protocol.data_forms import DataLike
 
 
-def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
+@overload
+def _positive(name: str, value: object, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def _positive(name: str, value: object, allow_none: bool) -> int | None: ...
+
+
+def _positive(name: str, value: object, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -43,7 +56,7 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> int | None:
 class Trials:
     """Runs trials on the workers for one shipped plan, and says what it found."""
 
-    def __init__(self, session: Any, plan: Any, say: Any = print):
+    def __init__(self, session: Session, plan: FitPlan, say: Callable[[str], object] = print):
         self.session, self.plan, self.say = session, plan, say
         self.results: dict[int, list[TrialResult]] = {}
         self.shard: int | None = None
@@ -86,7 +99,7 @@ class Trials:
         return True
 
 
-def search(fits: Any, start: int, bound: int | None, first_bound: Any) -> int:
+def search(fits: Callable[[int], bool], start: int, bound: int | None, first_bound: Callable[[], int | None]) -> int:
     """Double from ``start`` to the first failure (or ``bound``), then bisect; 0 when even 1 fails.
 
     ``first_bound()`` gives the bound known only after the first trial (a
@@ -123,7 +136,7 @@ def search(fits: Any, start: int, bound: int | None, first_bound: Any) -> int:
     return good
 
 
-def find_batch_size(model: Any, data: Any, *, start: int = 1, max_batch_size: int | None = None,
+def find_batch_size(model: ModelLike, data: DataLike, *, start: int = 1, max_batch_size: int | None = None,
                     **fit_options: Any) -> int:
     """The largest per-rank batch size for which one full training step fits on every rank.
 
@@ -145,19 +158,35 @@ def find_batch_size(model: Any, data: Any, *, start: int = 1, max_batch_size: in
             as it is: a bigger or smaller batch would not help), or even a
             batch of one does not fit.
     """
-    from nbddp.fit.preflight import prepare
-
     start = _positive("start", start)
     max_batch_size = _positive("max_batch_size", max_batch_size, allow_none=True)
     for name in ("batch_size", "block", "live", "keep", "return_weights"):
         if name in fit_options:
             raise TypeError(f"find_batch_size() got {name}=...: it finds the batch size and trains nothing")
+    return search_batch_size(model, data, FitArguments.of(fit_options, watched=False), start, max_batch_size)
+
+
+def trial_arguments(args: FitArguments) -> FitArguments:
+    """What of a fit shapes one training step, for its ``batch_size="auto"``: its step, layout and loaders.
+
+    Not its NaN rule (``on_nan``'s agreement is a collective, and a trial's ranks must never wait in one for a
+    rank that ran out of memory), nor ``compile`` (a trial would compile for minutes), nor its validation, loop,
+    checkpoints, faults or view, which do not change the step.
+    """
+    return FitArguments(step=replace(args.step, on_nan="raise"), layout=replace(args.layout, compile=False),
+                        data=replace(args.data, batch_size=None))
+
+
+def search_batch_size(model: ModelLike, data: DataLike, args: FitArguments, start: int = 1,
+                      max_batch_size: int | None = None) -> int:
+    """``find_batch_size`` with the options as records: ``dist_fit(batch_size="auto")`` passes its own."""
     s = get_session()
     s.ensure_started()
-    unit = batch_unit(fit_options.get("strategy", "ddp"), fit_options.get("mesh"), s.world_size)  # a pipeline's microbatches
+    unit = batch_unit(args.layout.strategy, args.layout.mesh, s.world_size)  # a pipeline's microbatches
     with s.lock:
         s.ensure_ready()
-        plan = prepare(s, model, data, batch_size=unit, return_weights=False, **fit_options)
+        plan = plan_fit(s, model, data, replace(args, data=replace(args.data, batch_size=unit),
+                                                result=ResultOptions(return_weights=False)))
     try:
         n, ranks = _length(data), data_parallel_size(plan.cfg.strategy, plan.cfg.mesh, s.world_size)
         if n is not None and n < ranks:
@@ -177,15 +206,13 @@ def find_batch_size(model: Any, data: Any, *, start: int = 1, max_batch_size: in
     return found
 
 
-def _length(data: Any) -> int | None:
+def _length(data: DataLike) -> int | None:
     from nbddp.protocol.data_forms import data_spec
 
     return data_spec(data, "find_batch_size(data=...)")[1]
 
 
-def _failure(result: TrialResult | None) -> Any:
-    from nbddp.protocol.errors import RankFailure
-
+def _failure(result: TrialResult | None) -> RankFailure:
     if result is None:
         return RankFailure(rank=0, exc_type="OutOfMemoryError", message="out of memory")
     exc_type, _, message = result.message.partition(": ")

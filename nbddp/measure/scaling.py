@@ -24,7 +24,10 @@ from typing import Any
 
 from nbddp.execution.calls import RankCall
 from nbddp.session.session import get_session
+from nbddp.fit.arguments import ModelLike
 from nbddp.fit.parallel_checks import scaling_sizes
+from nbddp.protocol.data_forms import DataLike
+from nbddp.protocol.messages import ScalingRow
 from nbddp.profiling.time_split import shares, split_ranks
 
 EFFICIENT = 0.7  # below this scaling efficiency another worker buys less than 70 % of one more
@@ -138,7 +141,8 @@ def recommend(rows: list[dict[str, Any]]) -> str:
     return text + f" Beyond {best} worker(s) each addition buys less than 70 % of one." + advice
 
 
-def scaling_report(model: Any, data: Any, *, steps: int = 20, warmup: int = 5, **fit_options: Any) -> ScalingReport:
+def scaling_report(model: ModelLike, data: DataLike, *, steps: int = 20, warmup: int = 5,
+                   **fit_options: Any) -> ScalingReport:
     """Time a short run at 1, 2, 4, ... workers (subgroups of the running ones); see the module docstring.
 
     Args:
@@ -174,7 +178,7 @@ def scaling_report(model: Any, data: Any, *, steps: int = 20, warmup: int = 5, *
     return ScalingReport(rows=_rows(measured), batch_size=plan.cfg.batch_size, device=s.placements[0].device)
 
 
-def _rows(measured: list[Any]) -> list[dict[str, Any]]:
+def _rows(measured: list[ScalingRow]) -> list[dict[str, Any]]:
     one = measured[0].samples_per_s / measured[0].world_size
     return [{"world_size": m.world_size, "samples_per_s": m.samples_per_s, "speedup": m.samples_per_s / one,
              "efficiency": m.samples_per_s / one / m.world_size, "step_s": m.step_s,

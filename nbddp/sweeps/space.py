@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
     from torch import nn
 
+from nbddp.fit.arguments import sweepable
+
 # the dist_fit options that change one trial's FitConfig and nothing else (no topology, no files)
-SWEEPABLE = ("lr", "batch_size", "epochs", "max_steps", "seed", "grad_accum", "clip_grad_norm", "precision",
-             "shuffle", "log_every", "val_every", "drop_last")
+SWEEPABLE = sweepable()
 MODES = {"min": "minimize", "max": "maximize"}
 # nbddp.sweep(model=...): a module (only the fit options vary), or a factory whose arguments a trial may vary
 SweepModel: TypeAlias = "nn.Module | Callable[..., nn.Module]"
