@@ -177,3 +177,19 @@ def test_a_trials_published_records_wake_the_schedule_and_are_read_without_polli
     io.join()
     assert latest(client, ar, "progress") == "records"
     assert latest(client, SimpleNamespace(msg_ids=["gone"]), "progress") is None  # a task the client forgot
+
+
+def test_a_trial_not_yet_sent_says_so_and_a_lost_job_ends_the_sweep_rather_than_the_trial():
+    """A trial's tasks exist once it is sent; when its ranks were lost with the whole Slurm job (or the controller),
+    settling it raises that error, which ends the sweep (a new trial on those workers could not run either)."""
+    from nbddp.protocol.errors import SlurmError
+
+    sweep, run = interrupted_trial(stopping=False)
+    fresh = type(run)(sweep, run.trial, TrialRow(99, {}, group=0), cfg=None, bind={}, walls={})
+    with pytest.raises(RuntimeError, match=r"trial 99 of an nbddp.sweep was not sent"):
+        fresh.attempt
+    lost = SlurmError("Slurm job 42 was cancelled", "42", "CANCELLED")
+    sweep.session.workers = SimpleNamespace(job_problem=lambda: "CANCELLED")
+    sweep.session.supervisor.job_lost = lambda job, what: lost
+    with pytest.raises(SlurmError, match="Slurm job 42 was cancelled"):
+        settle(sweep, run)
