@@ -38,7 +38,7 @@ cells = [
         "        return x + self.mlp(self.ln2(x))\n"
         "\n"
         "class TinyLM(nn.Module):\n"
-        "    def __init__(self, vocab, d=64, heads=4, layers=4, block_size=32):\n"
+        "    def __init__(self, vocab, d=64, heads=4, layers=2, block_size=32):\n"
         "        super().__init__()\n"
         "        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block_size, d)\n"
         "        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])\n"

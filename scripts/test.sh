@@ -33,11 +33,13 @@ fi
 # Test processes, each with its own 2 workers, a file at a time (module fixtures start once): three for the
 # whole suite, whose Slurm, notebook and fault tests spend much of their time waiting (the Slurm file used 0.64
 # of a core), two for the quick tier, which is CPU-bound on 2 cores; NBDDP_TEST_PROCS=N overrides,
-# NBDDP_TEST_PROCS=1 runs everything in this one process.
+# NBDDP_TEST_PROCS=1 runs everything in this one process. A free process takes the next file in the order
+# tests/conftest.py gives (the longest first, by tests/test_costs.json); --no-loadscope-reorder keeps xdist from
+# ordering the files by their number of tests instead.
 procs=${NBDDP_TEST_PROCS:-$([ ${#tier[@]} -gt 0 ] && echo 2 || echo 3)}
 parallel=()
 if [ "$procs" -gt 1 ]; then
-  parallel=(-n "$procs" --dist loadfile)
+  parallel=(-n "$procs" --dist loadfile --no-loadscope-reorder)
 fi
 
 EXTRAS=browser,bench bash scripts/setup.sh

@@ -20,6 +20,7 @@ After every test, three kinds of leak fail it:
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import secrets
@@ -58,14 +59,33 @@ def _gpu_count() -> int:
         return 0
 
 
-# what a test costs, roughly, by its markers (seconds on a quiet machine): only used to order the files
+# what a test costs, roughly, by its markers (seconds on a quiet machine): only used to order the files, for a test
+# that tests/test_costs.json does not list
 _WEIGHTS = {"slow": 60.0, "notebook": 20.0, "browser": 20.0, "slurm": 15.0, "netns": 10.0, "bench": 10.0,
             "fresh_workers": 8.0, "docs": 8.0, "faults": 5.0, "heavy": 5.0}
+_COSTS = os.path.join(os.path.dirname(__file__), "test_costs.json")
 
 
-def _weight(item: pytest.Item) -> float:
-    """A marked test by its marker; else about a second on the shared workers, and a unit test next to nothing
-    (so that, in the quick tier, files of many cheap unit tests do not start before the files of real fits)."""
+def _measured() -> dict[str, float]:
+    """Each test function's mean wall seconds in a measured run of the suite, by ``file::function``.
+
+    Written by ``scripts/cpu_table.py LOG --costs tests/test_costs.json`` from a run's CPU log; a test it does not
+    list (under half a second then, or new since) is estimated by its markers (``_weight``).
+    """
+    try:
+        with open(_COSTS, encoding="utf-8") as f:
+            return json.load(f)["seconds"]
+    except FileNotFoundError:
+        return {}
+
+
+def _weight(item: pytest.Item, measured: dict[str, float]) -> float:
+    """What the test took when measured; else a marked test by its marker, about a second on the shared workers,
+    and a unit test next to nothing (so that, in the quick tier, files of many cheap unit tests do not start
+    before the files of real fits)."""
+    took = measured.get(item.nodeid.split("[", 1)[0])
+    if took is not None:
+        return took
     uses_workers = bool({"workers", "warm", "ip"} & set(getattr(item, "fixturenames", ())))
     return max((w for name, w in _WEIGHTS.items() if name in item.keywords), default=1.0 if uses_workers else 0.05)
 
@@ -76,18 +96,22 @@ def pytest_configure(config):
     maybe_register(config)
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected: a file costs what runs of it
 def pytest_collection_modifyitems(config, items):
     if _gpu_count() == 0:
         skip = pytest.mark.skip(reason="requires_gpu: no CUDA GPU visible on this machine")
         for item in items:
             if "requires_gpu" in item.keywords:
                 item.add_marker(skip)
-    # Heaviest files first, each file's tests kept together and in their own order: with
-    # pytest-xdist's --dist loadfile (scripts/test.sh) the long files start first instead of
-    # ending the run alone, and a module's workers and kernels start once.
+    # Longest files first, each file's tests kept together and in their own order: with pytest-xdist's
+    # --dist loadfile --no-loadscope-reorder (scripts/test.sh) each test process takes the next file in this
+    # order when it is free, so the long files start first instead of ending the run alone, and a module's
+    # workers and kernels start once. (Without --no-loadscope-reorder, xdist orders the files by their number
+    # of tests instead: the one-test benchmark, soak and live-cost files then started last.)
+    measured = _measured()
     cost: dict[str, float] = {}
     for item in items:
-        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + _weight(item)
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + _weight(item, measured)
     items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: the order within a file stays
 
 

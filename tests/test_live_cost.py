@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import os
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.notebook, pytest.mark.bench]
 
@@ -65,6 +63,9 @@ def test_live_view_cost(tmp_path):
     own pace (every 2-3 s) and its CPU share means something. The many-repetition measurement is
     benchmarks/bench_live.py.
     """
+    import nbformat  # here, not at collection: with jsonschema's format checkers it costs a second of CPU
+    from nbclient import NotebookClient
+
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(BENCH.format(reps=3, epochs=10)),
                 nbformat.v4.new_code_cell("nbddp.stop()")]

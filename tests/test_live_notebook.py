@@ -11,9 +11,7 @@ import base64
 import os
 import shutil
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 pytestmark = [pytest.mark.notebook]
 
@@ -24,6 +22,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def executed(tmp_path, monkeypatch):
+    import nbformat  # here, not at collection: with jsonschema's format checkers it costs a second of CPU
+    from nbclient import NotebookClient
+
     path = tmp_path / "live_fit.ipynb"
     shutil.copy(NOTEBOOK, path)
     nb = nbformat.read(path, as_version=4)

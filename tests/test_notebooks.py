@@ -15,16 +15,17 @@ import os
 import runpy
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import nbformat
 import psutil
 import pytest
+
+if TYPE_CHECKING:  # imported where a notebook is read: with jsonschema's format checkers it costs a second
+    import nbformat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-from run_notebook import execute  # noqa: E402
 
 EXECUTED_ELSEWHERE = {
     "custom_loop": "tests/test_notebooks_magics.py",
@@ -134,6 +135,8 @@ def _workers_started_in(directory: str) -> list[psutil.Process]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [n for n in _names() if n not in EXECUTED_ELSEWHERE])
 def test_notebook_runs_and_shows_its_results(name, tmp_path):
+    from run_notebook import execute  # nbformat: imported when a notebook runs, not at every collection
+
     t0 = time.monotonic()
     nb = execute(os.path.join(NOTEBOOKS, f"{name}.ipynb"), out=str(tmp_path / "executed.ipynb"), timeout=240,
                  cwd=str(tmp_path))
@@ -174,6 +177,8 @@ def test_every_notebook_is_executed_by_some_test():
 @pytest.mark.parametrize("name", [n for n in _names() if os.path.exists(os.path.join(ROOT, "scripts", f"make_{n}.py"))])
 def test_notebook_matches_its_generator_script(name, tmp_path, monkeypatch):
     """Notebooks with a ``scripts/make_<name>.py`` are edited there, not by hand."""
+    import nbformat
+
     (tmp_path / "notebooks").mkdir()
     monkeypatch.chdir(tmp_path)  # the scripts write notebooks/<name>.ipynb relative to the working directory
     runpy.run_path(os.path.join(ROOT, "scripts", f"make_{name}.py"), run_name="__main__")

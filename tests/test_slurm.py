@@ -225,7 +225,8 @@ def test_the_time_limit_mid_fit_names_timeout(slurm, kernel):
     """
     job = _running_job(kernel)
     message, took = _fail_a_fit(slurm, kernel, "time-limit", lambda: slurm.run(
-        "scontrol", "update", f"JobId={job}", "TimeLimit=1"), (job, "TIMEOUT"), ends_later=True)
+        "scontrol", "update", f"JobId={job}", "TimeLimit=1"), (job, "TIMEOUT"),
+        ends_later=f"Time limit exhausted for JobId={job}")
     assert f"Slurm job {job} reached its time limit: TIMEOUT" in message, message
     TIMES["time limit to error"] = took
     _ok(kernel.run("%ddp restart"))  # and a new job trains
@@ -459,18 +460,24 @@ print("JOB", json.dumps(nbddp.status()["slurm"][-1]["job"]))
 
 
 def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str, str],
-                ends_later: bool = False) -> tuple[str, float]:
+                ends_later: str = "") -> tuple[str, float]:
     """Run a long fit, do ``fault()`` once it trains; the SlurmError's message, and how long it took to come.
 
     ``ends_later``: the fault is one Slurm acts on by its own clock (a time limit), so the time is
-    counted from when ``squeue`` stops showing the job RUNNING, which the test waits for (2 minutes at most).
+    counted from when ``squeue`` stops showing the job RUNNING, which the test waits for (2 minutes at most):
+    first for this line in slurmctld's log, which Slurm writes as it ends the job (a file read, where each
+    ``squeue`` from this process is a Python trampoline into the login node's namespace: ten a second, for the
+    minute or so Slurm takes, cost 17 CPU-seconds), then for ``squeue``.
     """
     mark = slurm.root / f"fit-{name}"
+    # each step mostly sleeps: the fit only has to be running when the job ends (up to 90 s later for the time
+    # limit), not to keep both engines busy meanwhile (at 0.05 s a step the time-limit test cost 69 CPU-seconds,
+    # at 0.5 s 36)
     msg_id = kernel.kc.execute(f"""
 def slow_step(model, batch):
     import time
     open({str(mark)!r}, "a").close()
-    time.sleep(0.05)
+    time.sleep(0.5)
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)
 model, data = build()
@@ -483,7 +490,10 @@ except nbddp.SlurmError as e:
     t0 = time.monotonic()
     fault()
     if ends_later:
-        slurm.wait_for(lambda: {j["id"]: j["state"] for j in slurm.jobs()}.get(expect[0]) != "RUNNING", 120,
+        log = slurm.root / "slurmctld.log"
+        slurm.wait_for(lambda: ends_later in log.read_text(errors="replace"), 120, f"{ends_later!r} in {log.name}",
+                       interval=0.05)
+        slurm.wait_for(lambda: {j["id"]: j["state"] for j in slurm.jobs()}.get(expect[0]) != "RUNNING", 30,
                        f"Slurm to end job {expect[0]}", interval=0.1)
         t0 = time.monotonic()
     reply = _wait_reply(kernel, msg_id, 60)

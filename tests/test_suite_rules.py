@@ -70,3 +70,10 @@ def test_every_marker_used_is_registered_and_the_quick_tier_names_registered_one
     deselected = {w for w in expression.group(1).split() if w != "or"}
     assert deselected <= registered, sorted(deselected - registered)
     assert {"slow", "notebook", "browser", "faults", "bench"} <= deselected
+
+
+def test_the_test_processes_take_the_files_in_the_order_conftest_gives():
+    """pytest-xdist orders the files by their number of tests unless told not to: the one-test benchmark, soak and
+    live-cost files then started last and ended the run alone."""
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    assert "--dist loadfile --no-loadscope-reorder" in script

@@ -23,30 +23,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.faults
-@pytest.mark.fresh_workers
-def test_stop_during_a_fit_kills_and_never_starts_replacements(workers, monkeypatch):
-    started = []
-    real = Workers.add_engines
-
-    def recording(self, count, total, timeout=120.0):
-        started.append(count)
-        return real(self, count, total, timeout)
-
-    monkeypatch.setattr(Workers, "add_engines", recording)
-    x, y = regression_data(4096)
-    handle = nbddp.dist_fit(Net(), (x, y), epochs=100, batch_size=8, live=False, block=False)
-    deadline = time.monotonic() + 60
-    while not handle.history.steps and time.monotonic() < deadline:
-        time.sleep(0.05)
-    nbddp.stop()
-    assert handle.done()
-    with pytest.raises(KeyboardInterrupt, match=r"training was killed \(nbddp.stop\(\) was called\)"):
-        handle.wait()
-    assert started == [], "stop() started replacement engines"
-    assert not workers.supervisor.healing and not workers.started
-
-
-@pytest.mark.faults
 def test_a_heal_holds_the_lock_and_callers_wait_for_it(workers):
     """While the heal thread rebuilds, a caller that needs the workers waits, then sees the new generation."""
     before = workers.generation
@@ -69,34 +45,6 @@ def test_status_is_one_generation_even_during_a_heal(workers):
     for st in snapshots:
         assert st["world_size"] == len(st["ranks"]) == 2
     assert snapshots[-1]["healing"] is False
-
-
-@pytest.mark.faults
-def test_a_stop_cancels_a_heal_before_it_starts_engines(workers, monkeypatch):
-    """stop() while a heal waits to replace engines: the heal ends without starting any."""
-    started = []
-    gate = threading.Event()
-
-    def slow_ping_then_add(self, count, total, timeout=120.0):
-        started.append(count)
-
-    monkeypatch.setattr(Workers, "add_engines", slow_ping_then_add)
-    real_forget = Workers.forget_dead
-
-    def forget_then_wait(self, engine_ids, timeout=10.0):
-        real_forget(self, engine_ids, timeout)
-        gate.wait(10)
-
-    monkeypatch.setattr(Workers, "forget_dead", forget_then_wait)
-    victim = workers.placements[1]
-    killed = workers.supervisor.kill_ranks([victim.rank])
-    workers.supervisor.recover(killed)
-    stopper = threading.Thread(target=nbddp.stop)
-    stopper.start()
-    time.sleep(0.2)
-    gate.set()
-    stopper.join(60)
-    assert not stopper.is_alive() and started == [] and not workers.started
 
 
 @pytest.mark.faults
@@ -157,3 +105,59 @@ def test_an_unknown_strategy_on_a_worker_is_named():
 
     with pytest.raises(ValueError, match=r"unknown strategy 'pipeline'"):
         make_strategy("pipeline", torch.device("cpu"))
+
+
+# ---- stop(): last in the file. Each stops the suite's workers, so the next test that needs them starts them
+# again (7 CPU-seconds): here that is only the second of these two
+
+
+@pytest.mark.faults
+def test_a_stop_cancels_a_heal_before_it_starts_engines(workers, monkeypatch):
+    """stop() while a heal waits to replace engines: the heal ends without starting any."""
+    started = []
+    gate = threading.Event()
+
+    def slow_ping_then_add(self, count, total, timeout=120.0):
+        started.append(count)
+
+    monkeypatch.setattr(Workers, "add_engines", slow_ping_then_add)
+    real_forget = Workers.forget_dead
+
+    def forget_then_wait(self, engine_ids, timeout=10.0):
+        real_forget(self, engine_ids, timeout)
+        gate.wait(10)
+
+    monkeypatch.setattr(Workers, "forget_dead", forget_then_wait)
+    victim = workers.placements[1]
+    killed = workers.supervisor.kill_ranks([victim.rank])
+    workers.supervisor.recover(killed)
+    stopper = threading.Thread(target=nbddp.stop)
+    stopper.start()
+    time.sleep(0.2)
+    gate.set()
+    stopper.join(60)
+    assert not stopper.is_alive() and started == [] and not workers.started
+
+
+@pytest.mark.faults
+@pytest.mark.fresh_workers
+def test_stop_during_a_fit_kills_and_never_starts_replacements(workers, monkeypatch):
+    started = []
+    real = Workers.add_engines
+
+    def recording(self, count, total, timeout=120.0):
+        started.append(count)
+        return real(self, count, total, timeout)
+
+    monkeypatch.setattr(Workers, "add_engines", recording)
+    x, y = regression_data(4096)
+    handle = nbddp.dist_fit(Net(), (x, y), epochs=100, batch_size=8, live=False, block=False)
+    deadline = time.monotonic() + 60
+    while not handle.history.steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    nbddp.stop()
+    assert handle.done()
+    with pytest.raises(KeyboardInterrupt, match=r"training was killed \(nbddp.stop\(\) was called\)"):
+        handle.wait()
+    assert started == [], "stop() started replacement engines"
+    assert not workers.supervisor.healing and not workers.started

@@ -33,3 +33,13 @@ def test_without_a_log_it_says_how_to_make_one():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "time_table.py")], capture_output=True, text=True)
     assert proc.returncode == 1
     assert "usage: python scripts/time_table.py RUN_LOG  (a pytest log made with --durations=0)" in proc.stderr
+
+
+def test_the_costs_conftest_orders_by_are_each_test_functions_mean_wall_time_over_its_parameters():
+    import cpu_table
+
+    rows = [{"test": "tests/test_a.py::test_fit[ddp]", "cpu_s": 2.0, "wall_s": 3.0},
+            {"test": "tests/test_a.py::test_fit[fsdp]", "cpu_s": 2.0, "wall_s": 5.0},
+            {"test": "tests/test_a.py::test_unit", "cpu_s": 0.1, "wall_s": 0.2},
+            {"test": "tests/test_b.py::test_slow", "cpu_s": 30.0, "wall_s": 61.04}]
+    assert cpu_table.costs(rows) == {"tests/test_a.py::test_fit": 4.0, "tests/test_b.py::test_slow": 61.0}
