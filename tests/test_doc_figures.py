@@ -64,7 +64,7 @@ def test_the_readme_lists_every_capability_and_every_notebook():
     readme = _read("README.md")
     section = readme.split("## What it does", 1)[1].split("\n## ", 1)[0]
     for capability in ("DDP", "FSDP", "Pipeline parallel", "Tensor parallel", "Predict and evaluate", "Elastic fits",
-                       "Sweeps", "Profiling", "Compile", "Loggers and callbacks", "Debugging", "Slurm", "MPI"):
+                       "Sweeps", "Profiling", "Compile", "Loggers and callbacks", "Debugging", "Slurm", "MPI", "SSH"):
         line = next((l for l in section.splitlines() if l.startswith(f"| {capability} |")), None)
         assert line is not None and re.search(r"\]\(docs/[\w-]+\.md(#[\w-]+)?\)", line), capability
     notebooks = sorted(n.removesuffix(".ipynb") for n in os.listdir(os.path.join(ROOT, "notebooks"))
@@ -75,8 +75,11 @@ def test_the_readme_lists_every_capability_and_every_notebook():
 
 def test_the_launchers_the_readme_names_are_the_tested_ones():
     readme = _read("README.md")
-    assert "SSH" not in readme  # no test starts ipyparallel's SSH launcher yet (docs/multi-node.md says so)
-    assert "test_mpi_launcher_starts_two_engines" in _read("tests/test_launchers.py")
+    named = set(re.findall(r"ipyparallel launchers \(([^)]*)\)", readme)[0].split(", "))
+    assert named == {"Slurm", "MPI", "SSH"}
+    tests = _read("tests/test_launchers.py") + _read("tests/test_slurm.py")
+    for test in ("test_mpi_launcher_starts_two_engines", "test_ssh_launcher_starts_an_engine_on_each_of_two_hosts"):
+        assert f"def {test}" in tests
 
 
 def test_getting_started_names_the_torch_pyproject_requires():
