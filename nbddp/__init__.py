@@ -56,6 +56,7 @@ __all__ = [
     "ClusterError",
     "SlurmError",
     "ShippingError",
+    "UntrustedCheckpointError",
     "WorkerError",
     "WorkerDied",
     "WorkerStalled",
@@ -110,6 +111,7 @@ _LAZY = {
     "ClusterError": "nbddp.protocol.errors",
     "SlurmError": "nbddp.protocol.errors",
     "ShippingError": "nbddp.protocol.errors",
+    "UntrustedCheckpointError": "nbddp.protocol.errors",
     "WorkerError": "nbddp.protocol.errors",
     "WorkerDied": "nbddp.protocol.errors",
     "WorkerStalled": "nbddp.protocol.errors",
@@ -133,7 +135,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.cells.cell_code import pull, push, run_cell
     from nbddp.api import debug
     from nbddp.protocol.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
-                              SlurmError, WorkerDied, WorkerError, WorkerStalled)
+                              SlurmError, UntrustedCheckpointError, WorkerDied, WorkerError, WorkerStalled)
     from nbddp.fit.handle import FitHandle
     from nbddp.fit.history import History
     from nbddp.measure.scaling import scaling_report

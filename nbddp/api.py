@@ -117,7 +117,7 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
              step_fn: Callable[..., Any] | None = None, max_steps: int | None = None, shuffle: bool | None = None,
              seed: int = 0, precision: str = "32-true", grad_accum: int = 1, clip_grad_norm: float | None = None,
              sync_batchnorm: bool = False, checkpoint_dir: FilePath | None = None, checkpoint_every: int | None = None,
-             resume: bool | FilePath = False, log_every: int = 20, val_every: int | str | None = None,
+             resume: bool | FilePath = False, trust_checkpoint: bool = False, log_every: int = 20, val_every: int | str | None = None,
              strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
              block: bool = True, live: bool | str | None = None, stall_timeout: float | None = None,
@@ -189,6 +189,11 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
             scaler, data position, step and RNG states every N steps (rank 0,
             atomic); ``resume=True`` continues from the latest one, or
             ``resume="path"`` from that file. Files load with plain torch.load.
+        trust_checkpoint: read ``resume``'s checkpoint in full. By default
+            nbddp reads it as ``torch.load(weights_only=True)`` does (tensors
+            and plain data only: a pickle could run code as it loads), and
+            refuses a file that needs more with ``UntrustedCheckpointError``
+            naming it; pass True only for a file whose writer you trust.
         log_every: reduce and record metrics at most every N steps (and about
             once a second for slow steps).
         strategy: ``"ddp"`` (a full copy of the model per rank) or ``"fsdp"``
@@ -550,16 +555,22 @@ def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: in
     return run_.result()
 
 
-def export_checkpoint(path: str, out: str) -> str:
+def export_checkpoint(path: str, out: str, trust_checkpoint: bool = False) -> str:
     """Turn a sharded checkpoint (a ``step-*`` directory of an FSDP fit) into one file that ``torch.load`` reads.
 
     The file holds ``{"model": full state dict, "optimizer": ..., "step": ..., "epoch": ...}``;
     ``plain_model.load_state_dict(torch.load(out)["model"])`` works without
     nbddp or a process group. Runs here, in the kernel. Returns ``out``.
+
+    ``path`` is read without running code from it (tensors and plain data only, as
+    ``torch.load(weights_only=True)``); a checkpoint that needs more raises
+    ``UntrustedCheckpointError`` naming it, unless ``trust_checkpoint=True``.
     """
     from nbddp.worker.tasks.checkpoint_export import export
 
-    return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)))
+    if not isinstance(trust_checkpoint, bool):
+        raise TypeError(f"export_checkpoint(trust_checkpoint=...) must be True or False, got {trust_checkpoint!r}")
+    return export(os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out)), trust_checkpoint)
 
 
 def debug(rank: int | None = None, commands: list[str] | None = None) -> Any:

@@ -8,9 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages: iproute2 (fake hosts in network namespaces), chromium-headless-shell (browser test).
+# System packages: iproute2 (fake hosts in network namespaces), chromium-headless-shell (browser test), openssh-server.
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)   # ipyparallel's SSH launcher against a real sshd (tests/test_launchers.py)
 [ -x /usr/lib/chromium/chromium-headless-shell ] || need+=(chromium-headless-shell)
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \

@@ -285,6 +285,37 @@ def test_ddp_compiled_equals_eager_the_second_fit_and_a_new_session_hit_the_cach
     assert rel_diff(eager, third) < RTOL
 
 
+# a class as `python -c`, `exec` or a script defines it: globals named "__main__", no file
+_NO_FILE_SOURCE = """
+import torch, torch.nn as nn
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def act(self, x):
+        return torch.tanh(x) * 2.0
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+"""
+
+
+@pytest.mark.heavy
+def test_a_class_from_code_without_a_file_compiles(workers):
+    """Issue 44: every rank failed with ``module __main__ has no attribute torch`` (Dynamo guards an inlined
+    method's globals through ``sys.modules[__name__]``, the engine's own ``__main__``). The eager backend: Dynamo
+    traces and guards as it does for Inductor, with no C++ compile. Heavy: it imports Dynamo into the workers
+    (about 15 CPU-seconds when it is the first to)."""
+    scope = {"__name__": "__main__"}
+    exec(compile(_NO_FILE_SOURCE, "<string>", "exec"), scope)
+    model = scope["Scaled"]()
+    history = fit(model, loss_fn=F.cross_entropy, compile={"backend": "eager"})
+    assert history.status == "completed" and history.steps
+    assert scope["__name__"] == "__main__"  # the kernel's own globals are untouched
+
+
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_equals_eager(workers):
     """Slow: Inductor compiles each sharded block's graphs with gcc on 2 shared cores.

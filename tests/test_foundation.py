@@ -22,7 +22,8 @@ PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "
           "scaling_report", "sweep", "SweepResult", "SweepHandle", "compile_cache", "RecompileWarning", "predict", "evaluate",
           "PredictHandle",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "SlurmError", "ShippingError",
-          "WorkerError", "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__", "load_ipython_extension",
+          "UntrustedCheckpointError", "WorkerError", "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__",
+          "load_ipython_extension",
           "unload_ipython_extension", "loggers", "EarlyStopping", "stop_fit", "plot_histories",
           "DDP", "NbddpWarning", "last_history"}
 

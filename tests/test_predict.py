@@ -410,6 +410,14 @@ def test_a_to_path_that_cannot_be_written_is_refused_before_anything_runs(worker
         nbddp.predict(net(), (x,), batch_size=2, live=False, to=tmp_path / "a_file" / "x.pt")
     with pytest.raises(TypeError, match=r"to=\.\.\.\) must be a path.*got int 3"):
         nbddp.predict(net(), (x,), batch_size=2, live=False, to=3)
+    # a folder no one can make a file in, whatever os.access says to root (issue 44: the workers' FileNotFoundError
+    # came back as a WorkerError)
+    with pytest.raises(ValueError, match=r"to='/proc/nonexistent/x.pt'\) cannot be written: making a file in /proc "
+                                         r"failed \(.*\)\. Choose a directory you can write to"):
+        nbddp.predict(net(), (x,), batch_size=2, live=False, to="/proc/nonexistent/x.pt")
+    assert not list(tmp_path.glob(".nbddp-write-check-*"))
+    nbddp.predict(net(), (x,), batch_size=2, live=False, to=tmp_path / "fine.pt")
+    assert not list(tmp_path.glob(".nbddp-write-check-*"))  # the probe file is gone
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user without write access (tests run as root)
     with pytest.raises(ValueError, match=r"cannot be written: .* is not writable by this user"):
         nbddp.predict(net(), (x,), batch_size=2, live=False, to=tmp_path / "new" / "deeper")

@@ -120,6 +120,7 @@ class CheckpointOptions:
     checkpoint_dir: FilePath | None = None
     checkpoint_every: int | None = None
     resume: bool | FilePath = False
+    trust_checkpoint: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ Slurm job lands on, warm, save torch's portable cache artifacts
 and load them (``load_cache_artifacts``) into every rank of the new session
 before its first compiled fit.
 
-The file: one JSON line (format, torch version, each blob's size), then the
-blobs. Ranks that compiled the same graphs give identical blobs; each is
-kept once. No pickle: loading a file runs no code of its own.
+The file: one JSON line (format, torch version, each blob's size, a
+signature), then the blobs. Ranks that compiled the same graphs give
+identical blobs; each is kept once. The blobs are code (torch unpickles
+them, then runs the graphs they hold), so ``load`` takes only a file this
+user's ``save`` signed (``signing.py``), or one the person vouches for with
+``trust_checkpoint=True``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from nbddp.fit import signing
+from nbddp.protocol.errors import UntrustedCheckpointError
+
 if TYPE_CHECKING:
     from nbddp.session.session import Session
 
@@ -26,15 +32,19 @@ FORMAT = "nbddp-compile-cache/1"
 
 
 def compile_cache(save: str | os.PathLike[str] | None = None,
-                  load: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+                  load: str | os.PathLike[str] | None = None, *, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Save what every rank compiled to ``save``, or load ``load`` into every rank; returns what moved.
 
     Returns ``{"path", "bytes", "artifacts": {kind: count}}`` (for ``load``,
-    the counts rank 0 loaded). The file is owner-only (0600).
+    the counts rank 0 loaded). The file is owner-only (0600) and signed with a
+    key only this user reads; ``load`` refuses a file that signature does not
+    match (someone else's: loading it would run their code on every rank)
+    unless ``trust_checkpoint=True``.
 
     Raises:
         ValueError: neither or both of ``save`` and ``load``; nothing compiled yet; a file of
             another format, or saved by another torch version.
+        UntrustedCheckpointError: ``load`` of a file this user's ``save`` did not sign.
     """
     from nbddp.session.session import get_session
 
@@ -48,7 +58,9 @@ def compile_cache(save: str | os.PathLike[str] | None = None,
     session = get_session()
     session.ensure_started()
     path = os.path.abspath(os.fspath(path))
-    return _save(session, path) if saving else _load(session, path)
+    if not isinstance(trust_checkpoint, bool):
+        raise TypeError(f"nbddp.compile_cache(trust_checkpoint=...) must be True or False, got {trust_checkpoint!r}")
+    return _save(session, path) if saving else _load(session, path, trust_checkpoint)
 
 
 def _save(session: Session, path: str) -> dict[str, Any]:
@@ -71,7 +83,8 @@ def _save(session: Session, path: str) -> dict[str, Any]:
     if not blobs:
         raise ValueError("nbddp.compile_cache(save=...): no rank has compiled anything in this session; run "
                          "dist_fit(..., compile=True) first, then save")
-    header = {"format": FORMAT, "torch": torch.__version__, "sizes": [len(b) for b in blobs], "artifacts": kinds}
+    header = {"format": FORMAT, "torch": torch.__version__, "sizes": [len(b) for b in blobs], "artifacts": kinds,
+              "signature": signing.sign(blobs)}
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -87,8 +100,8 @@ def _save(session: Session, path: str) -> dict[str, Any]:
     return {"path": path, "bytes": os.path.getsize(path), "artifacts": kinds}
 
 
-def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
-    """The header and blobs of a file ``_save`` wrote, checked against this torch."""
+def read_file(path: str, trust_checkpoint: bool = False) -> tuple[dict[str, Any], list[bytes]]:
+    """The header and blobs of a file ``_save`` wrote, checked against this torch and this user's signature."""
     import torch
 
     with open(path, "rb") as f:
@@ -105,14 +118,20 @@ def read_file(path: str) -> tuple[dict[str, Any], list[bytes]]:
         raise ValueError(f"nbddp.compile_cache(load={path!r}) was saved with torch {header['torch']}, and the workers "
                          f"run torch {torch.__version__}: compiled code is only valid for the torch that made it. "
                          "Compile afresh (the first fit will) and save again")
+    if not trust_checkpoint and not signing.signed_here(blobs, header.get("signature")):
+        raise UntrustedCheckpointError(
+            f"nbddp.compile_cache(load={path!r}): this file was not saved by your nbddp.compile_cache(save=...) (its "
+            f"signature does not match your key, {signing.key_path()}), and a compile cache is code that every rank "
+            "would run. If you trust who wrote it, pass nbddp.compile_cache(load=path, trust_checkpoint=True)",
+            path=path)
     return header, blobs
 
 
-def _load(session: Session, path: str) -> dict[str, Any]:
+def _load(session: Session, path: str, trust_checkpoint: bool) -> dict[str, Any]:
     from nbddp.protocol.compile_settings import session_cache_dir
     from nbddp.cells.function_calls import call_everywhere
     from nbddp.worker.tasks.compile_cache import load_artifacts
 
-    _, blobs = read_file(path)
+    _, blobs = read_file(path, trust_checkpoint)
     counts = call_everywhere(session, load_artifacts, (blobs, session_cache_dir(session.file_prefix)), {})
     return {"path": path, "bytes": os.path.getsize(path), "artifacts": counts[0]}

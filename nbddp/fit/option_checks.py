@@ -145,6 +145,10 @@ def _check_checkpoints(cfg: FitConfig) -> None:
         raise ValueError("dist_fit(resume=True) resumes from checkpoint_dir; pass checkpoint_dir=... or resume='path/to/ckpt'")
     if isinstance(cfg.resume, str):
         cfg.resume = os.path.abspath(cfg.resume)
+    cfg.trust_checkpoint = _bool("trust_checkpoint", cfg.trust_checkpoint)
+    from nbddp.worker.tasks.checkpoint_check import check_resume
+
+    check_resume(cfg.resume, cfg.checkpoint_dir, cfg.trust_checkpoint)  # a file someone else wrote: refused here
 
 
 def _check_loading(cfg: FitConfig) -> None:

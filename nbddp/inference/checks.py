@@ -133,7 +133,22 @@ def check_to(to: str | os.PathLike[str] | None) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"nbddp.predict(to={os.fspath(to)!r}) cannot be written: {existing} is not writable by "
                          "this user. Choose a directory you can write to")
+    _try_writing(existing, os.fspath(to))
     return path
+
+
+def _try_writing(folder: str, given: str) -> None:
+    """A file made and removed in ``folder``: ``os.access`` says yes to root everywhere, even in ``/proc`` or on a
+    read-only file system, where the workers' first write would fail."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".nbddp-write-check-")
+    except OSError as exc:
+        raise ValueError(f"nbddp.predict(to={given!r}) cannot be written: making a file in {folder} failed "
+                         f"({exc.strerror}). Choose a directory you can write to") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_precision(precision: str, what: str, device_types: set[str]) -> str:

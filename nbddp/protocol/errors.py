@@ -75,6 +75,21 @@ class ShippingError(NbddpError, TypeError):
     """An object could not be pickled for the workers (a ``TypeError`` too, as pickle's own errors are)."""
 
 
+class UntrustedCheckpointError(NbddpError, ValueError):
+    """A checkpoint holds more than tensors and plain data, and loading it in full could run code from the file.
+
+    Raised before anything of it is built (``worker/checkpoints/trust.py``); the message names the file and the
+    option that trusts it (``trust_checkpoint=True``). A ``ValueError`` too, as a bad ``resume=`` path is.
+
+    Attributes:
+        path: the file (or sharded checkpoint folder) refused.
+    """
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
 class TopologyError(NbddpError, ValueError):
     """The engines cannot form the requested process group (a ``ValueError`` too)."""
 

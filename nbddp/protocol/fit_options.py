@@ -44,6 +44,7 @@ class FitConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     resume: bool | str = False
+    trust_checkpoint: bool = False  # load resume=... in full (it may run code); else weights_only (worker/checkpoints/trust.py)
     log_every: int = 20
     val_every: int | None = None
     scheduler_interval: str | None = None  # None: the scheduler's kind decides (worker/training/schedules.py)

@@ -3,7 +3,8 @@
 A checkpoint is one file ``step-00000123.pt`` holding only torch and plain
 Python objects (no nbddp classes), so ``torch.load(path)`` works without
 nbddp, even with its default ``weights_only=True`` (the numpy RNG state is
-stored as a tensor, not an array). It is written to a temporary name in the
+stored as a tensor, not an array), and nbddp reads it that way too
+(``trust.py``): a file that needs more is refused unless trusted. It is written to a temporary name in the
 same directory, flushed to disk, then renamed: a crash mid-write leaves a
 stray temporary file (removed by the next save), never a corrupt
 ``step-*.pt``. The latest checkpoint is the highest step whose file is a
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from nbddp.protocol.host import pid_alive
+from nbddp.worker.checkpoints import trust
 
 KEEP = 3
 _NAME = re.compile(r"step-(\d+)(\.pt)?$")  # a file (DDP: rank 0 writes it) or a directory (FSDP: every rank writes)
@@ -44,9 +46,8 @@ def sharded_files(path: str) -> set[str] | None:
     them (``shard_copies.py``), so a folder is whole only when all are there."""
     import pickle
 
-    try:
-        with open(os.path.join(path, SHARDED_METADATA), "rb") as f:
-            metadata = pickle.load(f)  # ours: written by DCP into the fit's own 0700 folder
+    try:  # a folder given as resume=... may be anyone's: read without running code (trust.py)
+        metadata = trust.read_metadata(os.path.join(path, SHARDED_METADATA))
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
     return {info.relative_path for info in metadata.storage_data.values()} | {SHARDED_METADATA, SHARDED_LOOP_FILE}
@@ -217,11 +218,15 @@ def resolve(resume: bool | str, directory: str | None) -> str | None:
 
 
 def load(path: str) -> dict[str, Any]:
-    """Read a checkpoint written by ``save`` (ours, so a full unpickle is fine)."""
+    """Read a checkpoint written by ``save``: with ``weights_only=True`` unless ``trust.py`` trusts the file.
+
+    Raises:
+        UntrustedCheckpointError: the file needs a full unpickle, and the person did not trust it.
+    """
     if os.path.isdir(path):
         raise ValueError(f"resume={path!r} is a sharded checkpoint (a directory written by strategy='fsdp'); resume it "
                          "with strategy='fsdp', or turn it into one file with nbddp.export_checkpoint(path, out)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = trust.load_file(path)
     missing = [k for k in ("model", "optimizer", "step", "epoch") if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(

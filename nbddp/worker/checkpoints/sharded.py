@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from nbddp.worker.checkpoints import background, files as ckpt
+from nbddp.worker.checkpoints import background, files as ckpt, trust
 
 LOOP_FILE = ckpt.SHARDED_LOOP_FILE
 METADATA = ckpt.SHARDED_METADATA
@@ -129,9 +129,12 @@ def load(path: str, model: Any, optimizer: Any, flat: bool = False) -> dict[str,
         raise ValueError(f"resume={path!r} is not a sharded nbddp checkpoint (no {METADATA} and {LOOP_FILE} in it); pass "
                          "a step-* directory that dist_fit(strategy='fsdp', checkpoint_dir=...) wrote, or that directory")
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))  # shapes for DCP to load into
-    checkpoint.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # in place, into these two
+    reader, planner = trust.reader(path), trust.planner(path)
+    with trust.refusals_raised(planner):  # in place, into these two
+        checkpoint.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, storage_reader=reader,
+                        planner=planner)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_options(flat))
-    return torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
+    return trust.load_file(os.path.join(path, LOOP_FILE))
 
 
 def reads(path: str, model: Any, optimizer: Any, flat: bool = False) -> set[str]:
@@ -140,36 +143,46 @@ def reads(path: str, model: Any, optimizer: Any, flat: bool = False) -> set[str]
 
     Needs only ``.metadata`` in ``path``: an elastic relaunch across hosts copies the rest in (``shard_fetch.py``).
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(flat))
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = trust.reader(path).read_metadata()
     planner = DefaultLoadPlanner()  # load's own planner: the same plan, made the same way
     planner.set_up_planner({"model": model_state, "optim": optim_state}, metadata, False)
     plan = planner.create_local_plan()
     return {metadata.storage_data[item.storage_index].relative_path for item in plan.items} | {METADATA, LOOP_FILE}
 
 
-def export(path: str, out: str) -> str:
+def export(path: str, out: str, trust_checkpoint: bool = False) -> str:
     """Write a sharded checkpoint as one plain ``torch.save`` file: ``{"model": full state dict, "optimizer": ..., step...}``.
 
     Runs in one process, with no process group. The model's state dict has the
     module's own keys (``model.load_state_dict(torch.load(out)["model"])``
     works on a plain module); the optimizer state is keyed by parameter name.
+    ``path`` is read as ``trust.py`` reads any folder given to nbddp, unless ``trust_checkpoint``.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    if not ckpt.is_sharded(path):
-        raise ValueError(f"export_checkpoint({path!r}): not a sharded nbddp checkpoint directory (it needs {METADATA} "
-                         f"and {LOOP_FILE}); pass a step-* directory under the fit's checkpoint_dir")
+    with trust.trusting(trust_checkpoint, option="nbddp.export_checkpoint(path, out, trust_checkpoint=True)"):
+        if not ckpt.is_sharded(path):
+            raise ValueError(f"export_checkpoint({path!r}): not a sharded nbddp checkpoint directory (it needs "
+                             f"{METADATA} and {LOOP_FILE}); pass a step-* directory under the fit's checkpoint_dir")
+        state = whole_state(path)
+        loop = trust.load_file(os.path.join(path, LOOP_FILE))
     tmp = out + ".tmp"
-    dcp_to_torch_save(path, tmp)
-    state = torch.load(tmp, map_location="cpu", weights_only=True)
-    loop = torch.load(os.path.join(path, LOOP_FILE), map_location="cpu", weights_only=False)
     plain = {"model": state["model"], "optimizer": state["optim"],
              **{k: loop[k] for k in ("step", "epoch", "batches_done", "world_size", "batch_size") if k in loop}}
     torch.save(plain, tmp)
     os.replace(tmp, out)
     return out
+
+
+def whole_state(path: str) -> dict[str, Any]:
+    """Every tensor and value of the DCP folder ``path`` in this process, no process group (what torch's
+    ``dcp_to_torch_save`` reads, through ``trust.py``'s reader and planner)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader, planner = trust.reader(path), trust.planner(path, empty=True)
+    with trust.refusals_raised(planner):
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    return state

@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from nbddp.worker.strategies.compile_globals import importable
 
 from nbddp.protocol.compile_settings import CompileSpec
 
@@ -54,6 +55,8 @@ def prepare_inductor(spec: CompileSpec) -> str:
 
 def compile_in_place(modules: Iterable[nn.Module], spec: CompileSpec) -> list[nn.Module]:
     """Give each module a compiled ``forward`` (an instance attribute) with ``spec``'s arguments; return them."""
+    modules = list(modules)
+    importable(modules)  # a class shipped from python -c or exec: its globals where Dynamo's guards look
     done = []
     for module in modules:
         module.forward = torch.compile(module.forward, backend=spec.backend, fullgraph=spec.fullgraph,

@@ -25,7 +25,7 @@ from nbddp.protocol.messages import FitLaunch
 from nbddp.protocol.fit_options import DEFAULT_LR, FitConfig, check_device_rules
 from nbddp.shipping.pickling import Parcel, unpack
 from nbddp.worker.checkpoints import files as ckpt
-from nbddp.worker.checkpoints import snapshots
+from nbddp.worker.checkpoints import snapshots, trust
 from nbddp.worker.memory import allocator as memory
 from nbddp.worker.data import fewer_ranks, streams
 from nbddp.partitioning.blocks import apply_activation_checkpointing
@@ -195,9 +195,16 @@ def wrap_and_restore(ts: TrainState, parts: dict[str, Any], path: str | None) ->
         restore(ts, path)
 
 
+def trusting(cfg: FitConfig) -> Any:
+    """The files this fit reads in full (``worker/checkpoints/trust.py``): any, with ``trust_checkpoint=True``;
+    else only its own snapshots, in the owner-only folder its kernel made (``cfg.snapshot_dir``)."""
+    return trust.trusting(cfg.trust_checkpoint, roots=(cfg.snapshot_dir,))
+
+
 def restore(ts: TrainState, path: str) -> None:
     snapshots.before_load(ts.cfg, ts.strategy, path, ts.optimizer, ts.world)  # (a sharded relaunch across hosts)
-    extra = ts.strategy.load_checkpoint(path, ts.optimizer)
+    with trusting(ts.cfg):
+        extra = ts.strategy.load_checkpoint(path, ts.optimizer)
     check_resumable(extra, ts.cfg, ts.world, path)
     if ts.scheduler is not None and extra.get("scheduler") is not None:
         ts.scheduler.load_state_dict(extra["scheduler"])
@@ -223,5 +230,6 @@ def resume_path(cfg: FitConfig) -> str | None:
     surviving rank's last snapshot may still have been written in the
     background when this ran, so phase 2 asks again (``wrap_and_restore``).
     """
-    found = snapshots.latest(cfg) if cfg.from_snapshot else None
-    return found or ckpt.resolve(cfg.resume, cfg.checkpoint_dir)
+    with trusting(cfg):
+        found = snapshots.latest(cfg) if cfg.from_snapshot else None
+        return found or ckpt.resolve(cfg.resume, cfg.checkpoint_dir)
