@@ -149,11 +149,10 @@ _MOVED = {"modules": ("nbddp.shipping", "nbddp.shipping (ship_by_value, ship_by_
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        import warnings
+        from nbddp.protocol.notices import deprecated
 
         target, says = _MOVED[name]
-        warnings.warn(f"nbddp.{name} is now {says}; nbddp.{name} will go in a later release", DeprecationWarning,
-                      stacklevel=2)
+        deprecated(f"nbddp.{name} is now {says}; nbddp.{name} will go in a later release")
         return importlib.import_module(target)
     module = _LAZY.get(name)
     if module is None:

@@ -22,6 +22,20 @@ class NbddpWarning(UserWarning):
     """Category of every notice nbddp gives through ``warnings``: filter it to silence them."""
 
 
+class NbddpDeprecationWarning(NbddpWarning, DeprecationWarning):
+    """An old spelling that still works (``sweep(live="html")``, ``nbddp.modules``): the message names the new one.
+
+    A ``DeprecationWarning`` too, so ``-W error::DeprecationWarning`` and
+    pytest's ``deprecated_call`` see it, and an ``NbddpWarning``, so one
+    filter on that category silences every notice of nbddp's.
+    """
+
+
+def deprecated(text: str, stacklevel: int = 3) -> None:
+    """Warn that an old spelling was used (``text`` names the new one): an ``NbddpDeprecationWarning``."""
+    warnings.warn(text, NbddpDeprecationWarning, stacklevel=stacklevel)
+
+
 def notify(text: str, stacklevel: int = 3) -> None:
     """Warn with ``text`` (an ``NbddpWarning``); ``stacklevel`` points at the person's call where it can."""
     warnings.warn(text, NbddpWarning, stacklevel=stacklevel)
