@@ -479,3 +479,22 @@ def test_every_warning_class_nbddp_can_issue_is_an_nbddp_warning():
     assert {k for k, cls in found.items() if not issubclass(cls, nbddp.NbddpWarning)} == set()
     with pytest.deprecated_call():
         nbddp.modules  # noqa: B018 - a moved name: the old spelling warns (an NbddpDeprecationWarning)
+
+
+def test_a_notice_raised_as_an_error_stops_the_cell_but_never_a_watcher_thread(caplog):
+    """``filterwarnings("error", category=NbddpWarning)`` raises a notice where the person waits; from a background
+    thread (a fit's watcher or hooks) it is logged at ERROR, so the watching goes on."""
+    import warnings
+
+    from nbddp.protocol.notices import notify
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=nbddp.NbddpWarning)
+        with pytest.raises(nbddp.NbddpWarning, match="a notice"):
+            notify("a notice")
+        worker = threading.Thread(target=notify, args=("from the watcher",), name="nbddp-fit-watch")
+        with caplog.at_level("ERROR", logger="nbddp"):
+            worker.start()
+            worker.join()
+    assert "from the watcher (an NbddpWarning the warnings filters raise as an error; from the nbddp-fit-watch" \
+        in caplog.text

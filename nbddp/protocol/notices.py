@@ -12,6 +12,7 @@ text and is raised there.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 
 LOGGER_NAME = "nbddp"
@@ -37,8 +38,22 @@ def deprecated(text: str, stacklevel: int = 3) -> None:
 
 
 def notify(text: str, stacklevel: int = 3) -> None:
-    """Warn with ``text`` (an ``NbddpWarning``); ``stacklevel`` points at the person's call where it can."""
-    warnings.warn(text, NbddpWarning, stacklevel=stacklevel)
+    """Warn with ``text`` (an ``NbddpWarning``); ``stacklevel`` points at the person's call where it can.
+
+    With ``warnings.filterwarnings("error", category=NbddpWarning)`` the
+    notice is raised, in the thread that asked for it. A fit's watcher and
+    hooks threads give notices too (a stalled rank, a logger that failed):
+    there an exception would end the watching while the ranks go on, so a
+    notice raised as an error is logged on the ``nbddp`` logger at ERROR
+    instead, and the work goes on.
+    """
+    try:
+        warnings.warn(text, NbddpWarning, stacklevel=stacklevel)
+    except NbddpWarning:
+        if threading.current_thread() is threading.main_thread():
+            raise
+        logger.error("%s (an NbddpWarning the warnings filters raise as an error; from the %s thread it is "
+                     "logged, and the work goes on)", text, threading.current_thread().name)
 
 
 def report(text: str, details: str) -> None:
