@@ -29,6 +29,7 @@ __all__ = [
     "predict",
     "evaluate",
     "PredictHandle",
+    "CallHandle",
     "run_cell",
     "push",
     "pull",
@@ -81,6 +82,7 @@ _LAZY = {
     "predict": "nbddp.api",
     "evaluate": "nbddp.api",
     "PredictHandle": "nbddp.inference.predict_run",
+    "CallHandle": "nbddp.cells.call_handle",
     "run_cell": "nbddp.cells.cell_code",
     "push": "nbddp.cells.cell_code",
     "pull": "nbddp.cells.cell_code",
@@ -123,6 +125,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.sweeps.result import SweepResult
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle
+    from nbddp.cells.call_handle import CallHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.fit.compile_cache import compile_cache
