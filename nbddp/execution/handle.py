@@ -111,13 +111,16 @@ class WorkHandle(Future[T]):
             TimeoutError: ``timeout`` seconds passed first; the work goes on.
             concurrent.futures.CancelledError: the handle was cancelled.
         """
-        self.wait_for(timeout, "result")
-        self.before_result()
-        return super().result(0)
+        return self._take(timeout, "result")
 
     def wait(self, timeout: float | None = None) -> T:
         """The same as ``result(timeout)`` (the name nbddp's handles had first)."""
-        return self.result(timeout)
+        return self._take(timeout, "wait")
+
+    def _take(self, timeout: float | None, method: str) -> T:  # (Future keeps its value in ._result)
+        self.wait_for(timeout, method)
+        self.before_result()
+        return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait for the end as ``result`` does; the work's error, or None when it returned a value."""
