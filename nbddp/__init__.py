@@ -29,6 +29,7 @@ __all__ = [
     "predict",
     "evaluate",
     "PredictHandle",
+    "CallHandle",
     "run_cell",
     "push",
     "pull",
@@ -82,6 +83,7 @@ _LAZY = {
     "predict": "nbddp.api",
     "evaluate": "nbddp.api",
     "PredictHandle": "nbddp.inference.predict_run",
+    "CallHandle": "nbddp.cells.call_handle",
     "run_cell": "nbddp.cells.cell_code",
     "push": "nbddp.cells.cell_code",
     "pull": "nbddp.cells.cell_code",
@@ -125,6 +127,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.sweeps.result import SweepResult
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle
+    from nbddp.cells.call_handle import CallHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
     from nbddp.fit.compile_cache import compile_cache
@@ -151,11 +154,10 @@ _MOVED = {"modules": ("nbddp.shipping", "nbddp.shipping (ship_by_value, ship_by_
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        import warnings
+        from nbddp.protocol.notices import deprecated
 
         target, says = _MOVED[name]
-        warnings.warn(f"nbddp.{name} is now {says}; nbddp.{name} will go in a later release", DeprecationWarning,
-                      stacklevel=2)
+        deprecated(f"nbddp.{name} is now {says}; nbddp.{name} will go in a later release")
         return importlib.import_module(target)
     module = _LAZY.get(name)
     if module is None:

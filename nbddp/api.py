@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from nbddp.fit.arguments import (Callbacks, CompileChoice, FilePath, FitArguments, Loggers, Metrics, ModelLike,
                                  ModuleClasses, OptimizerLike, ProfileChoice, RetryOn, SchedulerLike, SnapshotEvery)
@@ -14,6 +14,7 @@ from nbddp.fit.history import History
 from nbddp.session.session import get_session
 from nbddp.session.start_options import check_stall_timeout
 from nbddp.execution.work import interrupts_held, wait_interruptibly
+from nbddp.live.choice import LiveChoice
 from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
 
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
     from optuna.pruners import BasePruner
     from optuna.samplers import BaseSampler
 
+    from nbddp.cells.call_handle import CallHandle
     from nbddp.fit.fit_run import FitRun
+    from nbddp.inference.predict_run import PredictHandle
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.sweeps.result import SweepResult
 
@@ -95,19 +98,97 @@ def status() -> dict[str, Any]:
     return get_session().snapshot()
 
 
-def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+@overload
+def run(fn: Callable[..., Any], *args: Any, block: Literal[True] = True, live: LiveChoice = None,
+        **kwargs: Any) -> list[Any]: ...
+@overload
+def run(fn: Callable[..., Any], *args: Any, block: Literal[False], live: LiveChoice = None,
+        **kwargs: Any) -> CallHandle: ...
+@overload
+def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
+        **kwargs: Any) -> list[Any] | CallHandle: ...
+
+
+def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
+        **kwargs: Any) -> list[Any] | CallHandle:
     """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
 
     ``fn`` may be defined in the notebook: it travels by value. Inside it,
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
+
+    ``block`` and ``live`` are ``run``'s own (a keyword of ``fn`` with one of
+    these names goes through ``functools.partial``):
+
+    * ``block=False`` returns a ``CallHandle`` at once, a
+      ``concurrent.futures.Future`` of the list (``result()``, ``done()``,
+      ``stop()``, ``await handle``, ...), as ipyparallel's ``apply_async``;
+      what the ranks print is kept on it (``display_outputs()``).
+    * ``live``: ``True``, ``None``, ``"widget"`` or ``"text"`` print the
+      ranks' output as it arrives; ``False`` prints nothing.
     """
-    from nbddp.cells.function_calls import call_everywhere
+    from nbddp.cells.function_calls import call_everywhere, start_everywhere
+    from nbddp.execution.handle import check_block
+    from nbddp.live.choice import live_choice
 
     if not callable(fn):
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
                         f"HINT: pass the function itself, run(f, x), not its result, run(f(x))")
-    return call_everywhere(get_session(), fn, args, kwargs)
+    check_block(block, "nbddp.run")
+    shown = live_choice(live, "nbddp.run") is not False
+    if not block:
+        return start_everywhere(get_session(), fn, args, kwargs)
+    return call_everywhere(get_session(), fn, args, kwargs, output=shown)
+
+
+@overload
+def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: DataLike | None = None,
+             batch_size: int | str | None = None, loss_fn: Callable[..., Any] | None = None,
+             optimizer: OptimizerLike | None = None, lr: float | None = None, scheduler: SchedulerLike | None = None,
+             scheduler_interval: str | None = None, metrics: Metrics | None = None,
+             step_fn: Callable[..., Any] | None = None, max_steps: int | None = None, shuffle: bool | None = None,
+             seed: int = 0, precision: str = "32-true", grad_accum: int = 1, clip_grad_norm: float | None = None,
+             sync_batchnorm: bool = False, checkpoint_dir: FilePath | None = None, checkpoint_every: int | None = None,
+             resume: bool | FilePath = False, log_every: int = 20, val_every: int | str | None = None,
+             strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
+             activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
+             block: Literal[True] = True, live: LiveChoice = None, stall_timeout: float | None = None,
+             on_nan: str = "raise", profile: ProfileChoice = False, loggers: Loggers = None,
+             callbacks: Callbacks = None, compile: CompileChoice = False, max_restarts: int = 0,
+             snapshot_every: SnapshotEvery = None, retry_on: RetryOn = None, min_workers: int | None = None,
+             **advanced: Any) -> History: ...
+@overload
+def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: DataLike | None = None,
+             batch_size: int | str | None = None, loss_fn: Callable[..., Any] | None = None,
+             optimizer: OptimizerLike | None = None, lr: float | None = None, scheduler: SchedulerLike | None = None,
+             scheduler_interval: str | None = None, metrics: Metrics | None = None,
+             step_fn: Callable[..., Any] | None = None, max_steps: int | None = None, shuffle: bool | None = None,
+             seed: int = 0, precision: str = "32-true", grad_accum: int = 1, clip_grad_norm: float | None = None,
+             sync_batchnorm: bool = False, checkpoint_dir: FilePath | None = None, checkpoint_every: int | None = None,
+             resume: bool | FilePath = False, log_every: int = 20, val_every: int | str | None = None,
+             strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
+             activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
+             block: Literal[False], live: LiveChoice = None, stall_timeout: float | None = None,
+             on_nan: str = "raise", profile: ProfileChoice = False, loggers: Loggers = None,
+             callbacks: Callbacks = None, compile: CompileChoice = False, max_restarts: int = 0,
+             snapshot_every: SnapshotEvery = None, retry_on: RetryOn = None, min_workers: int | None = None,
+             **advanced: Any) -> FitHandle: ...
+@overload
+def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: DataLike | None = None,
+             batch_size: int | str | None = None, loss_fn: Callable[..., Any] | None = None,
+             optimizer: OptimizerLike | None = None, lr: float | None = None, scheduler: SchedulerLike | None = None,
+             scheduler_interval: str | None = None, metrics: Metrics | None = None,
+             step_fn: Callable[..., Any] | None = None, max_steps: int | None = None, shuffle: bool | None = None,
+             seed: int = 0, precision: str = "32-true", grad_accum: int = 1, clip_grad_norm: float | None = None,
+             sync_batchnorm: bool = False, checkpoint_dir: FilePath | None = None, checkpoint_every: int | None = None,
+             resume: bool | FilePath = False, log_every: int = 20, val_every: int | str | None = None,
+             strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
+             activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
+             block: bool = True, live: LiveChoice = None, stall_timeout: float | None = None,
+             on_nan: str = "raise", profile: ProfileChoice = False, loggers: Loggers = None,
+             callbacks: Callbacks = None, compile: CompileChoice = False, max_restarts: int = 0,
+             snapshot_every: SnapshotEvery = None, retry_on: RetryOn = None, min_workers: int | None = None,
+             **advanced: Any) -> History | FitHandle: ...
 
 
 def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: DataLike | None = None,
@@ -120,7 +201,7 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
              resume: bool | FilePath = False, trust_checkpoint: bool = False, log_every: int = 20, val_every: int | str | None = None,
              strategy: str | StrategySettings = "ddp", mesh: dict[str, int] | None = None,
              activation_checkpointing: ModuleClasses = False, keep: str | None = None, return_weights: bool = True,
-             block: bool = True, live: bool | str | None = None, stall_timeout: float | None = None,
+             block: bool = True, live: LiveChoice = None, stall_timeout: float | None = None,
              on_nan: str = "raise", profile: ProfileChoice = False, loggers: Loggers = None,
              callbacks: Callbacks = None, compile: CompileChoice = False, max_restarts: int = 0,
              snapshot_every: SnapshotEvery = None, retry_on: RetryOn = None, min_workers: int | None = None,
@@ -219,9 +300,12 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
         return_weights: ``False`` leaves the notebook's model as it is (for a
             model too big for the kernel; use ``keep`` or checkpoints).
         block: ``False`` returns a ``FitHandle`` at once; training and the
-            dashboard go on while the notebook stays usable.
-        live: ``None`` (automatic: dashboard in Jupyter, text elsewhere),
-            ``True``, ``False`` (show nothing), ``"widget"`` or ``"text"``.
+            dashboard go on while the notebook stays usable. The handle is a
+            ``concurrent.futures.Future`` of the ``History`` (``result()``,
+            ``cancel()``, ``add_done_callback()``, ``await handle``, ...).
+        live: ``None`` or ``True`` (automatic: dashboard in Jupyter, text
+            elsewhere), ``False`` (show nothing), ``"widget"`` or ``"text"``:
+            the same values for every call that shows itself.
         stall_timeout: seconds a rank may go without progress (each rank
             reports its step, micro-batch and phase about once a second)
             before the fit fails with ``WorkerStalled``; the stalled ranks are
@@ -306,7 +390,9 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
     """
     given = dict(locals())  # first: this signature's parameters by name, and nothing else yet (the records' names)
     from nbddp.callbacks.fit_hooks import FitHooks
+    from nbddp.cells.call_handle import CallHandle
     from nbddp.fit.fit_run import FitRun
+    from nbddp.inference.predict_run import PredictHandle
     from nbddp.live import choose_view
     from nbddp.fit.preflight import plan_fit
 
@@ -368,10 +454,27 @@ def last_history() -> History | None:
     return get_session().last_history
 
 
+@overload
 def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
           mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
-          pruner: BasePruner | None = None, study: Study | None = None, live: bool | str | None = None,
-          **fit_kwargs: Any) -> SweepResult | SweepHandle:
+          pruner: BasePruner | None = None, study: Study | None = None, live: LiveChoice | Literal["html"] = None,
+          block: Literal[True] = True, **fit_kwargs: Any) -> SweepResult: ...
+@overload
+def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
+          pruner: BasePruner | None = None, study: Study | None = None, live: LiveChoice | Literal["html"] = None,
+          block: Literal[False], **fit_kwargs: Any) -> SweepHandle: ...
+@overload
+def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
+          pruner: BasePruner | None = None, study: Study | None = None, live: LiveChoice | Literal["html"] = None,
+          block: bool = True, **fit_kwargs: Any) -> SweepResult | SweepHandle: ...
+
+
+def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trials: int, metric: str = "val_loss",
+          mode: str = "min", workers_per_trial: int = 1, sampler: BaseSampler | None = None,
+          pruner: BasePruner | None = None, study: Study | None = None, live: LiveChoice | Literal["html"] = None,
+          block: bool = True, **fit_kwargs: Any) -> SweepResult | SweepHandle:
     """Run ``n_trials`` independent fits on groups of the warm workers, sampled and pruned by Optuna.
 
     For a small model, DDP over every worker buys little; independent trials
@@ -385,8 +488,10 @@ def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trial
             ``nbddp.TensorParallel``/``nbddp.Pipeline``/``mesh`` laid over the
             group's ranks (a mesh must span ``workers_per_trial``). ``max_restarts`` (default 1): how many times a trial
             whose worker died runs again; with ``snapshot_every`` it resumes
-            from its newest snapshot instead. ``block=False`` returns a
-            ``SweepHandle`` (``.stop()``, ``.wait()``, ``.done()``, ``.trials``).
+            from its newest snapshot instead.
+        block: ``False`` returns a ``SweepHandle`` at once, a
+            ``concurrent.futures.Future`` of the ``SweepResult``
+            (``.result()``, ``.stop()``, ``.cancel()``, ``await``, ``.trials``).
         space: name -> an Optuna distribution, ``(low, high)``, ``(low, high,
             "log")`` or a list of choices. A name is a ``dist_fit`` option
             (``nbddp.sweeps.space.SWEEPABLE``: ``lr``, ``batch_size``, ``epochs``,
@@ -403,10 +508,11 @@ def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trial
             trial stops on its workers at its next synchronisation.
         study: an ``optuna.Study`` (with a SQLite storage a sweep resumes after
             a kernel restart, skipping the trials that are done).
-        live: ``None`` (automatic): in Jupyter one output updated in place,
-            the leaderboard (best first) and every trial's curve (the best
-            red, the pruned grey); elsewhere a line per finished trial.
-            ``"html"``, ``"text"`` force one; ``False`` shows nothing.
+        live: ``None`` or ``True`` (automatic): in Jupyter one output updated
+            in place, the leaderboard (best first) and every trial's curve (the
+            best red, the pruned grey); elsewhere a line per finished trial.
+            ``"widget"``, ``"text"`` force one (``"html"``, the old spelling of
+            ``"widget"``, warns); ``False`` shows nothing.
         stall_timeout: (a keyword of ``**fit_kwargs``) a trial whose rank makes
             no progress for this many seconds is killed and recorded as failed;
             its workers are replaced and the sweep goes on.
@@ -428,12 +534,26 @@ def sweep(model: ModelLike, data: DataLike, *, space: Mapping[str, Any], n_trial
 
     return run_sweep(model, data, space=space, n_trials=n_trials, metric=metric, mode=mode,
                      workers_per_trial=workers_per_trial, sampler=sampler, pruner=pruner, study=study, live=live,
-                     fit_kwargs=fit_kwargs)
+                     block=block, fit_kwargs=fit_kwargs)
+
+
+@overload
+def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
+            step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
+            precision: str | None = None, live: LiveChoice = True, block: Literal[True] = True) -> Any: ...
+@overload
+def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
+            step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
+            precision: str | None = None, live: LiveChoice = True, block: Literal[False]) -> PredictHandle[Any]: ...
+@overload
+def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
+            step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
+            precision: str | None = None, live: LiveChoice = True, block: bool = True) -> Any: ...
 
 
 def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = None,
             step_fn: Callable[..., Any] | None = None, output: str = "tensor", to: str | os.PathLike[str] | None = None,
-            precision: str | None = None, live: bool = True, block: bool = True) -> Any:
+            precision: str | None = None, live: LiveChoice = True, block: bool = True) -> Any | PredictHandle[Any]:
     """Run ``model`` over ``data`` on every worker; the outputs come back here, in the dataset's order.
 
     Each rank predicts one contiguous block of the data, so every sample is
@@ -474,8 +594,12 @@ def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = 
             the parts' paths, in the dataset's order.
         precision: ``"32-true"``, ``"bf16-mixed"`` (autocast), ``"16-mixed"`` (CUDA).
             Default: a kept model's fit precision, else ``"32-true"``.
-        live: a progress line while it runs.
-        block: ``False`` returns a ``PredictHandle`` at once (``.wait()``, ``.done()``, ``.stop()``).
+        live: the progress while it runs: ``True`` (automatic: a progress bar
+            in Jupyter, a line rewritten in place elsewhere), ``"widget"``,
+            ``"text"``, or ``False`` (nothing).
+        block: ``False`` returns a ``PredictHandle`` at once, a
+            ``concurrent.futures.Future`` of the outputs (``.result()``,
+            ``.done()``, ``.stop()``, ``.cancel()``, ``await handle``).
 
     Outputs travel back through ``/dev/shm`` on the kernel's host, as
     ``dist_fit``'s weights do. Kernel > Interrupt stops every rank and raises
@@ -491,10 +615,27 @@ def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = 
                       to=check_to(to), step_fn=step_fn)
 
 
+@overload
 def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
              loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
              step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
-             precision: str | None = None, live: bool = True, block: bool = True) -> Any:
+             precision: str | None = None, live: LiveChoice = True, block: Literal[True] = True) -> dict[str, Any]: ...
+@overload
+def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
+             loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
+             step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
+             precision: str | None = None, live: LiveChoice = True, block: Literal[False]) -> PredictHandle[dict[str, Any]]: ...
+@overload
+def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
+             loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
+             step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
+             precision: str | None = None, live: LiveChoice = True, block: bool = True) -> dict[str, Any] | PredictHandle[dict[str, Any]]: ...
+
+
+def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, Any],
+             loss_fn: Callable[..., Any] | None = None, batch_size: int | None = None,
+             step_fn: Callable[..., Any] | None = None, target_fn: Callable[..., Any] | None = None,
+             precision: str | None = None, live: LiveChoice = True, block: bool = True) -> dict[str, Any] | PredictHandle[dict[str, Any]]:
     """Exact metric values over the whole of ``data``, computed on every worker; a dict ``name -> value``.
 
     Args:
@@ -525,15 +666,16 @@ def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, An
 
 
 def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: int | None, precision: str | None,
-               live: bool, block: bool, output: str = "tensor", to: str | None = None,
+               live: LiveChoice, block: bool, output: str = "tensor", to: str | None = None,
                **callables: Any) -> Any:
     """The one path of ``predict`` and ``evaluate``: check, ship, run on every rank, wait or hand back."""
+    from nbddp.execution.handle import check_block
     from nbddp.inference.checks import prepare
     from nbddp.inference.predict_run import PredictHandle, PredictRun
+    from nbddp.live.choice import live_choice, resolved
 
-    for name, flag in (("block", block), ("live", live)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{what}({name}=...) must be True or False, got {flag!r}")
+    check_block(block, what)
+    view = resolved(live_choice(live, what, stacklevel=5))  # deprecated, live_choice, _inference, predict, the cell
     s = get_session()
     s.ensure_started()
     kept = None
@@ -545,12 +687,13 @@ def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: in
     with interrupts_held() as held, s.lock:  # an interrupt while it launches stops it once launched
         s.ensure_ready()
         plan = prepare(s, what, model, data, batch_size, precision, output, to, kept, **callables)
-        run_ = PredictRun(s, plan, live)
+        run_ = PredictRun(s, plan, view)
         run_.launch()
     if not block:
+        handle: PredictHandle[Any] = PredictHandle(run_)
         if held:
             run_.request_stop()
-        return PredictHandle(run_)
+        return handle
     wait_interruptibly(run_, already=len(held))
     return run_.result()
 

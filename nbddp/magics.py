@@ -6,29 +6,46 @@
 ``%ddp status``                              ``nbddp.status()`` plus a liveness and
                                              memory probe of every worker
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
-``%ddp pull NAME... [--rank R]``             ``nbddp.pull(NAME, ..., rank=R)``
+``%ddp pull NAME... [--targets T]``          ``nbddp.pull(NAME, ..., rank=R)`` (or ``ranks=``)
 ``%ddp script PATH [ARGS...]``               ``nbddp.run_script(PATH, *ARGS)``
-``%ddp stacks [--timeout S]``                ``nbddp.stacks()``: every rank's stack now
+``%ddp stacks [--targets T] [--timeout S]``  ``nbddp.stacks()``: every rank's stack now
 ``%ddp debug [RANK] [--clear]``              ``nbddp.debug(RANK)``: pdb on a failed or paused
                                              rank; ``--clear`` drops kept failures
-``%%ddp [--ranks 0,2] [--no-stream]``        ``nbddp.run_cell(cell, ranks, stream=...)``
+``%%ddp [--targets 0,2] [--no-stream]``      ``nbddp.run_cell(cell, ranks, stream=...)``
+``%%ddp --noblock``                          ``nbddp.run_cell(cell, block=False)``: the
+                                             cell's value is a ``CallHandle`` (``_``)
 ==========================================  =====================================
 
+``--targets`` is ipyparallel's spelling: one rank (``1``), a list
+(``0,2``), a slice of the ranks (``::2``, ``1:``, ``-2:`` as
+``--targets=-2:``) or ``all``; ``--ranks`` (and ``pull``'s ``--rank``) say
+the same. ``--block``/``--noblock`` too.
+
 Nothing here runs work itself: every sub-command is one call into
-``nbddp.api``, ``nbddp.cells.cell_code`` or ``nbddp.monitor.status``. Misuse raises IPython's
-``UsageError``.
+``nbddp.api``, ``nbddp.cells.cell_code`` or ``nbddp.monitor.status``. Every
+misuse raises IPython's ``UsageError`` with the sub-command's usage line (a
+missing name's is a ``NameError`` too).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
-from typing import Any
+from typing import Any, Protocol
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring, real_name
+
+
+class Parsed(Protocol):
+    """A sub-command's function below: ``magic_arguments`` hangs its parser on it."""
+
+    parser: argparse.ArgumentParser
+
+    def __call__(self) -> None: ...
 
 
 # ---- argument parsers (one per sub-command) ---------------------------------
@@ -67,7 +84,8 @@ def _restart(): """Stop and start again with the same settings."""  # noqa: E704
 
 @magic_arguments("%ddp pull")
 @argument("names", nargs="+", metavar="NAME", help="worker variables to copy into the notebook")
-@argument("--rank", type=int, default=0, help="the rank to copy from (default 0)")
+@argument("--targets", "--rank", "--ranks", dest="targets", default=None,
+          help="the rank to copy from (default 0); a list or slice (0,1 or ::2) gives each name a list, in rank order")
 def _pull(): """Copy variables from one rank's %%ddp namespace into the notebook."""  # noqa: E704
 
 
@@ -84,6 +102,7 @@ def _script(): """Run a script written for torchrun on every rank; the same as n
 
 @magic_arguments("%ddp stacks")
 @argument("--timeout", type=float, default=5.0, help="seconds to wait for the ranks' answers (default 5)")
+@argument("--targets", "--ranks", dest="targets", default=None, help="these ranks only: 0,2 or ::2 (default: all)")
 def _stacks(): """Every rank's current Python stack, even inside a collective; the same as nbddp.stacks()."""  # noqa: E704
 
 
@@ -94,9 +113,13 @@ def _debug(): """pdb on a failed rank's frame or a rank paused at breakpoint(); 
 
 
 @magic_arguments("%%ddp")
-@argument("--ranks", default=None, help="comma-separated ranks to run on, e.g. 0,2 (default: all)")
+@argument("--targets", "--ranks", dest="targets", default=None,
+          help="the ranks to run on: 0,2, a slice such as ::2 or 1:, or all (default: all)")
 @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends, grouped by rank")
-def _cell(): """Run the cell on every rank (or the --ranks given)."""  # noqa: E704
+@argument("--block", dest="block", action="store_const", const=True, default=True, help="wait for the cell (default)")
+@argument("--noblock", dest="block", action="store_const", const=False,
+          help="return at once with a CallHandle (the cell's value, so _): result() is each rank's value")
+def _cell(): """Run the cell on every rank (or the --targets given)."""  # noqa: E704
 
 
 _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push,
@@ -105,11 +128,13 @@ _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _r
 
 def usage() -> str:
     """One line per sub-command, generated from the parsers (so it never drifts)."""
-    lines = []
-    for func in [*_SUBCOMMANDS.values(), _cell]:
-        rest = func.parser.format_usage().split(func.parser.prog, 1)[-1]
-        lines.append(" ".join([real_name(func), *rest.split()]))
-    return "usage:\n  " + "\n  ".join(lines)
+    return "usage:\n  " + "\n  ".join(usage_line(func) for func in [*_SUBCOMMANDS.values(), _cell])
+
+
+def usage_line(func: Parsed) -> str:
+    """One sub-command's usage on one line, e.g. ``%ddp pull [--targets TARGETS] NAME [NAME ...]``."""
+    rest = func.parser.format_usage().split(func.parser.prog, 1)[-1]
+    return " ".join([real_name(func), *rest.split()])
 
 
 SLURM_FLAGS = ("partition", "nodes", "gpus_per_node", "time", "account", "sbatch", "queue_timeout", "controller_ip")
@@ -129,29 +154,53 @@ def slurm_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     return given
 
 
-def parse_ranks(text: str | None) -> list[int] | None:
-    """``"0,2"`` -> ``[0, 2]``; ``None`` -> all ranks."""
+class MissingName(UsageError, NameError):
+    """``%ddp push``/``pull`` of a name that is not defined: misuse of the magic (a ``NameError`` too)."""
+
+
+def misuse(func: Parsed, text: str) -> UsageError:
+    """``UsageError(text)`` followed by ``func``'s usage line (a sub-command's parser)."""
+    return UsageError(f"{text}\nusage: {usage_line(func)}")
+
+
+def parse(func: Parsed, line: str) -> argparse.Namespace:
+    """``line`` parsed by ``func``'s parser; its errors name the usage line."""
+    try:
+        return parse_argstring(func, line)
+    except UsageError as exc:
+        raise misuse(func, str(exc)) from None
+
+
+def parse_targets(text: str | None, func: Parsed) -> list[int] | slice | int | None:
+    """ipyparallel's ``--targets``: ``"1"`` -> 1, ``"0,2"`` -> [0, 2], ``"::2"`` -> a slice, ``all``/None -> None."""
     if text is None:
         return None
+    flat = text.strip().strip("[]").replace(" ", "")
+    if flat == "all":
+        return None
     try:
-        ranks = [int(part) for part in text.split(",") if part.strip()]
+        if ":" in flat:
+            parts = [int(p) if p else None for p in flat.split(":")]
+            if len(parts) > 3 or parts[2:] == [0]:
+                raise ValueError(flat)
+            return slice(*parts)
+        ranks = [int(part) for part in flat.split(",") if part]
     except ValueError:
-        raise UsageError(f"%%ddp --ranks takes comma-separated integers like 0,2; got {text!r}") from None
+        raise misuse(func, f"--targets takes a slice like ::2 or 1:, 'all', or comma-separated integers like 0,2; "
+                           f"got {text!r}") from None
     if not ranks:
-        raise UsageError(f"%%ddp --ranks needs at least one rank, e.g. --ranks 0; got {text!r}")
-    return sorted(set(ranks))
+        raise misuse(func, f"--targets needs at least one rank, e.g. --targets 0; got {text!r}")
+    return ranks[0] if len(ranks) == 1 and "," not in flat else sorted(set(ranks))
 
 
 # ---- the magics ----------------------------------------------------------------
 @magics_class
 class DDPMagics(Magics):
     @line_cell_magic
-    def ddp(self, line: str, cell: str | None = None) -> None:
+    def ddp(self, line: str, cell: str | None = None) -> Any:
         """Drive the DDP workers: %ddp start|stop|status|restart|pull|push|script|stacks|debug, or %%ddp on every rank."""
         if cell is not None:
-            args = parse_argstring(_cell, line)
-            self._run_cell(cell, args)
-            return
+            return self._run_cell(cell, parse(_cell, line), line)
         words = line.strip().split(None, 1)
         if not words:
             raise UsageError(f"%ddp needs a sub-command.\n{usage()}")
@@ -165,22 +214,24 @@ class DDPMagics(Magics):
                 raise UsageError(f"%ddp script needs the script's path, e.g. %ddp script train.py --lr 0.1\n{usage()}")
             args = argparse.Namespace(path=words[0], args=words[1:])
         else:
-            args = parse_argstring(func, rest)
-        getattr(self, f"_do_{command}")(args)
+            args = parse(func, rest)
+        args.line = rest  # (which spelling of a flag the person used, for messages)
+        return getattr(self, f"_do_{command}")(args)
 
     def user_ns(self) -> dict[str, Any]:
         """The notebook's namespace (a registered magic always has its shell)."""
         assert self.shell is not None, "IPython gives a registered Magics its shell"
         return self.shell.user_ns
 
-    def _run_cell(self, cell: str, args: argparse.Namespace) -> None:
+    def _run_cell(self, cell: str, args: argparse.Namespace, line: str) -> Any:
+        """The cell on its ranks; with ``--noblock`` its ``CallHandle``, the cell's value (so ``_``)."""
         from nbddp.cells.cell_code import run_cell
         from nbddp.execution.calls import UnknownRanks
 
         try:
-            run_cell(cell, parse_ranks(args.ranks), stream=not args.no_stream)
+            return run_cell(cell, parse_targets(args.targets, _cell), stream=not args.no_stream, block=args.block)
         except UnknownRanks as exc:
-            raise UsageError(f"%%ddp --ranks {args.ranks}: {exc.detail}") from None
+            raise misuse(_cell, f"%%ddp {flag_in(line)} {args.targets}: {exc.detail}") from None
 
     def _do_start(self, args: argparse.Namespace) -> None:
         from nbddp import api
@@ -215,8 +266,9 @@ class DDPMagics(Magics):
         ns = self.user_ns()
         missing = [n for n in args.names if n not in ns]
         if missing:
-            raise NameError(f"%ddp push: no variable named {', '.join(map(repr, missing))} in the notebook; "
-                            "define it in a cell first (push sends existing notebook variables to the workers)")
+            raise MissingName(f"%ddp push: no variable named {', '.join(map(repr, missing))} in the notebook; define "
+                              "it in a cell first (push sends existing notebook variables to the workers)\n"
+                              f"usage: {usage_line(_push)}")
         push(**{n: ns[n] for n in args.names})
 
     def _do_script(self, args: argparse.Namespace) -> None:
@@ -225,8 +277,13 @@ class DDPMagics(Magics):
         run_script(args.path, *args.args)
 
     def _do_stacks(self, args: argparse.Namespace) -> None:
+        from nbddp.execution.calls import UnknownRanks
         from nbddp.monitor.stacks import stacks
-        _show(stacks(timeout=args.timeout))
+
+        try:
+            _show(stacks(timeout=args.timeout, ranks=parse_targets(args.targets, _stacks)))
+        except UnknownRanks as exc:
+            raise misuse(_stacks, f"%ddp stacks {flag_in(args.line)} {args.targets}: {exc.detail}") from None
 
     def _do_debug(self, args: argparse.Namespace) -> None:
         from nbddp.debugging.conversation import NoPrompt
@@ -239,16 +296,28 @@ class DDPMagics(Magics):
         try:
             debug(args.rank)
         except (ValueError, NothingToDebug, NoPrompt) as exc:
-            raise UsageError(f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
+            raise misuse(_debug, f"%ddp debug{'' if args.rank is None else f' {args.rank}'}: {exc}") from None
 
     def _do_pull(self, args: argparse.Namespace) -> None:
         from nbddp.cells.cell_code import pull
         from nbddp.execution.calls import UnknownRanks
 
+        targets = parse_targets(args.targets, _pull)
+        one = 0 if args.targets is None else targets  # an int: that rank's values; a list or slice: a list each
         try:
-            self.user_ns().update(pull(*args.names, rank=args.rank))
+            if isinstance(one, int):
+                self.user_ns().update(pull(*args.names, rank=one))
+            else:  # a list, a slice, or all
+                self.user_ns().update(pull(*args.names, ranks=slice(None) if targets is None else targets))
         except UnknownRanks as exc:
-            raise UsageError(f"%ddp pull --rank {args.rank}: {exc.detail}") from None
+            raise misuse(_pull, f"%ddp pull {flag_in(args.line)} {args.targets}: {exc.detail}") from None
+        except NameError as exc:
+            raise MissingName(f"{exc}\nusage: {usage_line(_pull)}") from None
+
+
+def flag_in(line: str, flags: tuple[str, ...] = ("--targets", "--ranks", "--rank")) -> str:
+    """Which spelling of ``--targets`` the person wrote (their words in the message)."""
+    return next((f for f in flags if re.search(rf"{f}(?![-\w])", line)), flags[0])
 
 
 def _show(obj: object) -> None:

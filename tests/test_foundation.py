@@ -20,7 +20,7 @@ PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "
           "debug",
           "History", "FitHandle", "export_checkpoint", "FSDP", "Pipeline", "TensorParallel", "find_batch_size",
           "scaling_report", "sweep", "SweepResult", "SweepHandle", "compile_cache", "RecompileWarning", "predict", "evaluate",
-          "PredictHandle",
+          "PredictHandle", "CallHandle",
           "NbddpError", "NotStartedError", "FitRunningError", "ClusterError", "SlurmError", "ShippingError",
           "UntrustedCheckpointError", "WorkerError", "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__",
           "load_ipython_extension",

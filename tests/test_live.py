@@ -235,7 +235,9 @@ def _bare_run():
     session = SimpleNamespace(world_size=2, backend="gloo", placements=[], debugger=DebugBoard())
     from nbddp.execution.policy import FailurePolicy
 
-    plan = SimpleNamespace(ship_s=0.0, cfg=SimpleNamespace(batch_size=8, epochs=1), policy=FailurePolicy(),
+    from nbddp.protocol.fit_options import FitConfig
+
+    plan = SimpleNamespace(ship_s=0.0, cfg=FitConfig(batch_size=8, epochs=1), policy=FailurePolicy(),
                            launch=FitLaunch(generation=0, returns="none"))
     run = FitRun(session, plan, NullView())
     ar = SimpleNamespace(data={})

@@ -37,7 +37,7 @@ def texts(written, kind="stdout"):
 def test_usage_errors_name_the_problem_and_show_usage(ip):
     with pytest.raises(UsageError, match=r"needs a sub-command\.\nusage:\n  %ddp start .*\n.*%ddp stop"):
         ip.run_line_magic("ddp", "")
-    with pytest.raises(UsageError, match=r"(?s)no sub-command 'frobnicate'.*%%ddp \[--ranks RANKS\] \[--no-stream\]"):
+    with pytest.raises(UsageError, match=r"(?s)no sub-command 'frobnicate'.*%%ddp \[--targets TARGETS\] \[--no-stream\]"):
         ip.run_line_magic("ddp", "frobnicate")
     with pytest.raises(UsageError, match="invalid choice: 'mpi'"):
         ip.run_line_magic("ddp", "start --backend mpi")
@@ -182,6 +182,58 @@ def test_push_and_pull_errors_name_the_missing_variable(ip, workers):
     ip.user_ns.pop("missing_in_kernel", None)
     with pytest.raises(NameError, match="no variable named 'missing_in_kernel' in the notebook"):
         ip.run_line_magic("ddp", "push missing_in_kernel")
+    with pytest.raises(UsageError, match=r"(?s)no variable named 'missing_in_kernel'.*\nusage: %ddp push"):
+        ip.run_line_magic("ddp", "push missing_in_kernel")  # misuse of the magic: a UsageError, and a NameError
+    with pytest.raises(UsageError, match=r"(?s)rank 0 has no variable named 'nope'.*\nusage: %ddp pull"):
+        ip.run_line_magic("ddp", "pull nope")
+
+
+# ---- ipyparallel's spellings: --targets, --noblock ----------------------------------------
+def test_targets_take_ipyparallels_lists_and_slices(ip, workers, written):
+    ip.run_cell_magic("ddp", "--targets ::2", "print('here', rank)")
+    assert texts(written) == ["[rank 0] here 0"]
+    written.clear()
+    ip.run_cell_magic("ddp", "--targets 1:", "print('here', rank)\nmine = rank * 3")
+    ip.run_cell_magic("ddp", "--targets=-1", "print('last', rank)")
+    ip.run_cell_magic("ddp", "--targets all", "print('all', rank)")
+    assert texts(written)[:2] == ["[rank 1] here 1", "[rank 1] last 1"]
+    assert sorted(texts(written)[2:]) == ["[rank 0] all 0", "[rank 1] all 1"]
+    ip.run_line_magic("ddp", "pull mine --targets 1")
+    assert ip.user_ns["mine"] == 3
+    ip.run_cell_magic("ddp", "", "mine = rank + 100")
+    ip.run_line_magic("ddp", "pull mine --targets 0,1")  # several ranks: a list each, in rank order (DirectView.pull)
+    assert ip.user_ns["mine"] == [100, 101]
+    ip.run_line_magic("ddp", "pull mine --targets ::1")
+    assert ip.user_ns["mine"] == [100, 101]
+    stacks = ip.run_line_magic("ddp", "stacks --targets 1")
+    assert stacks is None  # shown, not returned
+    assert [e.rank for e in nbddp.stacks(ranks=[1])] == [1]
+
+
+def test_targets_misuse_is_a_usage_error_with_the_usage_line(ip, workers):
+    for line, match in [("--targets a:b", r"--targets takes a slice like ::2.*got 'a:b'\nusage: %%ddp \[--targets"),
+                        ("--targets ::0", r"got '::0'"), ("--targets 1:2:3:4", r"got '1:2:3:4'"),
+                        ("--targets 5:", r"%%ddp --targets 5:: the slice 5: takes no rank of 0\.\.1\nusage: %%ddp"),
+                        ("--nope", r"unrecognized arguments: --nope\nusage: %%ddp")]:
+        with pytest.raises(UsageError, match=match):
+            ip.run_cell_magic("ddp", line, "pass")
+    with pytest.raises(UsageError, match=r"%ddp stacks --targets 3: no rank 3.*\nusage: %ddp stacks"):
+        ip.run_line_magic("ddp", "stacks --targets 3")
+    with pytest.raises(UsageError, match=r"%ddp pull --targets 2,3: no rank 2, 3.*\nusage: %ddp pull"):
+        ip.run_line_magic("ddp", "pull x --targets 2,3")
+
+
+def test_noblock_returns_a_handle_as_the_cells_value(ip, workers, written):
+    from nbddp.cells.call_handle import CallHandle
+
+    ip.run_cell("%%ddp --noblock\nimport time\ntime.sleep(0.2)\nprint('ran on', rank)\nrank * 10")
+    handle = ip.user_ns["_"]
+    assert isinstance(handle, CallHandle) and handle.result(timeout=60) == [0, 10]
+    assert texts(written) == [] and handle.stdout == {0: "ran on 0\n0\n", 1: "ran on 1\n10\n"}
+    assert "CallHandle %%ddp cell on ranks [0, 1]: done" in repr(handle)
+    handle = ip.run_cell_magic("ddp", "--targets 1 --noblock", "rank")
+    assert handle.result(timeout=60) == [1]
+    assert ip.run_cell_magic("ddp", "--noblock --block", "rank") is None  # the last of the two says
 
 
 # ---- status, start, stop, restart ---------------------------------------------------------

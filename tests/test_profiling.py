@@ -461,7 +461,8 @@ def test_a_fit_that_ends_before_any_traced_step_says_so():
     from nbddp.fit.handle import FitHandle
 
     requests = SimpleNamespace(ask=lambda steps, folder: 1, wait=lambda request, timeout: None)
-    run = SimpleNamespace(finished=False, requests=requests, live_state=SimpleNamespace(status="completed"))
+    run = SimpleNamespace(finished=False, requests=requests, live_state=SimpleNamespace(status="completed"),
+                          when_done=lambda fn: None)  # (a handle hears of the end through it)
     with pytest.raises(nbddp.NbddpError, match=r"handle.profile\(steps=5\): the fit ended \(completed\) before its "
                                                r"ranks traced a step"):
         FitHandle(run).profile(steps=5)

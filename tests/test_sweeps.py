@@ -116,7 +116,8 @@ def test_the_live_view_is_the_leaderboard_best_first_and_the_curves(monkeypatch,
     from types import SimpleNamespace
 
     from nbddp.sweeps.result import TrialRow
-    from nbddp.sweeps.view import SweepView, check_live, leaderboard_html
+    from nbddp.live.choice import live_choice
+    from nbddp.sweeps.view import SweepView, leaderboard_html
 
     rows = [TrialRow(0, {"lr": 0.1}, "complete", 0.5, 2, 1.0), TrialRow(1, {"lr": 0.01}, "complete", 0.2, 2, 1.2),
             TrialRow(2, {"lr": 1e-6}, "pruned", 0.9, 0, 0.3), TrialRow(3, {"lr": 0.05}, "running", 0.7, 1, 0.8)]
@@ -139,8 +140,10 @@ def test_the_live_view_is_the_leaderboard_best_first_and_the_curves(monkeypatch,
     run.lines.append("trial 3 line")
     text.tick(run)
     assert capsys.readouterr().out == "trial 3 line\n" and run.lines == []
-    with pytest.raises(ValueError, match=r"live='widget'\) must be None \(automatic\), True, False, 'text' or 'html'"):
-        check_live("widget")
+    with pytest.raises(ValueError, match=r"sweep\(live=\.\.\.\) must be True, False, None \(automatic\), 'widget' or 'text'; got 'x'"):
+        live_choice("x", "nbddp.sweep")
+    with pytest.deprecated_call(match=r"nbddp.sweep\(live='html'\) is now live='widget'"):
+        assert live_choice("html", "nbddp.sweep") == "widget"  # the old spelling works
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -79,7 +79,7 @@ def test_running_trials_in_a_storage_without_heartbeat_are_named_with_the_fix(tm
 def test_a_sweep_warns_about_running_trials_it_cannot_judge(workers, tmp_path):
     study = optuna.create_study(study_name="plain", storage=f"sqlite:///{tmp_path / 'plain.db'}")
     study.ask({"width": WIDTH})
-    with pytest.warns(UserWarning, match=r"holds 1 trial\(s\) still RUNNING \(\[0\]\).*heartbeat_interval"):
+    with pytest.warns(nbddp.NbddpWarning, match=r"holds 1 trial\(s\) still RUNNING \(\[0\]\).*heartbeat_interval"):
         result = nbddp.sweep(make_net, tensors(), space={"width": [4, 8, 16]}, metric="loss", n_trials=1,
                              study=study, epochs=1, batch_size=16, live=False)
     assert list(result.trials["state"]) == ["complete"]
@@ -156,7 +156,7 @@ def test_a_study_in_sqlite_resumes_in_a_new_process_and_skips_the_trials_done(wo
     out = subprocess.run([sys.executable, str(script), "resume", url], capture_output=True, text=True, timeout=240,
                          cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "trial(s) [2] of study 'resumed' were left RUNNING" in out.stdout
+    assert "trial(s) [2] of study 'resumed' were left RUNNING" in out.stderr  # the "nbddp" logger
     assert "ROWS [3]" in out.stdout  # only the dead trial's parameters ran again: the two done were skipped
     again = optuna.load_study(study_name="resumed", storage=url)
     assert [t.state.name for t in again.trials] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]

@@ -107,3 +107,17 @@ def test_predict_and_evaluate_on_4_ranks_equal_one_process(four):
                              metrics={"f1": MulticlassF1Score(3, average="macro")})
         assert abs(got["f1"] - float(f1.compute())) < 1e-6, mesh
     nbddp.run_cell("del sharded, meshed")
+
+
+def test_targets_take_every_other_rank_of_four(four, ipython_shell, capsys):
+    """``%%ddp --targets ::2``, ipyparallel's slice, runs on ranks 0 and 2 of 4; ``--noblock`` hands back each
+    chosen rank's value."""
+    ipython_shell.run_line_magic("load_ext", "nbddp")
+    try:
+        capsys.readouterr()
+        ipython_shell.run_cell_magic("ddp", "--targets ::2", "print('ran on', rank, 'of', world_size)")
+        assert sorted(capsys.readouterr().out.splitlines()) == ["[rank 0] ran on 0 of 4", "[rank 2] ran on 2 of 4"]
+        handle = ipython_shell.run_cell_magic("ddp", "--targets 1: --noblock", "rank * 10")
+        assert handle.ranks == [1, 2, 3] and handle.result(timeout=60) == [10, 20, 30]
+    finally:
+        ipython_shell.run_line_magic("unload_ext", "nbddp")

@@ -52,3 +52,53 @@ def test_the_count_sees_an_any_parameter(tmp_path):
     (tmp_path / "worker").mkdir()
     (tmp_path / "worker" / "w.py").write_text("from typing import Any\ndef g(a: Any) -> None: ...\n")
     assert any_parameters(tmp_path) == ["m.py:2 a"]
+
+
+OVERLOADS = '''
+from typing import Any
+
+from typing_extensions import assert_type
+
+import nbddp
+from nbddp.cells.call_handle import CallHandle
+from nbddp.fit.handle import FitHandle
+from nbddp.fit.history import History
+from nbddp.inference.predict_run import PredictHandle
+from nbddp.sweeps.handle import SweepHandle
+from nbddp.sweeps.result import SweepResult
+
+
+def calls(model: Any, data: Any, flag: bool) -> None:
+    assert_type(nbddp.dist_fit(model, data), History)
+    assert_type(nbddp.dist_fit(model, data, epochs=2, block=True), History)
+    assert_type(nbddp.dist_fit(model, data, block=False), FitHandle)
+    assert_type(nbddp.dist_fit(model, data, block=flag), History | FitHandle)
+    assert_type(nbddp.dist_fit(model, data, block=False).result(), History)
+    assert_type(nbddp.sweep(model, data, space={}, n_trials=2), SweepResult)
+    assert_type(nbddp.sweep(model, data, space={}, n_trials=2, block=False), SweepHandle)
+    assert_type(nbddp.sweep(model, data, space={}, n_trials=2, block=False).result(), SweepResult)
+    assert_type(nbddp.predict(model, data, block=False), PredictHandle[Any])
+    assert_type(nbddp.evaluate(model, data, metrics={}), dict[str, Any])
+    assert_type(nbddp.evaluate(model, data, metrics={}, block=False).result(), dict[str, Any])
+    assert_type(nbddp.run(print, 1), list[Any])
+    assert_type(nbddp.run(print, 1, block=False), CallHandle)
+    reveal_type(nbddp.dist_fit(model, data, block=False))
+
+
+async def awaited(model: Any, data: Any) -> None:
+    assert_type(await nbddp.dist_fit(model, data, block=False), History)
+    assert_type(await nbddp.run(print, block=False), list[Any])
+'''
+
+
+@pytest.mark.heavy
+def test_an_ide_can_tell_what_block_false_gives(tmp_path):
+    """Heavy: one mypy run over a snippet (and, through its imports, the package): about as long as
+    ``test_mypy_finds_nothing``. ``typing.overload`` on ``block`` types ``dist_fit``, ``sweep``, ``predict``,
+    ``evaluate`` and ``run``; ``assert_type`` fails the run if a return type differs."""
+    snippet = tmp_path / "overloads.py"
+    snippet.write_text(OVERLOADS)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--python-version", "3.10", str(snippet)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert 'Revealed type is "nbddp.fit.handle.FitHandle"' in proc.stdout, proc.stdout[-4000:]

@@ -15,7 +15,10 @@ import itertools
 from typing import Any
 
 from nbddp.shipping import pickling as shipping
+from nbddp.cells.call_handle import CallHandle, start_call
+from nbddp.execution.handle import check_block
 from nbddp.cells.rank_output import run_on_ranks
+from nbddp.execution.calls import Targets
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import get_session
 from nbddp.shipping.source_lines import register_text
@@ -23,16 +26,22 @@ from nbddp.shipping.source_lines import register_text
 _CELL_NUMBERS = itertools.count(1)
 
 
-def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) -> None:
+def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bool = True) -> CallHandle | None:
     """Run ``code`` on every rank (or ``ranks``), as ``%%ddp`` does; print each rank's output labelled.
 
     Args:
         code: Python source, as in a notebook cell; names it defines stay
             defined on each rank for later cells; a final expression's value
             is printed.
-        ranks: run on these ranks only (e.g. ``[0]``).
+        ranks: run on these ranks only: a list (``[0, 2]``), one rank, or a
+            slice of them (``slice(None, None, 2)``: every other rank);
+            negative ranks count from the end.
         stream: print output as it arrives; ``False`` prints it grouped by
             rank when the cell ends.
+        block: ``False`` returns a ``CallHandle`` at once (``%%ddp
+            --noblock``): its ``result()`` is each rank's final expression's
+            value (None without one), in rank order; what the ranks print is
+            kept on it (``display_outputs()``).
 
     Raises:
         SyntaxError: before any rank runs.
@@ -43,12 +52,16 @@ def run_cell(code: str, ranks: list[int] | None = None, *, stream: bool = True) 
 
     if not isinstance(code, str):
         raise TypeError(f"run_cell(code=...) takes the cell's source as a str, got {type(code).__name__}")
+    check_block(block, "run_cell")
     number = next(_CELL_NUMBERS)
     filename = CELL_FILENAME.format(n=number)
     ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
     register_text(filename, code)  # nbddp.stacks() and the debugger show its lines
     s = get_session()
+    if not block:
+        return start_call(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, True), ranks)
     run_on_ranks(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation), ranks, output=stream)
+    return None
 
 
 def push(**values: Any) -> None:
@@ -73,21 +86,36 @@ def push(**values: Any) -> None:
             parcel.discard()
 
 
-def pull(*names: str, rank: int = 0) -> dict[str, Any]:
-    """``{name: value}`` copied from ``rank``'s ``%%ddp`` namespace into the notebook."""
+def pull(*names: str, rank: int = 0, ranks: Targets = None) -> dict[str, Any]:
+    """``{name: value}`` copied from ``rank``'s ``%%ddp`` namespace into the notebook.
+
+    ``ranks`` (a list, a slice or one rank, as ``run_cell`` takes them):
+    from each of these ranks instead, ``{name: [value on each rank, in rank
+    order]}``, as ipyparallel's ``DirectView.pull`` gives them.
+
+    Raises:
+        NameError: a name is not defined on a rank (the message lists those that are).
+    """
     from nbddp.worker.tasks.cells import pull as remote_pull
 
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"pull() takes the variable names as strings, e.g. nbddp.pull('model', rank=0); got {names!r}")
     s = get_session()
     what = f"%ddp pull {' '.join(names)}"
-    reply = run_on_ranks(s, what, remote_pull, lambda p: (list(names),), [rank])[rank]
-    if "missing" in reply:
-        available = ", ".join(reply["available"]) or "none yet"
-        raise NameError(f"%ddp pull: rank {rank} has no variable named {', '.join(map(repr, reply['missing']))}; "
-                        f"the names defined there are: {available}. Define it in a %%ddp cell first.")
-    parcel = reply["parcel"]
+    replies = run_on_ranks(s, what, remote_pull, lambda p: (list(names),), [rank] if ranks is None else ranks)
+    for r, reply in sorted(replies.items()):
+        if "missing" in reply:
+            for other in replies.values():
+                if "parcel" in other:
+                    other["parcel"].discard()
+            available = ", ".join(reply["available"]) or "none yet"
+            raise NameError(f"%ddp pull: rank {r} has no variable named {', '.join(map(repr, reply['missing']))}; "
+                            f"the names defined there are: {available}. Define it in a %%ddp cell first.")
     try:
-        return shipping.unpack(parcel)
+        values = [shipping.unpack(replies[r]["parcel"]) for r in sorted(replies)]
     finally:
-        parcel.discard()
+        for reply in replies.values():
+            reply["parcel"].discard()
+    if ranks is None:
+        return values[0]
+    return {name: [v[name] for v in values] for name in names}

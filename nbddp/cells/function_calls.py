@@ -5,31 +5,48 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
+from nbddp.cells.call_handle import CallHandle, start_call, unpacked
 from nbddp.cells.rank_output import run_on_ranks
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import Session
 
 
-def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> list[Any]:
-    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank."""
+class Shipped:
+    """``fn(*args, **kwargs)`` packed for the ranks, once per kind of worker (same host or not), and removed after."""
+
+    def __init__(self, session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.session, self.call = session, (fn, args, kwargs)
+        self.name = getattr(fn, "__name__", "the function")
+        self.parcels: dict[bool, shipping.Parcel] = {}
+
+    def args_for(self, p: Placement) -> tuple[Any, ...]:  # packed under the session's lock
+        if p.local not in self.parcels:
+            self.parcels[p.local] = shipping.pack(self.call, what=f"nbddp.run({self.name}, ...)", local=p.local)
+        return self.session.sources.attach(self.parcels[p.local], p), self.session.generation
+
+    def discard(self) -> None:
+        for parcel in self.parcels.values():
+            parcel.discard()
+
+
+def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    output: bool = True) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``)."""
     from nbddp.worker.tasks.entry import call_task
 
-    name = getattr(fn, "__name__", "the function")
-    parcels: dict[bool, shipping.Parcel] = {}
-
-    def args_for(p: Placement) -> tuple[Any, ...]:  # packed under the session's lock, once per kind of worker
-        if p.local not in parcels:
-            parcels[p.local] = shipping.pack((fn, args, kwargs), what=f"nbddp.run({name}, ...)", local=p.local)
-        return session.sources.attach(parcels[p.local], p), session.generation
-
+    shipped = Shipped(session, fn, args, kwargs)
     try:
-        results = run_on_ranks(session, f"nbddp.run({name})", call_task, args_for, output=True)
+        results = run_on_ranks(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for,
+                               output=True if output else None)
     finally:
-        for parcel in parcels.values():
-            parcel.discard()
-    try:
-        return [shipping.unpack(results[rank]) for rank in sorted(results)]
-    finally:
-        for parcel in results.values():
-            parcel.discard()
+        shipped.discard()
+    return unpacked(results)
+
+
+def start_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> CallHandle:
+    """``run(..., block=False)``: the same call, handed back at once as a ``CallHandle`` (which keeps the output)."""
+    from nbddp.worker.tasks.entry import call_task
+
+    shipped = Shipped(session, fn, args, kwargs)
+    return start_call(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for, cleanup=shipped.discard)

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from nbddp.execution.calls import call_on_ranks
+from nbddp.execution.calls import Targets, call_on_ranks
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.protocol.placement import Placement
@@ -38,7 +38,7 @@ class RankOutput:
     def tick(self) -> None:
         for rank, ar in self.ars.items():
             for kind in ("stdout", "stderr"):
-                self._take(rank, kind, _metadata(ar, kind))
+                self._take(rank, kind, output_of(ar, kind))
 
     def _take(self, rank: int, kind: str, text: str) -> None:
         key = (rank, kind)
@@ -78,7 +78,8 @@ class RankOutput:
         sys.stderr.flush()
 
 
-def _metadata(ar: AsyncResult, key: str) -> str:
+def output_of(ar: AsyncResult, key: str) -> str:
+    """What the task of ``ar`` printed so far on ``key`` (``"stdout"`` or ``"stderr"``)."""
     try:
         value = ar[key]
     except Exception:  # noqa: BLE001 - a dead engine's task may have none
@@ -92,7 +93,7 @@ def write(kind: str, text: str) -> None:
 
 
 def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
-                 args_for: Callable[[Placement], tuple[Any, ...]], ranks: list[int] | None = None,
+                 args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
                  output: bool | None = None) -> dict[int, Any]:
     """Start the default workers if needed, run ``fn(*args_for(p))`` on ``ranks``, wait: results by rank.
 

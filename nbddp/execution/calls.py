@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from nbddp.execution.contracts import SessionLike
@@ -29,8 +30,11 @@ from nbddp.protocol.errors import WorkerError
 from nbddp.protocol.placement import Placement
 
 
+Targets = Sequence[int] | slice | int | None  # the ranks to run on: a list, a slice of them, one, or all (None)
+
+
 class RankCall(Work):
-    def __init__(self, session: SessionLike, what: str, ranks: list[int] | None = None,
+    def __init__(self, session: SessionLike, what: str, ranks: Targets = None,
                  failed_result: Callable[[Any], bool] | None = None):
         """``ranks``: the ranks to run on (all by default); ``what`` names the work in messages;
         ``failed_result``: see ``RankTasks``."""
@@ -53,6 +57,8 @@ class RankCall(Work):
     # ---- the work protocol (Session.running) -----------------------------------
     def request_stop(self) -> None:
         """Forward an interrupt to the ranks still running."""
+        if self.finished:
+            return
         self.interrupted = True
         self.tasks.stopping()
         self.session.debugger.let_go(self, f"{self.what} is being interrupted")
@@ -115,33 +121,57 @@ class RankCall(Work):
                 raise KeyboardInterrupt(f"{self.what} interrupted on every rank ({exc})") from None
             raise
         finally:
-            self.done_event.set()
+            self.set_done()
             self.release_workers()
 
 
 class UnknownRanks(ValueError):
     """``ranks=`` names a rank the workers do not have; ``detail`` says which, without the call's name."""
 
-    def __init__(self, ranks: list[int], detail: str):
+    def __init__(self, ranks: Targets, detail: str):
         self.ranks, self.detail = ranks, detail
         super().__init__(f"ranks={ranks}: {detail}")
 
 
-def placements_for(session: SessionLike, ranks: list[int] | None) -> list[Placement]:
-    """The placements of ``ranks`` (all ranks for None); a rank that does not exist is a clear error."""
+def chosen_ranks(ranks: Targets, world_size: int) -> list[int] | None:
+    """``ranks`` as a sorted list of ranks (None: all), as ipyparallel reads ``targets``: a slice is taken of
+    ``range(world_size)`` (``::2`` is every other rank), a negative rank counts from the end."""
     if ranks is None:
+        return None
+    if isinstance(ranks, slice):
+        chosen = list(range(world_size))[ranks]
+        if not chosen:
+            raise UnknownRanks(ranks, f"the slice {slice_text(ranks)} takes no rank of 0..{world_size - 1}")
+        return chosen
+    listed = [ranks] if isinstance(ranks, int) else list(ranks)
+    if not listed or not all(isinstance(r, int) and not isinstance(r, bool) for r in listed):
+        raise TypeError(f"ranks={ranks!r}: give ranks as ints, a list of them or a slice, e.g. [0, 2] or slice(None, "
+                        "None, 2)")
+    return sorted({r + world_size if -world_size <= r < 0 else r for r in listed})
+
+
+def slice_text(s: slice) -> str:
+    """``slice(None, None, 2)`` as written in a subscript: ``::2``."""
+    text = ":".join("" if v is None else str(v) for v in (s.start, s.stop, s.step))
+    return text[:-1] if s.step is None else text
+
+
+def placements_for(session: SessionLike, ranks: Targets) -> list[Placement]:
+    """The placements of ``ranks`` (all ranks for None); a rank that does not exist is a clear error."""
+    listed = chosen_ranks(ranks, session.world_size)
+    if listed is None:
         return list(session.placements)
     group = session.group
     by_rank = group.by_rank() if group is not None else {}
-    unknown = [r for r in ranks if r not in by_rank]
+    unknown = [r for r in listed if r not in by_rank]
     if unknown:
         raise UnknownRanks(ranks, f"no rank {', '.join(map(str, unknown))}; "
                                   f"the workers have ranks 0..{session.world_size - 1}")
-    return [by_rank[r] for r in ranks]
+    return [by_rank[r] for r in listed]
 
 
 def call_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
-                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: list[int] | None = None) -> RankCall:
+                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None) -> RankCall:
     """Start the default workers if needed, launch ``fn`` on ``ranks`` under the lock: the call, to ``wait`` for."""
     session.ensure_started()
     call = RankCall(session, what, ranks)

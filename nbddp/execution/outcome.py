@@ -84,12 +84,13 @@ def classify(rank: int, exc: BaseException, placement: Placement | None) -> tupl
 
     pid = placement.pid if placement is not None else None
     host = placement.host if placement is not None else ""
+    engine = placement.engine_id if placement is not None else None
     if engine_died(exc):
-        return RankFailure(rank, WORKER_DIED, f"the worker process (pid {pid}) died", "", pid, host), True
+        return RankFailure(rank, WORKER_DIED, f"the worker process (pid {pid}) died", "", pid, host, engine), True
     if isinstance(exc, RemoteError):
         tb = exc.traceback if isinstance(exc.traceback, str) else "".join(exc.traceback or [])
-        return RankFailure(rank, exc.ename, str(exc.evalue), tb, pid, host), False
-    return RankFailure(rank, type(exc).__name__, str(exc), "", pid, host), False
+        return RankFailure(rank, exc.ename, str(exc.evalue), tb, pid, host, engine), False
+    return RankFailure(rank, type(exc).__name__, str(exc), "", pid, host, engine), False
 
 
 def judge(rank: int, exc: BaseException, placement: Placement | None, at: float) -> RankOutcome:

@@ -260,7 +260,7 @@ class StallGuard:
             p = by_rank.get(s["rank"])
             message = f"{describe(s, who=False)}; stall_timeout={self.stall_timeout:g} s"
             failures.append(RankFailure(s["rank"], "WorkerStalled", message, stacks.get(s["rank"], ""),
-                                        p.pid if p else None, p.host if p else ""))
+                                        p.pid if p else None, p.host if p else "", p.engine_id if p else None))
         note = (f"rank(s) {', '.join(map(str, killed))} were killed (the stalled rank(s) and those waiting for them); "
                 "replacement workers are starting, the next call waits for them")
         return WorkerStalled(failures[0], [s["rank"] for s in over], stacks, failures[1:], note)

@@ -25,9 +25,22 @@ import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
-from typing import Callable
+from typing import Callable, Protocol
 
 from nbddp.execution.contracts import SessionLike
+from nbddp.protocol.notices import logger
+
+
+class Interruptible(Protocol):
+    """What a cell (or a handle) waiting for work needs of it: ``Work`` below, or a Protocol naming a kind of it."""
+
+    def wait_done(self, timeout: float | None) -> bool: ...
+
+    def attend(self) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def hard_stop(self, reason: str = ...) -> None: ...
 
 
 class Work(abc.ABC):
@@ -37,6 +50,8 @@ class Work(abc.ABC):
         self.session = session
         self.description = description  # "a dist_fit", "%%ddp cell": names the work in messages
         self.done_event = threading.Event()
+        self._when_done: list[Callable[[], None]] = []  # told once the work ended (its handle, execution/handle.py)
+        self._done_lock = threading.Lock()
 
     @property
     def finished(self) -> bool:
@@ -46,6 +61,25 @@ class Work(abc.ABC):
     def wait_done(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds for the end; whether it ended."""
         return self.done_event.wait(timeout)
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the work has ended: in the thread that ends it, or now if it has."""
+        with self._done_lock:
+            if not self.done_event.is_set():
+                self._when_done.append(fn)
+                return
+        fn()
+
+    def set_done(self) -> None:
+        """The work has ended: its outcome is known. Wakes the waiters, then calls what ``when_done`` was given."""
+        with self._done_lock:
+            self.done_event.set()
+            told, self._when_done = self._when_done, []
+        for fn in told:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one listener's bug must not keep the others from the news
+                logger.exception("nbddp: a listener for the end of %s failed", self.description)
 
     def describe(self) -> str:
         return self.description
@@ -108,7 +142,7 @@ def interrupts_held() -> Iterator[list[int]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def wait_interruptibly(work: Work, timeout: float | None = None, tick_s: float = 0.1,
+def wait_interruptibly(work: Interruptible, timeout: float | None = None, tick_s: float = 0.1,
                        on_first_interrupt: Callable[[], None] | None = None, already: int = 0) -> bool:
     """Wait for ``work``; True when it ended, False when ``timeout`` passed first.
 

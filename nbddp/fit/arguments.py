@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 from nbddp.elastic.policy import RetryOn, SnapshotEvery
+from nbddp.live.choice import LiveChoice
 from nbddp.loggers import LoggerChoice
 from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
@@ -150,7 +151,7 @@ class WatchOptions:
     """
 
     block: bool = True
-    live: bool | str | None = None
+    live: LiveChoice = None
     stall_timeout: float | None = None
     loggers: Loggers = None
     callbacks: Callbacks = None

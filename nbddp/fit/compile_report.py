@@ -14,11 +14,13 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from nbddp.protocol.notices import NbddpWarning
+
 EXPECTED = ("GLOBAL_STATE changed: grad_mode", "requires_grad mismatch", "training mismatch")
 
 
-class RecompileWarning(UserWarning):
-    """A compiled fit recompiled for a reason the person can remove."""
+class RecompileWarning(NbddpWarning):
+    """A compiled fit recompiled for a reason the person can remove (an ``NbddpWarning``, as every notice)."""
 
 
 def gather(results: dict[int, Any]) -> list[dict[str, Any]]:

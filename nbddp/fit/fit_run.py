@@ -31,7 +31,7 @@ from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
 from nbddp.execution.stalls import StuckStop
-from nbddp.execution.work import Work, wait_interruptibly
+from nbddp.execution.work import Work
 from nbddp.profiling.trace_merge import gathered_profile
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.fit.rank0_store import Rank0Link
@@ -82,7 +82,8 @@ class FitRun(Work):
         self._plan_seen = False  # this launch's rank 0 sent its plan (a relaunch sends another)
         self.started_at = time.perf_counter() - plan.ship_s  # the call began when shipping began
         self.live_state = LiveState(world_size=session.world_size, backend=session.backend, epochs=plan.cfg.epochs,
-                                    placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements])
+                                    placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements],
+                                    batch_size=plan.cfg.batch_size, global_batch=plan.cfg.global_batch_size(session.world_size))
         self.thread: threading.Thread | None = None
         self._warned = False
         self.poll_s = 0.05  # how often the watcher looks at rank 0's published records
@@ -122,11 +123,6 @@ class FitRun(Work):
                                   s.sources.attach(plan.model_parcels.get(p.local), p)))
         # with restarts, the policy's grace is longer: a survivor that raises on its own is kept, not replaced
         self.tasks = RankTasks(s, ars, "dist_fit", fit=True, policy=self.policy)
-
-    def wait_in_cell(self, timeout: float | None = None) -> bool:
-        """Wait for the end in the calling cell (an interrupt stops every rank, a second kills them); whether it
-        ended within ``timeout``."""
-        return wait_interruptibly(self, timeout)
 
     def relaunch(self, resume: bool | str | None = None) -> None:
         """The same fit again on the healed group, from the newest snapshot (``elastic.recovery``).
@@ -186,7 +182,8 @@ class FitRun(Work):
 
     def new_history(self, records: list[tuple[str, dict[str, Any]]]) -> History:
         """A History of this fit holding ``records`` (``(kind, record)``), its restarts listed."""
-        history = History(world_size=self.session.world_size, batch_size=self.plan.cfg.batch_size,
+        cfg, world = self.plan.cfg, self.session.world_size
+        history = History(world_size=world, batch_size=cfg.batch_size, global_batch_size=cfg.global_batch_size(world),
                           restarts=self.recovery.restarts)
         for kind, record in records:
             history.add(kind, record)
@@ -306,7 +303,7 @@ class FitRun(Work):
                 pass
             self.watch_cpu_s = time.thread_time()  # this thread's CPU seconds, view included
             self.history.timings["watch_cpu_s"] = self.watch_cpu_s
-            self.done_event.set()
+            self.set_done()
 
     def _wait_through_restarts(self) -> dict[int, FitResult]:
         """Every rank's result; a lost rank, with ``max_restarts``, is replaced and the fit relaunched."""
@@ -363,13 +360,21 @@ class FitRun(Work):
 
     def result(self) -> History:
         """The History (or the fit's error), after the workers' notices, raised here in the calling cell."""
+        self.notices_once()
+        return self.outcome()
+
+    def outcome(self) -> History:
+        """The History, or the fit's error raised (once the fit ended; no notice)."""
+        if self.error is not None:
+            raise self.error
+        return self.history
+
+    def notices_once(self) -> None:
+        """The workers' notices, then a successful fit's recompile warning, each once, in the calling thread."""
         if not self.noticed:  # once, however often the handle is waited on
             self.noticed = True
             for text in [*getattr(self.live_state.plan, "notices", ()), *self.end_notices]:
-                notify(text, stacklevel=4)  # notify, result, dist_fit, the cell
-        if self.error is not None:
-            raise self.error
-        if not self._warned:  # in the cell's thread, so that the warning shows under that cell, once
+                notify(text, stacklevel=5)  # notify, notices_once, result, dist_fit or the handle, the cell
+        if self.error is None and not self._warned:  # in the cell's thread: the warning shows under that cell
             self._warned = True
             compile_report.warn_once(self.history.compile_report)
-        return self.history

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from nbddp.callbacks.base import hook_stop
 from nbddp.callbacks.epoch_answers import Answers
 from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.execution.handle import WorkHandle
+from nbddp.execution.work import Interruptible
 from nbddp.fit.history import History
 from nbddp.live.state import LiveState
 from nbddp.profiling.requests import ProfileRequests
 from nbddp.protocol.errors import NbddpError
 
 
-class HandledFit(Protocol):
+class HandledFit(Interruptible, Protocol):
     """What a handle acts on: the fit in flight (``fit_run.FitRun``, which imports this module to make one)."""
 
     hooks: FitHooks
@@ -27,45 +29,44 @@ class HandledFit(Protocol):
     @property
     def history(self) -> History: ...
 
-    def wait_in_cell(self, timeout: float | None = None) -> bool: ...
-
     def request_stop(self, reason: str | None = None) -> None: ...
 
-    def result(self) -> History: ...
+    def when_done(self, fn: Callable[[], None]) -> None: ...
+
+    def outcome(self) -> History: ...
+
+    def notices_once(self) -> None: ...
 
 
-class FitHandle:
+class FitHandle(WorkHandle[History]):
     """Returned by ``dist_fit(..., block=False)``, and given to every callback
     (``info.handle`` in ``on_fit_start``, ``self.handle`` on a ``Callback``).
 
     The training and the dashboard go on in the background; the model gets
-    the trained weights when training ends (or is stopped).
+    the trained weights when training ends (or is stopped). A
+    ``concurrent.futures.Future`` whose value is the ``History``:
+    ``done``, ``result`` (``wait``), ``exception``, ``cancel``,
+    ``add_done_callback``, ``stop`` and ``await handle``, as every nbddp
+    handle (``nbddp/execution/handle.py``).
+
+    ``result()``, ``wait()``, ``exception()`` and ``stop()`` called from one
+    of the fit's own callbacks raise ``NbddpError`` (the fit cannot end while
+    its hook waits for it); ``stop()`` there is the hook's own stop.
     """
 
     def __init__(self, run: HandledFit):
+        super().__init__(run, "training")
         self._run = run
+        run.when_done(lambda: self.settle(run.outcome))
 
-    def done(self) -> bool:
-        """Whether training has ended (completed, stopped or failed)."""
-        return self._run.finished
+    def check_waiter(self, method: str) -> None:
+        self._not_from_a_hook(method)
 
-    def wait(self, timeout: float | None = None) -> History:
-        """Block until training ends; return the ``History`` or raise the workers' error.
-
-        Kernel > Interrupt while waiting stops training at the same step on
-        every rank, as in a blocking fit.
-
-        Raises:
-            NbddpError: called from one of the fit's own callbacks (the fit
-                cannot end while its hook waits for it).
-        """
-        self._not_from_a_hook("wait")
-        if not self._run.wait_in_cell(timeout):
-            raise TimeoutError(f"training still running after {timeout} s; call .wait() again or .stop()")
-        return self._run.result()
+    def before_result(self) -> None:
+        self._run.notices_once()  # the workers' notices, raised in the thread that takes the result
 
     def stop(self, wait: bool = True) -> History | None:
-        """Stop every rank at the same step (as the Stop button does); return the History.
+        """Stop every rank at the same step (as the Stop button does); with ``wait``, return the History.
 
         From a callback's hook it is the hook's own stop (as returning
         ``"stop"``) and returns None at once: in ``on_epoch_end`` the fit ends
@@ -75,8 +76,14 @@ class FitHandle:
         if stop is not None:
             stop("FitHandle.stop() from a callback")
             return None
+        return super().stop(wait)
+
+    def request_stop(self) -> None:
+        stop = hook_stop()
+        if stop is not None:  # cancel() from a hook: the hook's own stop
+            stop("FitHandle.cancel() from a callback")
+            return
         self._run.request_stop()
-        return self.wait() if wait else None
 
     def set_lr(self, lr: float) -> None:
         """Set every parameter group's learning rate on every rank, from the next optimizer step on.

@@ -47,6 +47,9 @@ class History:
         transfers: bytes shipped to each rank and returned by rank 0.
         world_size: how many ranks trained.
         batch_size: the per-rank batch size used.
+        global_batch_size: the samples of one optimizer step over every
+            data-parallel rank: ``batch_size`` x those ranks x ``grad_accum``
+            (what Keras under ``tf.distribute`` calls the batch size).
         ranks: one dict per rank: ``rank``, ``host``, ``device``,
             ``samples_per_s``, ``samples`` (samples it trained in this fit),
             ``peak_mem`` (bytes: this fit's own peak, the
@@ -103,6 +106,7 @@ class History:
     transfers: dict[str, int] = field(default_factory=dict)
     world_size: int = 0
     batch_size: int | None = None
+    global_batch_size: int | None = None
     ranks: list[dict[str, Any]] = field(default_factory=list)
     model: Any = field(default=None, repr=False)
     stop_reason: str | None = None
@@ -122,6 +126,17 @@ class History:
         """Every record as ``(kind, record)``: the steps, then the epochs, then the validations."""
         return ([("step", r) for r in self.steps] + [("epoch", r) for r in self.epochs]
                 + [("val", r) for r in self.validations])
+
+    @property
+    def history(self) -> dict[str, list[Any]]:
+        """Keras's ``History.history``: each value of the epochs as a list, one entry per finished epoch.
+
+        ``history.history["loss"]``, ``["val_loss"]``, ``["val_<metric>"]``:
+        every key the epoch records hold but ``epoch`` and ``step``, in the
+        order they first appear; None where an epoch lacks one.
+        """
+        keys = dict.fromkeys(k for record in self.epochs for k in record if k not in ("epoch", "step"))
+        return {k: [record.get(k) for record in self.epochs] for k in keys}
 
     @property
     def last_step(self) -> int:

@@ -23,11 +23,12 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from nbddp.execution.handle import WorkHandle
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
-from nbddp.execution.work import Work, wait_interruptibly
+from nbddp.execution.work import Work
 from nbddp.inference.checks import PredictPlan
 from nbddp.inference.outputs_back import put_together
 from nbddp.inference.progress import ProgressLine, total_batches
@@ -40,12 +41,14 @@ if TYPE_CHECKING:
     from nbddp.session.session import Session
 
 HARD_STOP_WAIT_S = 30.0
+T = TypeVar("T")  # what the call returns: predict's outputs, evaluate's dict of values
 
 
 class PredictRun(Work):
     session: Session  # the sources its parcels carry are the session's (SessionLike does not hold them)
 
-    def __init__(self, session: Session, plan: PredictPlan, live: bool):
+    def __init__(self, session: Session, plan: PredictPlan, live: str):
+        """``live``: the progress view, ``"widget"``, ``"text"`` or ``"off"`` (``inference/progress.py``)."""
         super().__init__(session, f"a {plan.what}")
         self.plan = plan
         copies = session.world_size // plan.mp  # every rank of a model copy reads the copy's batches
@@ -115,7 +118,7 @@ class PredictRun(Work):
             self.release_workers()
             self.plan.discard()
             self.progress.finish(self.status)
-            self.done_event.set()
+            self.set_done()
 
     @property
     def status(self) -> str:
@@ -183,26 +186,20 @@ def write_index(to: str, results: list[PredictResult]) -> list[str]:
     return paths
 
 
-class PredictHandle:
-    """Returned by ``predict``/``evaluate`` with ``block=False``: the call goes on while the notebook stays usable."""
+class PredictHandle(WorkHandle[T]):
+    """Returned by ``predict``/``evaluate`` with ``block=False``: the call goes on while the notebook stays usable.
+
+    A ``concurrent.futures.Future`` of the call's value, as every nbddp
+    handle (``nbddp/execution/handle.py``): ``done``, ``result`` (``wait``),
+    ``exception``, ``cancel``, ``add_done_callback``, ``stop`` and ``await
+    handle``. Stopped, the call returns nothing: ``stop()`` returns None and
+    ``result()`` raises ``KeyboardInterrupt``.
+    """
 
     def __init__(self, run: PredictRun):
+        super().__init__(run, run.plan.what)
         self._run = run
-
-    def done(self) -> bool:
-        """Whether the call has ended (done, stopped or failed)."""
-        return self._run.finished
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the call ends; return its value, or raise the workers' error (or ``KeyboardInterrupt``)."""
-        if not wait_interruptibly(self._run, timeout):
-            raise TimeoutError(f"{self._run.plan.what} still running after {timeout} s; call .wait() again or .stop()")
-        return self._run.result()
-
-    def stop(self) -> None:
-        """Stop every rank before its next batch; the call returns nothing (``wait()`` raises ``KeyboardInterrupt``)."""
-        self._run.request_stop()
-        wait_interruptibly(self._run)
+        run.when_done(lambda: self.settle(run.result))
 
     @property
     def timings(self) -> dict[str, float]:

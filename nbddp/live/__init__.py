@@ -9,6 +9,8 @@ The choice is made in one place, ``choose_view``:
   compact text line and a final summary (``live.text``);
 * ``live="widget"`` / ``live="text"`` force one of them.
 
+``live=`` means the same for every call that shows itself (``choice.py``).
+
 A view has three methods, called from the fit's watcher thread:
 ``start(run)``, ``update(run)`` (throttled by the view), ``finish(run)``.
 ``run.live_state`` holds status, per-rank figures and metadata;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from nbddp.live.choice import LiveChoice, in_notebook_kernel, live_choice
 from nbddp.live.state import ViewedFit
 
 
@@ -49,21 +52,12 @@ class NullView:
         pass
 
 
-def in_notebook_kernel() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-
-def choose_view(live: bool | str | None) -> View:
-    """The view for ``dist_fit(live=...)``: ``None`` means automatic."""
+def choose_view(live: LiveChoice | str) -> View:
+    """The view for ``dist_fit(live=...)``: ``None`` and ``True`` mean automatic (``live/choice.py``); any other
+    value is refused there."""
+    live = live_choice(live, "dist_fit", stacklevel=5)
     if live is False:
         return NullView()
-    if live not in (None, True, "widget", "text"):
-        raise ValueError(f"dist_fit(live=...) must be True, False, None (automatic), 'widget' or 'text'; got {live!r}")
     if live == "widget" or (live != "text" and in_notebook_kernel() and _has_widgets()):
         from nbddp.live.widget import WidgetView
 

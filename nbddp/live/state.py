@@ -32,6 +32,12 @@ class LiveState:
     # every rank's latest heartbeat: {rank, phase, step, micro, idle_s} (stalls.StallWatch.positions)
     positions: list[dict[str, Any]] = field(default_factory=list)
     paused: list[dict[str, Any]] = field(default_factory=list)  # ranks at a debugger prompt: {rank, where, function}
+    batch_size: int = 0  # per data-parallel rank (0: not known)
+    global_batch: int = 0  # one optimizer step over every data-parallel rank: batch_size x those ranks x grad_accum
+
+    def batch_text(self) -> str:
+        """``batch 16/rank, 64 global`` ("" when not known), beside the world in the views' headers."""
+        return f"batch {self.batch_size}/rank, {self.global_batch} global" if self.batch_size else ""
 
     @property
     def total_steps(self) -> int:

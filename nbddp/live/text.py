@@ -169,7 +169,9 @@ class TextView:
 
     def start(self, run: ViewedFit) -> None:
         state = run.live_state
-        self.stream.write(f"nbddp: training on {state.world_size or '?'} rank(s), backend {state.backend or '?'}\n")
+        batch = f", {state.batch_text()}" if state.batch_size else ""
+        self.stream.write(f"nbddp: training on {state.world_size or '?'} rank(s), backend {state.backend or '?'}"
+                          f"{batch}\n")
         self.stream.flush()
 
     def update(self, run: ViewedFit) -> None:

@@ -145,6 +145,8 @@ def status_html(run: ViewedFit, status: str) -> str:
     badge = (f"<span class='nbddp-status' style='background:{colour};color:white;border-radius:3px;"
              f"padding:1px 6px;font-weight:bold'>{html.escape(status)}</span>")
     where = f"nbddp · {state.world_size or '?'} rank(s) · {html.escape(state.backend or '?')}"
+    if state.batch_size:
+        where += f" · {state.batch_text()}"
     error = getattr(run, "error", None)
     if status == "failed" and error is not None:
         first = html.escape(str(error).splitlines()[0] if str(error) else type(error).__name__)

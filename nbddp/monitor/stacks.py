@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from nbddp.execution.calls import Targets, placements_for
 from nbddp.execution.rank_stacks import RankStack, collect
 from nbddp.protocol.errors import ClusterError, NotStartedError
 
@@ -53,12 +54,13 @@ class RankStacks:
         return "".join(parts)
 
 
-def stacks(timeout: float = STACKS_TIMEOUT_S) -> RankStacks:
+def stacks(timeout: float = STACKS_TIMEOUT_S, ranks: Targets = None) -> RankStacks:
     """Every rank's current Python stack, labelled by rank, within ``timeout`` seconds.
 
     Works while a fit, a ``%%ddp`` cell, ``nbddp.run`` or a script runs, even
     on a rank blocked in a collective or in C code; a rank with nothing
-    running says ``idle``.
+    running says ``idle``. ``ranks``: these only (a list, one rank, or a
+    slice of them, as ``run_cell`` takes them).
     """
     from nbddp.session.session import get_session
 
@@ -73,7 +75,7 @@ def stacks(timeout: float = STACKS_TIMEOUT_S) -> RankStacks:
     if problem is not None:
         raise ClusterError(f"{problem}, so the workers cannot be asked for their stacks. Run nbddp.restart() to "
                            "start fresh workers.")
-    return RankStacks(*collect(s, list(group.placements), busy_ars(s), timeout))
+    return RankStacks(*collect(s, placements_for(s, ranks), busy_ars(s), timeout))
 
 
 def busy_ars(session: Session) -> dict[int, AsyncResult]:

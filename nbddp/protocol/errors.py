@@ -4,12 +4,21 @@ A failure on a worker is only useful if it names the rank and shows the
 remote traceback, so ``WorkerError`` carries both and implements
 ``_render_traceback_`` (IPython calls it instead of printing the local,
 uninteresting kernel-side traceback).
+
+``WorkerError`` is also an ipyparallel ``RemoteError`` (a subclass: an
+``except`` clause tests classes, not registrations), so code written for
+``%px`` catches it and reads it by ipyparallel's names: ``ename``,
+``evalue``, ``traceback``, ``engine_info``, and ``elist`` as on a
+``CompositeError`` when several ranks failed. The workers are ipyparallel
+engines, so ipyparallel is there on both sides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from ipyparallel.error import RemoteError
 
 from nbddp.protocol.messages import innermost_frames
 
@@ -104,21 +113,41 @@ class RankFailure:
     remote_traceback: str = ""
     pid: int | None = None
     host: str = ""
+    engine_id: int | None = None  # the ipyparallel engine that held the rank
+
+    @property
+    def engine_info(self) -> dict[str, Any]:
+        """As ipyparallel's ``RemoteError.engine_info``, plus the rank: ``engine_id``, ``pid``, ``host``, ``rank``,
+        ``method`` (always ``"apply"``: every task is a function applied)."""
+        return {"engine_id": self.engine_id, "pid": self.pid, "host": self.host, "rank": self.rank, "method": "apply"}
+
+    def as_ipyparallel(self) -> tuple[str, str, str, dict[str, Any]]:
+        """``(ename, evalue, traceback, engine_info)``: one entry of a ``CompositeError.elist``."""
+        return self.exc_type, self.message, self.remote_traceback, self.engine_info
 
     def headline(self) -> str:
         where = f"rank {self.rank}" + (f" (pid {self.pid}" + (f" on {self.host})" if self.host else ")") if self.pid else "")
         return f"{where}: {self.exc_type}: {self.message}"
 
 
-class WorkerError(NbddpError):
+class WorkerError(NbddpError, RemoteError):
     """A rank failed. ``str()`` names the rank, the exception type and message.
+
+    Also an ipyparallel ``RemoteError``: ``except ipyparallel.error.RemoteError``
+    catches it, as it catches a failing ``%px`` cell.
 
     Attributes:
         rank: the rank that failed first.
-        exc_type: the name of the original exception's type.
-        message: the original exception's message.
-        remote_traceback: the traceback as the worker printed it.
+        exc_type: the name of the original exception's type (``ename``).
+        message: the original exception's message (``evalue``).
+        remote_traceback: the traceback as the worker printed it (``traceback``).
+        pid: the failed rank's worker process.
         others: further ranks that failed in the same call (listed, not raised).
+        ename, evalue, traceback: ipyparallel's names for the first rank's
+            failure (its type's name, its message, its traceback).
+        engine_info: ``{"engine_id", "pid", "host", "rank", "method"}`` of that rank.
+        elist: every failed rank, the first one first, as ``CompositeError.elist``:
+            ``(ename, evalue, traceback, engine_info)`` each.
     """
 
     def __init__(self, failure: RankFailure, others: list[RankFailure] | None = None, note: str = ""):
@@ -130,7 +159,22 @@ class WorkerError(NbddpError):
         self.pid = failure.pid
         self.others = list(others or [])
         self.note = note
-        super().__init__(self._summary())
+        self.ename, self.evalue, self.traceback, self.engine_info = failure.as_ipyparallel()
+        Exception.__init__(self, self._summary())
+
+    @property
+    def elist(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        return [f.as_ipyparallel() for f in (self.failure, *self.others)]
+
+    def __str__(self) -> str:  # nbddp's summary, not RemoteError's "[engine:method] ename: evalue"
+        return BaseException.__str__(self)
+
+    def __repr__(self) -> str:
+        return BaseException.__repr__(self)
+
+    def render_traceback(self, excid: int | None = None) -> list[str]:
+        """ipyparallel's name for the lines ``_render_traceback_`` gives IPython."""
+        return self._render_traceback_()
 
     def with_note(self, text: str) -> WorkerError:
         """Add a line to the message (an elastic fit says what it retried); returns the same error."""

@@ -72,6 +72,16 @@ class FitConfig:
     # shards and accumulates grad_accum x (data_world // world) micro-batches (worker/data/fewer_ranks.py)
     data_world: int = 0
 
+    def global_batch_size(self, world_size: int) -> int:
+        """Samples in one optimizer step over every data-parallel rank: ``batch_size`` x those ranks x ``grad_accum``.
+
+        The data-parallel ranks are the mesh's ``dp`` (1 for a pipeline or
+        tensor-parallel fit without one), else every rank; a fit going on with
+        fewer ranks (``min_workers``) keeps the batch of the ranks it began with.
+        """
+        dp = self.data_world or ((self.mesh or {}).get("dp", 1) if self.mesh else world_size)
+        return self.batch_size * dp * self.grad_accum
+
 
 AUTO_SNAPSHOT_S = 30.0  # snapshot_every="auto": at least this many seconds apart ...
 AUTO_SNAPSHOT_COST = 0.02  # ... and far enough apart that writing one costs at most this share of the time

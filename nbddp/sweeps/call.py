@@ -12,7 +12,7 @@ closed on every rank whatever happened, and the best weights come back.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from nbddp.execution.work import is_interrupt
 from nbddp.session.session import get_session
@@ -21,11 +21,11 @@ from nbddp.sweeps import space as spaces
 from nbddp.sweeps.groups import close_trial_groups, open_trial_groups
 from nbddp.sweeps.result import SweepResult
 from nbddp.sweeps.scheduler import SweepRun
-from nbddp.sweeps.view import SweepView, check_live
+from nbddp.sweeps.view import SweepView
 from nbddp.execution.policy import FailurePolicy
 from nbddp.protocol.data_forms import DataLike
 from nbddp.sweeps.space import Space, SpaceSpec, SweepModel
-from nbddp.sweeps.view import LiveChoice
+from nbddp.live.choice import LiveChoice, live_choice
 
 if TYPE_CHECKING:
     import optuna
@@ -74,10 +74,10 @@ def trials_left(study: optuna.Study, n_trials: int) -> int:
 
 def run_sweep(model: SweepModel, data: DataLike, *, space: SpaceSpec, n_trials: int, metric: str, mode: str,
               workers_per_trial: int, sampler: BaseSampler | None, pruner: BasePruner | None,
-              study: optuna.Study | None, live: LiveChoice, fit_kwargs: dict[str, Any]) -> SweepResult | SweepHandle:
+              study: optuna.Study | None, live: LiveChoice | Literal["html"], block: bool,
+              fit_kwargs: dict[str, Any]) -> SweepResult | SweepHandle:
     """See ``nbddp.sweep``: a ``SweepResult``, or with ``block=False`` a ``SweepHandle``."""
     optuna = optuna_module()
-    block = fit_kwargs.pop("block", True)
     if not isinstance(block, bool):
         raise TypeError(f"nbddp.sweep(block=...) must be True or False, got {block!r}")
     verbosity = optuna.logging.get_verbosity()
@@ -96,7 +96,7 @@ def run_sweep(model: SweepModel, data: DataLike, *, space: SpaceSpec, n_trials: 
 
 def _sweep(model: SweepModel, data: DataLike, space: SpaceSpec, n_trials: int, metric: str, mode: str,
            workers_per_trial: int, sampler: BaseSampler | None, pruner: BasePruner | None, study: optuna.Study | None,
-           live: LiveChoice, fit_kwargs: dict[str, Any], block: bool,
+           live: LiveChoice | Literal["html"], fit_kwargs: dict[str, Any], block: bool,
            restore: Callable[[], None]) -> SweepResult | SweepHandle:
     from nbddp.session.start_options import check_stall_timeout
     from nbddp.sweeps.handle import SweepHandle
@@ -107,7 +107,7 @@ def _sweep(model: SweepModel, data: DataLike, space: SpaceSpec, n_trials: int, m
     if stall_timeout is None and s.options is not None:
         stall_timeout = s.options.stall_timeout
     spaces.check_run(n_trials, mode, workers_per_trial, s.world_size)
-    check_live(live)
+    live = live_choice(live, "nbddp.sweep", stacklevel=6)  # deprecated, live_choice, _sweep, run_sweep, sweep
     spaces.check_strategy(fit_kwargs, workers_per_trial)
     max_restarts, snapshot_every = spaces.pop_restarts(fit_kwargs)
     sweep_space = spaces.build_space(space, model, fit_kwargs.get("step_fn"), fit_kwargs)
@@ -165,19 +165,18 @@ def _finish(s: Session, run: SweepRun, view: SweepView, model: SweepModel, resto
 def _settle_stale(study: optuna.Study) -> None:
     """Trials a dead kernel left RUNNING: failed through Optuna's heartbeat (and retried by its callback), or,
     without a heartbeat, named in a warning that says how to set one up (``sweeps/stale.py``)."""
-    import warnings
-
+    from nbddp.protocol.notices import logger, notify
     from nbddp.sweeps import stale
 
     failed = stale.fail_stale(study)
     if failed:
-        print(f"nbddp.sweep: trial(s) {failed} of study {study.study_name!r} were left RUNNING by a process that "
-              "stopped (no heartbeat for the storage's grace period): marked failed, and handed to the storage's "
-              "heartbeat_stale_trial_callback (RetryHeartbeatStaleTrialCallback runs their parameters again)",
-              flush=True)
+        logger.warning("nbddp.sweep: trial(s) %s of study %r were left RUNNING by a process that stopped (no heartbeat "
+                       "for the storage's grace period): marked failed, and handed to the storage's "
+                       "heartbeat_stale_trial_callback (RetryHeartbeatStaleTrialCallback runs their parameters again)",
+                       failed, study.study_name)
     message = stale.stale_warning(study)
     if message is not None:
-        warnings.warn(message, UserWarning, stacklevel=4)
+        notify(message, stacklevel=5)  # notify, _settle_stale, _sweep, run_sweep, sweep: the cell
 
 
 def _open(s: Session, model: SweepModel, data: DataLike, sweep_space: Space, study: optuna.Study, left: int,

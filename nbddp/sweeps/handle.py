@@ -15,58 +15,27 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from nbddp.execution.work import is_interrupt
+from nbddp.execution.handle import WorkHandle
 from nbddp.sweeps.result import SweepResult, ranked
 
 if TYPE_CHECKING:
     from nbddp.sweeps.scheduler import SweepRun
 
 
-class SweepHandle:
-    """Returned by ``nbddp.sweep(..., block=False)``: ``done()``, ``wait()``, ``stop()``, ``trials`` so far."""
+class SweepHandle(WorkHandle[SweepResult]):
+    """Returned by ``nbddp.sweep(..., block=False)``: ``trials`` so far, and what every nbddp handle offers.
+
+    A ``concurrent.futures.Future`` of the ``SweepResult``
+    (``nbddp/execution/handle.py``): ``done``, ``result`` (``wait``),
+    ``exception``, ``cancel``, ``add_done_callback``, ``stop`` (returns what
+    finished) and ``await handle``.
+    """
 
     def __init__(self, run: SweepRun | None, finish: Callable[[], SweepResult]):
-        self._run = run  # None: nothing to run (the study had its trials), ``finish`` returns the result
-        self._finish = finish
-        self._result: SweepResult | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._body, name="nbddp-sweep-view", daemon=True)
+        super().__init__(run, "nbddp.sweep")  # run None: nothing to run (the study had its trials)
+        self._run = run
+        self._thread = threading.Thread(target=self.settle, args=(finish,), name="nbddp-sweep-view", daemon=True)
         self._thread.start()
-
-    def _body(self) -> None:
-        try:
-            self._result = self._finish()
-        except BaseException as exc:  # noqa: BLE001 - raised by wait()
-            self._error = exc
-
-    def done(self) -> bool:
-        """Whether the sweep has ended, its groups closed and its result built."""
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> SweepResult:
-        """Block until the sweep ends; return its ``SweepResult``, or raise what ended it.
-
-        Kernel > Interrupt while waiting stops the sweep, as in a blocking call.
-        """
-        try:
-            self._thread.join(timeout)
-        except BaseException as exc:
-            if not is_interrupt(exc):
-                raise
-            self.stop(wait=False)
-            self._thread.join()
-        if self._thread.is_alive():
-            raise TimeoutError(f"nbddp.sweep still running after {timeout} s; call .wait() again, or .stop()")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None, "finish() returned a result, or raised it as _error"
-        return self._result
-
-    def stop(self, wait: bool = True) -> SweepResult | None:
-        """No new trial; the running ones stop at their next synchronisation (as the Stop button does)."""
-        if self._run is not None:
-            self._run.request_stop()
-        return self.wait() if wait else None
 
     @property
     def trials(self) -> Any:

@@ -67,7 +67,8 @@ def settle(sweep: Schedule, run: TrialRun) -> None:
         tell(sweep, run.trial, state=TrialState.FAIL)
         return
     head = results[sweep.groups[row.group][0]]
-    history = History(world_size=len(results), batch_size=run.cfg.batch_size, restarts=run.restarts)
+    history = History(world_size=len(results), batch_size=run.cfg.batch_size,
+                      global_batch_size=run.cfg.global_batch_size(len(results)), restarts=run.restarts)
     for seq, kind, record in head.records:
         if seq >= run.seen and row.state == "running":  # the records the published window skipped
             sweep.consider(run, record, prune=False)

@@ -136,7 +136,7 @@ class SweepRun(Work):
             if self.dead:  # lost while stopping: nothing waits for them here, the supervisor replaces them
                 self.session.supervisor.recover(list(dict.fromkeys(self.dead)))
                 self.dead = []
-            self.done_event.set()
+            self.set_done()
 
     def _more(self) -> bool:
         if self.stopping or self.dead or self.handed >= self.n_trials:
@@ -259,7 +259,7 @@ class SweepRun(Work):
             self.histories[run.row.trial].timings.update(run.walls, settled_wall=time.time())
         self.lines.append(line(run.row, self.metric))
         self.changed += 1
-        run.done_event.set()
+        run.set_done()
 
     def run_again(self, run: TrialRun, attempt: int) -> None:
         """``run``'s worker died and it had no snapshot: its parameters run again as a new trial (attempt

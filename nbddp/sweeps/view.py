@@ -3,7 +3,8 @@
 Drawn from the waiting cell's own thread (``call._wait`` ticks it), so no
 display call comes from a background thread:
 
-* in a Jupyter kernel: one output, updated in place (``display(...,
+* in a Jupyter kernel (or ``live="widget"``; ``"html"`` is its old
+  spelling): one output, updated in place (``display(...,
   display_id=True)`` then ``.update()``) at most ``REDRAW_S`` apart: the
   leaderboard as an HTML table (trial, parameters, metric, epoch, state,
   time; best first) and the curves overlaid as a PNG, the best in red, the
@@ -25,8 +26,9 @@ from __future__ import annotations
 import base64
 import html
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from nbddp.live.choice import LiveChoice, resolved
 from nbddp.sweeps.result import TrialRow, fmt, ranked
 
 if TYPE_CHECKING:
@@ -35,13 +37,6 @@ if TYPE_CHECKING:
     from nbddp.sweeps.scheduler import SweepRun
 
 REDRAW_S = 0.5
-LIVE = (None, True, False, "text", "html")
-LiveChoice = bool | str | None  # nbddp.sweep(live=...): one of LIVE
-
-
-def check_live(live: LiveChoice) -> None:
-    if live not in LIVE:
-        raise ValueError(f"nbddp.sweep(live={live!r}) must be None (automatic), True, False, 'text' or 'html'")
 
 
 def leaderboard_html(rows: list[TrialRow], metric: str, mode: str) -> str:
@@ -59,11 +54,10 @@ def leaderboard_html(rows: list[TrialRow], metric: str, mode: str) -> str:
 class SweepView:
     """Shows one ``SweepRun`` as the module docstring says; ``tick`` and ``finish`` from the waiting cell."""
 
-    def __init__(self, live: LiveChoice, stop: Callable[[], None] | None = None):
-        from nbddp.live import in_notebook_kernel
-
-        self.mode = "off" if live is False else ("html" if live == "html" or (live != "text" and in_notebook_kernel())
-                                                 else "text")
+    def __init__(self, live: LiveChoice | Literal["html"], stop: Callable[[], None] | None = None):
+        """``live`` as ``live/choice.py`` reads it (``"html"``: the notebook's view, as ``"widget"``)."""
+        view = resolved("widget" if live == "html" else live)
+        self.mode = {"widget": "html", "text": "text", "off": "off"}[view]
         self.handle: Any = None
         self.drawn = -1
         self.last = 0.0

@@ -35,16 +35,18 @@ def _namespace() -> dict[str, Any]:
     return ns
 
 
-def run_cell(source: str, cell_number: int, generation: int) -> None:
+def run_cell(source: str, cell_number: int, generation: int, keep_value: bool = False) -> shipping.Parcel | None:
     """Execute ``source`` in this worker's namespace; print the last expression's value.
 
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
+    ``keep_value`` (``%%ddp --noblock``): that value also comes back, packed
+    (None without a final expression).
     """
-    return run_task(_run_cell, source, cell_number, generation)
+    return run_task(_run_cell, source, cell_number, generation, keep_value)
 
 
-def _run_cell(source: str, cell_number: int, generation: int) -> None:
+def _run_cell(source: str, cell_number: int, generation: int, keep_value: bool) -> shipping.Parcel | None:
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     register_text(filename, source)  # tracebacks, stacks and pdb show the cell's lines
@@ -54,6 +56,7 @@ def _run_cell(source: str, cell_number: int, generation: int) -> None:
     if isinstance(final, ast.Expr):
         tree.body.pop()
         last = ast.Expression(final.value)
+    value = None
     try:
         with user_task(generation, "cell"):
             exec(compile(tree, filename, "exec"), ns)  # noqa: S102 - running the person's cell is the point
@@ -64,6 +67,10 @@ def _run_cell(source: str, cell_number: int, generation: int) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    if not keep_value or last is None:
+        return None
+    return shipping.pack(value, what=f"the value of %%ddp cell {cell_number}", prefix=STATE.file_prefix or None,
+                         local=STATE.placement.local)
 
 
 def push(parcel: shipping.Parcel, generation: int | None = None) -> list[str]:

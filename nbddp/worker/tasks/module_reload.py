@@ -23,6 +23,7 @@ import os
 import sys
 from types import ModuleType
 
+from nbddp.protocol.notices import notify
 from nbddp.shipping.by_value import by_value_modules
 
 _STAMPS: dict[str, tuple[int, int, int]] = {}  # name -> (id of module object, mtime_ns, size)
@@ -61,8 +62,8 @@ def reload_changed() -> list[str]:
         try:
             importlib.reload(module)
         except Exception as exc:  # noqa: BLE001 - a broken edit: say so in the task's output, keep the old code
-            print(f"nbddp: could not reload {name} after it changed ({type(exc).__name__}: {exc}); "
-                  "the worker keeps the version it had", file=sys.stderr)
+            notify(f"nbddp: could not reload {name} after it changed ({type(exc).__name__}: {exc}); "
+                   "the worker keeps the version it had")  # on the rank's stderr, labelled in the notebook
             continue
         _STAMPS[name] = (id(module), *stamp)
         reloaded.append(name)
