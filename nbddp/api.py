@@ -390,9 +390,7 @@ def dist_fit(model: ModelLike, data: DataLike, *, epochs: int = 1, val_data: Dat
     """
     given = dict(locals())  # first: this signature's parameters by name, and nothing else yet (the records' names)
     from nbddp.callbacks.fit_hooks import FitHooks
-    from nbddp.cells.call_handle import CallHandle
     from nbddp.fit.fit_run import FitRun
-    from nbddp.inference.predict_run import PredictHandle
     from nbddp.live import choose_view
     from nbddp.fit.preflight import plan_fit
 
