@@ -34,6 +34,8 @@ __all__ = [
     "push",
     "pull",
     "run_script",
+    "report",
+    "should_stop",
     "export_checkpoint",
     "compile_cache",
     "RecompileWarning",
@@ -77,6 +79,8 @@ _LAZY = {
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
     "last_history": "nbddp.api",
+    "report": "nbddp.api",
+    "should_stop": "nbddp.api",
     "sweep": "nbddp.api",
     "SweepResult": "nbddp.sweeps.result",
     "SweepHandle": "nbddp.sweeps.handle",
@@ -122,8 +126,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import (dist_fit, evaluate, export_checkpoint, last_history, predict, restart, run, start, status,
-                           stop, sweep)
+    from nbddp.api import (dist_fit, evaluate, export_checkpoint, last_history, predict, report, restart, run,
+                           should_stop, start, status, stop, sweep)
     from nbddp.sweeps.result import SweepResult
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle

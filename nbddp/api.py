@@ -17,6 +17,7 @@ from nbddp.execution.work import interrupts_held, wait_interruptibly
 from nbddp.live.choice import LiveChoice
 from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
+from nbddp.worker.tasks.reports import report, should_stop  # called on the ranks; each one list lookup elsewhere
 
 if TYPE_CHECKING:
     from ipyparallel import Cluster
@@ -100,34 +101,42 @@ def status() -> dict[str, Any]:
 
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[True] = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any]: ...
+        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any]: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[False], live: LiveChoice = None,
-        **kwargs: Any) -> CallHandle: ...
+        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> CallHandle: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any] | CallHandle: ...
+        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any] | CallHandle: ...
 
 
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any] | CallHandle:
+        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any] | CallHandle:
     """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
 
     ``fn`` may be defined in the notebook: it travels by value. Inside it,
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
 
-    ``block`` and ``live`` are ``run``'s own (a keyword of ``fn`` with one of
-    these names goes through ``functools.partial``):
+    ``block``, ``live``, ``loggers`` and ``callbacks`` are ``run``'s own (a
+    keyword of ``fn`` with one of these names goes through ``functools.partial``):
 
     * ``block=False`` returns a ``CallHandle`` at once, a
       ``concurrent.futures.Future`` of the list (``result()``, ``done()``,
       ``stop()``, ``await handle``, ...), as ipyparallel's ``apply_async``;
       what the ranks print is kept on it (``display_outputs()``).
     * ``live``: ``True``, ``None``, ``"widget"`` or ``"text"`` print the
-      ranks' output as it arrives; ``False`` prints nothing.
+      ranks' output as it arrives, and show what ``fn`` reports
+      (``nbddp.report``) in dist_fit's live view; ``False`` shows neither.
+    * ``loggers``, ``callbacks``: as ``dist_fit``'s, fed the reduced reports
+      from the kernel; an ``EarlyStopping`` ends the call through
+      ``nbddp.should_stop()``.
+
+    The list (a ``RankResults``) carries ``.history``: the ``History`` of
+    what ``fn`` reported (None if nothing), also ``nbddp.last_history()``.
     """
     from nbddp.cells.function_calls import call_everywhere, start_everywhere
+    from nbddp.cells.reported_call import hooks_for
     from nbddp.execution.handle import check_block
     from nbddp.live.choice import live_choice
 
@@ -135,10 +144,15 @@ def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
                         f"HINT: pass the function itself, run(f, x), not its result, run(f(x))")
     check_block(block, "nbddp.run")
-    shown = live_choice(live, "nbddp.run") is not False
+    live = live_choice(live, "nbddp.run")
+    hooks = hooks_for(loggers, callbacks)
     if not block:
+        if hooks is not None:
+            raise ValueError("nbddp.run(block=False) takes no loggers= or callbacks= yet: their records are fed "
+                             "while a cell waits. Use block=True, or call nbddp.last_history() after the handle "
+                             "ended and log from it")
         return start_everywhere(get_session(), fn, args, kwargs)
-    return call_everywhere(get_session(), fn, args, kwargs, output=shown)
+    return call_everywhere(get_session(), fn, args, kwargs, output=live is not False, live=live, hooks=hooks)
 
 
 @overload
@@ -448,7 +462,8 @@ def _wait_for_fit(run_: FitRun, already: int = 0) -> History:
 
 
 def last_history() -> History | None:
-    """The ``History`` of this kernel's last fit that ended (also one interrupted by Kernel > Interrupt)."""
+    """The ``History`` of this kernel's last fit that ended (also one interrupted by Kernel > Interrupt), or of
+    the last ``%%ddp`` cell, ``nbddp.run`` call or script that reported (``nbddp.report``), whichever came last."""
     return get_session().last_history
 
 
@@ -747,5 +762,5 @@ def clear_debug() -> str:
     return clear(get_session())
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "sweep", "predict", "evaluate",
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "report", "should_stop", "sweep", "predict", "evaluate",
            "export_checkpoint", "debug", "clear_debug"]

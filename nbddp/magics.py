@@ -12,6 +12,9 @@
 ``%ddp debug [RANK] [--clear]``              ``nbddp.debug(RANK)``: pdb on a failed or paused
                                              rank; ``--clear`` drops kept failures
 ``%%ddp [--targets 0,2] [--no-stream]``      ``nbddp.run_cell(cell, ranks, stream=...)``
+``%%ddp --hooks NAME``                       ``nbddp.run_cell(cell, loggers=, callbacks=)``: the
+                                             loggers and callbacks NAME holds, fed what the
+                                             cell reports (``nbddp.report``)
 ``%%ddp --noblock``                          ``nbddp.run_cell(cell, block=False)``: the
                                              cell's value is a ``CallHandle`` (``_``)
 ==========================================  =====================================
@@ -119,6 +122,9 @@ def _debug(): """pdb on a failed rank's frame or a rank paused at breakpoint(); 
 @argument("--block", dest="block", action="store_const", const=True, default=True, help="wait for the cell (default)")
 @argument("--noblock", dest="block", action="store_const", const=False,
           help="return at once with a CallHandle (the cell's value, so _): result() is each rank's value")
+@argument("--hooks", default=None, metavar="NAME",
+          help="a notebook variable holding loggers and callbacks for what the cell reports (nbddp.report): a list, "
+               "or a dict with 'loggers' and 'callbacks'")
 def _cell(): """Run the cell on every rank (or the --targets given)."""  # noqa: E704
 
 
@@ -228,10 +234,24 @@ class DDPMagics(Magics):
         from nbddp.cells.cell_code import run_cell
         from nbddp.execution.calls import UnknownRanks
 
+        loggers, callbacks = self._hooks(args.hooks)
         try:
-            return run_cell(cell, parse_targets(args.targets, _cell), stream=not args.no_stream, block=args.block)
+            return run_cell(cell, parse_targets(args.targets, _cell), stream=not args.no_stream, block=args.block,
+                            loggers=loggers, callbacks=callbacks)
         except UnknownRanks as exc:
             raise misuse(_cell, f"%%ddp {flag_in(line)} {args.targets}: {exc.detail}") from None
+
+    def _hooks(self, name: str | None) -> tuple[Any, Any]:
+        """``--hooks NAME``: the loggers and callbacks the notebook variable holds (None, None without it)."""
+        from nbddp.cells.reported_call import split_hooks
+
+        if name is None:
+            return None, None
+        ns = self.user_ns()
+        if name not in ns:
+            raise MissingName(f"%%ddp --hooks {name}: no variable named {name!r} in the notebook; define it first, "
+                              f"e.g. {name} = [nbddp.loggers.CSV('runs/metrics.csv'), nbddp.EarlyStopping('loss')]")
+        return split_hooks(name, ns[name])
 
     def _do_start(self, args: argparse.Namespace) -> None:
         from nbddp import api

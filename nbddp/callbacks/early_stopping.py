@@ -15,7 +15,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from nbddp.callbacks.base import Callback, Record
+from nbddp.callbacks.base import Callback, Record, stop_fit
 from nbddp.loggers.fit_info import FitInfo
 from nbddp.protocol.fit_options import MODES, BestSpec, Patience
 
@@ -69,6 +69,7 @@ class EarlyStopping(Callback):
                                        None if baseline is None else float(baseline), check_finite)
         self.patience: int = int(patience)
         self.restore_best: bool = restore_best
+        self.each_report: bool = False  # a call's reports (nbddp.report): each step holding the monitor is a check
         self._reset()
 
     @property
@@ -112,8 +113,11 @@ class EarlyStopping(Callback):
         self._reset()
 
     def on_record(self, record: Record) -> None:
+        if self.each_report:
+            self._on_report(record)
+            return None
         if record.kind != self.spec.kind:
-            return
+            return None
         value = record.get(self.monitor)
         if not isinstance(value, numbers.Real):
             held = sorted(k for k in record if k not in ("step", "epoch"))
@@ -125,6 +129,19 @@ class EarlyStopping(Callback):
             self.best_epoch = record.get("epoch")
         if ended is not None and self.stopped_at is None:
             self.stopped_at = record["step"]  # the workers stopped right after this check
+        return None
+
+    def _on_report(self, record: Record) -> None:
+        """A reported step: a check when it holds the monitor; "stop" (the call stops) once the patience ran out."""
+        value = record.get(self.monitor)
+        if not isinstance(value, numbers.Real):
+            return None
+        self.checks += 1
+        ended = self.count.after_check(float(value), record["step"])
+        if ended is not None and self.stopped_at is None:
+            self.stopped_at = record["step"]
+            stop_fit(ended)  # History.stop_reason says why
+        return None
 
     def summary(self) -> dict[str, Any]:
         """What ``History.best`` holds."""

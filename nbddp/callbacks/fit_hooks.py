@@ -120,6 +120,18 @@ class FitHooks:
         names["step_fn"] = callable_name(step_fn)
         return cls(chosen, cbs, names, restoring[0].spec if restoring else None)
 
+    @classmethod
+    def for_reports(cls, loggers: LoggerChoice | Sequence[LoggerChoice] | None = None,
+                    callbacks: object = None) -> FitHooks:
+        """The hooks of a call that reports (``nbddp.report``): checked now; an ``EarlyStopping`` checks its
+        monitor at every reported step that holds it, and stops the call (``reports/reported_call.py``)."""
+        chosen, cbs = resolve(loggers), check_callbacks(callbacks)
+        for es in (cb for cb in cbs if isinstance(cb, EarlyStopping)):
+            es.each_report = True
+        for logger in chosen:
+            logger.check()
+        return cls(chosen, cbs, {"call": "nbddp.report"})
+
     def __bool__(self) -> bool:
         return bool(self.loggers) or bool(self.callbacks)
 

@@ -18,6 +18,8 @@ from nbddp.shipping import pickling as shipping
 from nbddp.cells.call_handle import CallHandle, start_call
 from nbddp.execution.handle import check_block
 from nbddp.cells.rank_output import run_on_ranks
+from nbddp.live.choice import LiveChoice
+from nbddp.cells.reported_call import hooks_for, run_reporting
 from nbddp.execution.calls import Targets
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import get_session
@@ -26,7 +28,8 @@ from nbddp.shipping.source_lines import register_text
 _CELL_NUMBERS = itertools.count(1)
 
 
-def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bool = True) -> CallHandle | None:
+def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bool = True, loggers: Any = None,
+             callbacks: Any = None, live: LiveChoice = None) -> CallHandle | None:
     """Run ``code`` on every rank (or ``ranks``), as ``%%ddp`` does; print each rank's output labelled.
 
     Args:
@@ -42,6 +45,10 @@ def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bo
             --noblock``): its ``result()`` is each rank's final expression's
             value (None without one), in rank order; what the ranks print is
             kept on it (``display_outputs()``).
+        loggers, callbacks: as ``dist_fit``'s, fed what the cell reports
+            (``nbddp.report``), from the kernel (``%%ddp --hooks NAME``).
+        live: the view of what the cell reports (``live=`` as everywhere);
+            nothing shows for a cell that reports nothing.
 
     Raises:
         SyntaxError: before any rank runs.
@@ -60,7 +67,9 @@ def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bo
     s = get_session()
     if not block:
         return start_call(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, True), ranks)
-    run_on_ranks(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation), ranks, output=stream)
+    hooks = hooks_for(loggers, callbacks)
+    run_reporting(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation), ranks, output=stream,
+                  live=live, hooks=hooks)
     return None
 
 

@@ -6,7 +6,9 @@ from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
 from nbddp.cells.call_handle import CallHandle, start_call, unpacked
-from nbddp.cells.rank_output import run_on_ranks
+from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.live.choice import LiveChoice
+from nbddp.cells.reported_call import RankResults, run_reporting
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import Session
 
@@ -30,17 +32,20 @@ class Shipped:
 
 
 def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                    output: bool = True) -> list[Any]:
-    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``)."""
+                    output: bool = True, live: LiveChoice = None, hooks: FitHooks | None = None) -> RankResults:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``); what it
+    reports shown (``live``) and given to ``hooks``: the values in rank order, with the History (``.history``)."""
     from nbddp.worker.tasks.entry import call_task
 
     shipped = Shipped(session, fn, args, kwargs)
     try:
-        results = run_on_ranks(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for,
-                               output=True if output else None)
+        results, history = run_reporting(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for,
+                                         output=True if output else None, live=live, hooks=hooks)
     finally:
         shipped.discard()
-    return unpacked(results)
+    values = RankResults(unpacked(results))
+    values.history = history
+    return values
 
 
 def start_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.cells.rank_output import run_on_ranks
-from nbddp.protocol.messages import ScriptResult
+from nbddp.live.choice import LiveChoice
+from nbddp.cells.reported_call import RankResults, hooks_for, run_reporting
 from nbddp.session.session import get_session
 
 
-def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
+def run_script(path: str | os.PathLike, *args: Any, loggers: Any = None, callbacks: Any = None,
+               live: LiveChoice = None) -> RankResults:
     """Run the script at ``path`` on every rank as ``__main__`` with ``sys.argv = [path, *args]``.
 
     Relative paths, in ``path`` and inside the script, resolve from the
@@ -25,8 +26,12 @@ def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
     status raises ``WorkerError`` naming the rank. Kernel > Interrupt stops
     the script on every rank.
 
+    What the script reports (``nbddp.report``) is shown live (``live=``) and
+    given to ``loggers`` and ``callbacks``, as for ``nbddp.run``.
+
     Returns:
-        One ``ScriptResult`` per rank, in rank order (``exit_code`` 0).
+        One ``ScriptResult`` per rank, in rank order (``exit_code`` 0), with
+        ``.history``: what the script reported (None if nothing).
     """
     from nbddp.worker.tasks.scripts import run_script as remote_script
 
@@ -42,6 +47,10 @@ def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
     argv = [str(a) for a in args]
     s = get_session()
     cwd = os.getcwd()
-    results = run_on_ranks(s, f"the script {os.path.basename(full)}", remote_script,
-                           lambda p: (source, full, argv, cwd, s.generation), output=True)
-    return [results[rank] for rank in sorted(results)]
+    hooks = hooks_for(loggers, callbacks)
+    results, history = run_reporting(s, f"the script {os.path.basename(full)}", remote_script,
+                                     lambda p: (source, full, argv, cwd, s.generation), output=True, live=live,
+                                     hooks=hooks)
+    values = RankResults(results[rank] for rank in sorted(results))
+    values.history = history
+    return values

@@ -46,6 +46,10 @@ class RankCall(Work):
         self._tasks: RankTasks | None = None
         self._waiter: int | None = None  # the thread waiting in wait()
         self.interrupted = False
+        self.person_interrupts = 0  # Kernel > Interrupt while waiting
+        # a stop the call's own code agrees to (nbddp.should_stop(), reports/reported_call.py): True if it took
+        # the first interrupt, so that the ranks end at one step instead of a KeyboardInterrupt each
+        self.soft_stop: Callable[[], bool] | None = None
 
     @property
     def tasks(self) -> RankTasks:
@@ -58,6 +62,9 @@ class RankCall(Work):
     def request_stop(self) -> None:
         """Forward an interrupt to the ranks still running."""
         if self.finished:
+            return
+        if self.soft_stop is not None and not self.interrupted and self.soft_stop():
+            self.interrupted = True  # a second interrupt kills, as for any call
             return
         self.interrupted = True
         self.tasks.stopping()
@@ -101,6 +108,7 @@ class RankCall(Work):
 
         try:
             if self.held_interrupts:  # the first interrupt came while the tasks were being sent
+                self.person_interrupts += 1
                 self.request_stop()
             while True:
                 try:
@@ -110,6 +118,7 @@ class RankCall(Work):
                 except BaseException as exc:
                     if not is_interrupt(exc):
                         raise
+                    self.person_interrupts += 1
                     if self.interrupted:
                         self.hard_stop()
                         raise KeyboardInterrupt(

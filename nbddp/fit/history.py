@@ -96,6 +96,14 @@ class History:
             seen, ``time.time()``). A lost Slurm job (every rank: ``rank`` is
             None) adds ``job``, ``new_job`` and ``resumed_from``, and its
             ``cause`` is Slurm's state (``NODE_FAIL``, ``PREEMPTED``...).
+        metrics: a call that reported (``nbddp.report``): the names it
+            reported, in the order they first came; ``steps`` holds one
+            record per step, each value reduced over the ranks as asked
+            (``samples`` summed, ``samples_per_s`` derived), ``time`` in
+            seconds since the first report.
+        rank_steps: a call that reported: each rank's own values, one dict
+            per rank and step (``step``, ``rank``, the values, and
+            ``samples_per_s`` when ``samples`` was reported).
     """
 
     status: str = "completed"
@@ -116,6 +124,8 @@ class History:
     compile_report: list[dict[str, Any]] = field(default_factory=list)
     profile: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[str] = field(default_factory=list)
+    rank_steps: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Append one worker record (``kind`` is ``step``, ``epoch`` or ``val``)."""

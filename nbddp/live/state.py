@@ -33,6 +33,7 @@ class LiveState:
     positions: list[dict[str, Any]] = field(default_factory=list)
     paused: list[dict[str, Any]] = field(default_factory=list)  # ranks at a debugger prompt: {rank, where, function}
     batch_size: int = 0  # per data-parallel rank (0: not known)
+    kind: str = "fit"  # "fit": dist_fit's records; "report": nbddp.report's (any metrics, no epochs or total)
     global_batch: int = 0  # one optimizer step over every data-parallel rank: batch_size x those ranks x grad_accum
 
     def batch_text(self) -> str:

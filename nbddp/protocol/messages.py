@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ipyparallel import AsyncResult
 
 PUBLISH_KEYS = {"plan": "nbddp-plan", "progress": "nbddp", "beat": "nbddp-beat", "stacks": "nbddp-stacks",
-                "profile": "nbddp-profile", "raised": "nbddp-raised"}
+                "profile": "nbddp-profile", "raised": "nbddp-raised", "report": "nbddp-report"}
 
 
 def published(ar: AsyncResult, kind: str) -> Any:

@@ -24,7 +24,12 @@ from nbddp.worker.debugging import postmortem
 from nbddp.worker.engine import torchrun
 from nbddp.protocol.messages import PUBLISH_KEYS
 from nbddp.worker.engine.heartbeat import engine_publisher, monitoring
-from nbddp.worker.engine.rank_state import check_generation, exit_on_sigterm
+from nbddp.worker.engine.rank_state import STATE, check_generation, exit_on_sigterm
+from nbddp.worker.engine import framework_reports
+from nbddp.worker.engine.report_channel import reporting
+from nbddp.protocol.reports import stop_note
+
+REPORTING_PHASES = ("cell", "call", "script")  # the tasks whose code may call nbddp.report
 
 
 @contextlib.contextmanager
@@ -35,7 +40,7 @@ def user_task(generation: int | None, phase: str = "call", trains: bool | None =
         postmortem.clear()
     freshness.reload_changed()
     try:
-        with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm():
+        with monitoring(phase), torchrun.user_code(generation), exit_on_sigterm(), reports_open(phase):
             yield
     except BaseException as exc:
         publish_raised_at(time.time())
@@ -44,6 +49,18 @@ def user_task(generation: int | None, phase: str = "call", trains: bool | None =
     finally:
         debugger.end_of_task()
         freshness.note_imported()
+
+
+@contextlib.contextmanager
+def reports_open(phase: str) -> Iterator[None]:
+    """``nbddp.report`` and ``should_stop`` act while a cell, call or script runs (a fit has its own reporter)."""
+    if phase not in REPORTING_PHASES or STATE.placement is None:
+        yield
+        return
+    framework_reports.install()
+    rank = STATE.placement.rank
+    with reporting(rank, stop_note(STATE.file_prefix, rank) if STATE.file_prefix else None):
+        yield
 
 
 def publish_raised_at(when: float) -> None:

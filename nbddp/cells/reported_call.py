@@ -1,0 +1,282 @@
+"""A cell, ``nbddp.run`` call or script that reports: the live view, the History, the hooks, the agreed stop.
+
+``watch_reports`` waits for a ``RankCall`` as ``cells/rank_output.py`` does
+(the ranks' output printed at every tick) and, at the same ticks, takes
+every rank's ``ReportBatch`` into a ``ReportCollector``. Nothing shows until
+the first reduced record: a cell that reports nothing prints as before.
+Then the dist_fit view (``live/``) appears under the cell, the loggers and
+callbacks get each record from their own thread (``callbacks/fit_hooks.py``),
+and the call's History is ``nbddp.last_history()``.
+
+The stop (the Stop button, Kernel > Interrupt, a callback): when every rank
+asks ``should_stop()`` and runs on the kernel's host, the kernel picks a step
+``STOP_LEAD_S`` of steps past the furthest rank it has seen, and leaves each
+rank a note (``protocol/reports.stop_note``); each answers True at that step.
+Otherwise, or if the ranks have not ended ``STOP_GRACE_S`` later, the stop
+is the call's interrupt (``execution/calls.py``), as for any cell.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.cells.rank_output import RankOutput
+from nbddp.execution.calls import RankCall
+from nbddp.fit.history import History
+from nbddp.live import NullView, View, choose_view
+from nbddp.live.choice import LiveChoice
+from nbddp.live.state import LiveState
+from nbddp.protocol.fit_options import FitConfig
+from nbddp.protocol.messages import FitPlanInfo, RankInfo, published
+from nbddp.protocol.notes import write_note
+from nbddp.protocol.reports import ReportBatch, stop_note
+from nbddp.reports.collector import ReportCollector
+from nbddp.session.session import Session
+
+STOP_LEAD_S = 1.0  # the agreed stop step lies this many seconds of steps past the furthest rank seen
+STOP_GRACE_S = 10.0  # then, if the ranks have not ended, the call is interrupted as any cell is
+PERSON_STOP = "stopped from the notebook (Kernel > Interrupt or the Stop button)"
+
+
+class ReportedRun:
+    """One call's reports (see the module docstring); what a view reads of it (``live.state.ViewedFit``)."""
+
+    def __init__(self, session: Session, call: RankCall, live: LiveChoice, hooks: FitHooks | None):
+        self.session, self.call, self.live = session, call, live
+        self.hooks = hooks if hooks else None
+        self.collector = ReportCollector(sorted(call.tasks.ars))
+        self.history = History(world_size=len(call.tasks.ars))
+        self.history.status = "running"
+        placements = [RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements
+                      if p.rank in call.tasks.ars]
+        self.live_state = LiveState(status="training", world_size=len(call.tasks.ars), backend=session.backend,
+                                    placements=placements, kind="report")
+        self.view: View | None = None
+        self.started_at = time.perf_counter()
+        self.error: BaseException | None = None
+        self.stop_reason: str | None = None
+        self.stop_at: int | None = None
+        self.stop_sent_at: float | None = None
+        self.notes: list[str] = []
+        self.requests: Any = None  # no profile requests: the view hides its Profile button
+        self._seen: dict[int, ReportBatch] = {}
+        self._seq = 0
+        self._ended = False
+        self.config = FitConfig()  # what the loggers read of a fit: its defaults (no checkpoint folder)
+        self.handle = self  # what callbacks act through: stop()
+        if self.hooks is not None:
+            self.hooks.bind(self)
+        call.soft_stop = self.soft_stop
+
+    # ---- what views and hooks read ---------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._ended
+
+    def stop(self) -> None:
+        """Stop on every rank at one step (what a callback's ``handle.stop()`` and the Stop button ask)."""
+        self.request_stop()
+
+    def request_stop(self, reason: str | None = None) -> None:
+        if self._ended or self.stop_reason is not None:
+            return
+        self.stop_reason = reason or PERSON_STOP
+        self.live_state.status = "stopping"
+        if not self.soft_stop():
+            self.call.soft_stop = None
+            self.call.request_stop()
+
+    def soft_stop(self) -> bool:
+        """Agree a stop step through the reports (True), or say that only an interrupt can stop the call."""
+        if self.stop_at is not None:
+            return True
+        ranks = sorted(self.call.tasks.pending)
+        by_rank = self.session.group.by_rank() if self.session.group is not None else {}
+        local = all(r in by_rank and by_rank[r].local for r in ranks)
+        if not ranks or not local or not set(ranks) <= self.collector.checks_stop or not self.session.file_prefix:
+            return False
+        self.stop_reason = self.stop_reason or PERSON_STOP
+        self.live_state.status = "stopping"
+        self.stop_at = self._stop_step()
+        for r in ranks:
+            path = stop_note(self.session.file_prefix, r)
+            write_note(path, {"stop_at": self.stop_at})
+            self.notes.append(path)
+        self.stop_sent_at = time.monotonic()
+        return True
+
+    def _stop_step(self) -> int:
+        furthest = max([*self.collector.last_steps().values(), *self.collector.positions.values(), 0])
+        steps = self.history.steps[-20:]
+        rate = 0.0
+        if len(steps) >= 2 and steps[-1]["time"] > steps[0]["time"]:
+            rate = (steps[-1]["step"] - steps[0]["step"]) / (steps[-1]["time"] - steps[0]["time"])
+        return furthest + max(2, math.ceil(rate * STOP_LEAD_S))
+
+    # ---- every tick of the call's wait -----------------------------------------------
+    def tick(self) -> None:
+        for rank, ar in self.call.tasks.ars.items():
+            batch = published(ar, "report")
+            if isinstance(batch, ReportBatch) and batch is not self._seen.get(rank):
+                self._seen[rank] = batch
+                self.collector.take(batch)
+            if rank in self.call.tasks.results or rank in self.call.tasks.failures:
+                self.collector.ended(rank)
+        self._take(*self.collector.ready())
+        if self.stop_sent_at is not None and time.monotonic() - self.stop_sent_at > STOP_GRACE_S:
+            self.stop_sent_at = None
+            self.call.soft_stop = None
+            self.call.request_stop()  # the ranks did not end at the agreed step: interrupt them
+        if self.view is not None:
+            self.live_state.ranks = self._rank_figures()
+            self.view.update(self)
+
+    def _take(self, reduced: list[dict[str, Any]], per_rank: list[dict[str, Any]]) -> None:
+        if not reduced:
+            return
+        if self.view is None:
+            self._begin()
+        for record in reduced:
+            self.history.add("step", record)
+            for name in record:
+                if name not in self.history.metrics and name not in ("step", "time", "samples_per_s"):
+                    self.history.metrics.append(name)
+            if self.hooks is not None:
+                self.hooks.record(self._seq, "step", record)
+            self._seq += 1
+        self.history.rank_steps.extend(per_rank)
+        if self.hooks is not None:
+            self.hooks.tick(self.history.last_step)
+
+    def _begin(self) -> None:
+        self.view = choose_view(self.live) if self.live is not False else NullView()
+        self.view.start(self)
+        if self.hooks is not None:
+            self.hooks.start(FitPlanInfo(None, None, 0, 0, model_class=self.call.what))
+
+    def _rank_figures(self) -> list[dict[str, Any]]:
+        last: dict[int, dict[str, Any]] = {}
+        for row in self.history.rank_steps[-4 * max(1, self.live_state.world_size):]:
+            last[row["rank"]] = row
+        return [{"rank": r, "samples_per_s": row.get("samples_per_s")} for r, row in sorted(last.items())]
+
+    # ---- the end ---------------------------------------------------------------------
+    def finish(self, error: BaseException | None) -> History | None:
+        """After the call: the last records, the view's last frame, the hooks closed; the History (if any)."""
+        for rank in self.call.tasks.ars:
+            self.collector.ended(rank)
+        try:
+            self.tick()
+        finally:
+            for path in self.notes:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if not self.collector.reported:
+            return None
+        self.error = error
+        stopped = self.stop_reason is not None
+        self.history.status = "failed" if error is not None and not stopped else (
+            "interrupted" if stopped else "completed")
+        self.history.stop_reason = self.stop_reason
+        self.history.timings["total_s"] = time.perf_counter() - self.started_at
+        self.live_state.status = self.history.status
+        self._warn_uneven_stop()
+        if self.hooks is not None:
+            self.hooks.finish(self.history, [], None, None)
+        self._ended = True
+        if self.view is not None:
+            self.view.finish(self)
+        self.session.last_history = self.history
+        return self.history
+
+    def _warn_uneven_stop(self) -> None:
+        stops = self.collector.stopped_at
+        if len(set(stops.values())) > 1:
+            from nbddp.protocol.notices import notify
+
+            notify(f"nbddp: the ranks stopped at different steps {dict(sorted(stops.items()))} (the stop step "
+                   f"{self.stop_at} reached some ranks after they passed it): the steps are too short for "
+                   f"STOP_LEAD_S={STOP_LEAD_S} s of lead", stacklevel=2)
+
+
+def watch_reports(session: Session, call: RankCall, output: bool | None, live: LiveChoice,
+                  hooks: FitHooks | None) -> tuple[dict[int, Any], History | None]:
+    """Wait for ``call`` (its output printed as ``run_on_ranks`` does); its results and the History it reported."""
+    run = ReportedRun(session, call, live, hooks)
+    printer = RankOutput(call.tasks.ars, live=bool(output)) if output is not None else None
+
+    def tick() -> None:
+        if printer is not None:
+            printer.tick()
+        run.tick()
+
+    error: BaseException | None = None
+    try:
+        results = call.wait(on_tick=tick)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        if printer is not None:
+            printer.finish(call.tasks)
+        history = run.finish(error)
+        if error is not None and history is not None:
+            error.history = history  # type: ignore[attr-defined]
+    if run.stop_reason is not None and call.person_interrupts:
+        raise interrupted_with(history)
+    return results, history
+
+
+def interrupted_with(history: History | None) -> KeyboardInterrupt:
+    """Kernel > Interrupt stopped the ranks at one step: the cell still raises, so Run All stops (History on it)."""
+    exc = KeyboardInterrupt("stopped on every rank at the same step; the History is nbddp.last_history()")
+    exc.history = history  # type: ignore[attr-defined]
+    return exc
+
+
+class RankResults(list[Any]):
+    """``nbddp.run``'s and ``run_script``'s list of the ranks' values, in rank order, with the call's ``History``.
+
+    A list still (``results[0]``, ``==``, unpacking work as before); ``.history``
+    is what the call reported (``nbddp.report``), None when it reported nothing.
+    """
+
+    history: History | None = None
+
+
+def run_reporting(session: Session, what: str, fn: Any, args_for: Any, ranks: Any = None, output: bool | None = True,
+                  live: LiveChoice = None, hooks: FitHooks | None = None) -> tuple[dict[int, Any], History | None]:
+    """``run_on_ranks`` (``cells/rank_output.py``) that also shows what the ranks report: results, History."""
+    from nbddp.execution.calls import call_on_ranks
+
+    call = call_on_ranks(session, what, fn, args_for, ranks)
+    return watch_reports(session, call, output, live, hooks)
+
+
+def hooks_for(loggers: Any, callbacks: Any) -> FitHooks | None:
+    """The loggers and callbacks of a call that reports, checked now (None: there are none)."""
+    if not loggers and not callbacks:
+        return None
+    return FitHooks.for_reports(loggers, callbacks)
+
+
+def split_hooks(name: str, value: object) -> tuple[list[Any], list[Any]]:
+    """``%%ddp --hooks NAME``: ``value`` (a dict with ``loggers``/``callbacks``, or one list of both) split."""
+    from nbddp.loggers import Logger
+
+    if isinstance(value, dict):
+        unknown = set(value) - {"loggers", "callbacks"}
+        if unknown:
+            raise ValueError(f"%%ddp --hooks {name}: the dict's keys are 'loggers' and 'callbacks'; got "
+                             f"{sorted(map(str, unknown))}")
+        return list(value.get("loggers") or []), list(value.get("callbacks") or [])
+    if isinstance(value, (Logger, str)) or not isinstance(value, (list, tuple)):
+        value = [value]
+    loggers = [v for v in value if isinstance(v, (Logger, str))]
+    return loggers, [v for v in value if not isinstance(v, (Logger, str))]

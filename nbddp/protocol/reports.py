@@ -1,0 +1,119 @@
+"""``nbddp.report``'s records as both sides read them: the values a rank may report, the reductions, the batch.
+
+A rank checks each value at the call (``metric_value``, ``check_reduce``,
+``check_step``), so a bad report is refused where it was made, with the
+metric's name, before anything of it is kept: the rank's earlier records and
+its later reports are untouched. The kernel reduces each step over the
+ranks that reported it (``reduce_values``). Both import this module, so
+the rules and the message (``ReportBatch``) are one.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbddp.protocol.notes import shm_dir
+
+REDUCES = ("mean", "sum", "max", "min", None)  # None: rank 0's value (the others are kept per rank)
+SAMPLES = "samples"  # report(samples=n): summed over the ranks, and samples/s derived from it
+WINDOW = 256  # records a batch carries besides the final one (which carries all)
+
+
+@dataclass
+class ReportRecord:
+    """What one rank reported at one step (several ``report`` calls at one step are one record)."""
+
+    step: int
+    time: float  # time.time() on the rank at the step's last report
+    values: dict[str, Any]  # name -> float (or a device tensor until the rank's publisher reads it)
+    reduce: dict[str, str | None] = field(default_factory=dict)  # name -> how it is reduced over the ranks
+
+
+@dataclass
+class ReportBatch:
+    """A rank's stream of records: ``seq`` records so far, the last ``WINDOW`` of them (all when ``final``).
+
+    ``checks_stop``: the rank's code asked ``should_stop()`` (so a stop can
+    be agreed through the reports instead of an interrupt); ``stopped_at``:
+    the step at which ``should_stop()`` first answered True; ``position``:
+    the furthest step ``should_stop(step)`` was told.
+    """
+
+    rank: int
+    seq: int
+    window: list[tuple[int, ReportRecord]]
+    final: bool = False
+    checks_stop: bool = False
+    stopped_at: int | None = None
+    position: int = 0  # the furthest step the rank told should_stop(step) (a framework's step between its logs)
+
+
+def is_tensor(value: object) -> bool:
+    """A torch tensor, told without importing torch (the shared layer imports nothing heavy)."""
+    return type(value).__module__ == "torch" and hasattr(value, "numel")
+
+
+def metric_value(name: str, value: object) -> Any:
+    """``value`` as a reported number: a float, or a one-element tensor on the device (read later, off the step).
+
+    Raises:
+        TypeError: a string, or anything that is not a number or a tensor.
+        ValueError: a tensor of more than one element.
+    """
+    if is_tensor(value):
+        n = value.numel()  # type: ignore[attr-defined]
+        if n != 1:
+            shape = tuple(value.shape)  # type: ignore[attr-defined]
+            raise ValueError(f"nbddp.report({name}=...): a tensor of shape {shape} ({n} elements); a metric is one "
+                             f"number. Reduce it first, e.g. report({name}=t.mean()), or report each element by name")
+        if value.device.type == "cpu":  # type: ignore[attr-defined]
+            return float(value.item())  # type: ignore[attr-defined]
+        return value.detach().reshape(()).clone()  # type: ignore[attr-defined]
+    if isinstance(value, numbers.Real):  # numpy scalars too; True/False count as 1/0
+        return float(value)
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise TypeError(f"nbddp.report({name}=...): got {type(value).__name__} {shown}; a metric is a number: a Python "
+                    "int or float, or a 0-d or one-element tensor on any device. Log text elsewhere (print shows "
+                    "it labelled by rank)")
+
+
+def check_reduce(reduce: object, names: list[str]) -> str | None:
+    """``reduce`` if it is one of ``REDUCES``; else a ValueError naming the metrics it was given for."""
+    if reduce in REDUCES and (reduce is None or isinstance(reduce, str)):
+        return reduce
+    raise ValueError(f"nbddp.report(reduce={reduce!r}) for {', '.join(names) or 'no metric'}: the reduction over "
+                     "the ranks is 'mean' (the default), 'sum', 'max', 'min' or None (rank 0's value); each rank's "
+                     "own value is kept as well (History.rank_steps)")
+
+
+def check_step(step: object, last: int | None, names: list[str]) -> int:
+    """``step`` as an int that does not go back before ``last`` (this rank's previous step)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or int(step) < 0:
+        raise TypeError(f"nbddp.report(step={step!r}) for {', '.join(names)}: a step is an int >= 0 (or None: "
+                        "the step after this rank's last report)")
+    if last is not None and int(step) < last:
+        raise ValueError(f"nbddp.report(step={step}) for {', '.join(names)}: this rank reported step {last} "
+                         "already, and steps only go forward. Report the same step again to add metrics to it, or "
+                         "leave step=None to count the reports")
+    return int(step)
+
+
+def reduce_values(values: list[float], how: str | None) -> float:
+    """Values of one metric at one step, one per rank in rank order, reduced as ``how`` says."""
+    if how is None:
+        return values[0]
+    if how == "sum":
+        return float(sum(values))
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return float(sum(values) / len(values))
+
+
+def stop_note(prefix: str, rank: int) -> str:
+    """The note where the kernel tells ``rank`` the step to stop after (``{"stop_at": step}``), on its host."""
+    return os.path.join(shm_dir(), f"{prefix}-w{rank}-report-stop")

@@ -1,0 +1,146 @@
+"""Every rank's reports, reduced per step in the kernel, in step order.
+
+A rank's record of step ``s`` is final once that rank reported a later step
+or ended (a step can be reported again to add metrics). Step ``s`` is
+reduced once every rank's record of it is final; a rank that has reported
+nothing ``SILENT_S`` after the first report of the call is taken to report
+nothing (code that reports from rank 0 only: accelerate's trackers), until
+it does. Each metric is reduced over the ranks that reported it at that
+step, as the lowest of them asked (``protocol/reports.py``); the ranks' own
+values are kept (``rank_steps``). Two ranks reporting different names at one
+step are told once, naming both ranks and the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from nbddp.protocol.notices import notify
+from nbddp.protocol.reports import SAMPLES, ReportBatch, ReportRecord, reduce_values
+
+SILENT_S = 2.0
+
+
+class ReportCollector:
+    """Takes ``ReportBatch``es of ``ranks``; ``ready()`` gives the reduced records not given yet."""
+
+    def __init__(self, ranks: list[int], clock: Any = time.monotonic):
+        self.ranks = list(ranks)
+        self.clock = clock
+        self.records: dict[int, dict[int, ReportRecord]] = {r: {} for r in ranks}  # rank -> seq -> record
+        self.final: set[int] = set()  # ranks whose last batch came (or whose task ended)
+        self.checks_stop: set[int] = set()
+        self.stopped_at: dict[int, int] = {}
+        self.positions: dict[int, int] = {}  # rank -> the furthest step its should_stop(step) was told
+        self.first_seen: float | None = None
+        self.done_through = -1  # the last step given out
+        self.t0: float | None = None  # the first record's time on the ranks
+        self.last_time: dict[int, float] = {}  # rank -> time of its last step given out (samples/s)
+        self.told: set[tuple[int, int, frozenset[str]]] = set()
+        self.mismatches = 0
+
+    @property
+    def reported(self) -> bool:
+        return any(self.records.values())
+
+    def take(self, batch: ReportBatch) -> None:
+        if batch.rank not in self.records:
+            return
+        if self.first_seen is None and batch.window:
+            self.first_seen = self.clock()
+        mine = self.records[batch.rank]
+        for seq, record in batch.window:
+            mine[seq] = record
+        if batch.final:
+            self.final.add(batch.rank)
+        if batch.checks_stop:
+            self.checks_stop.add(batch.rank)
+        self.positions[batch.rank] = batch.position
+        if batch.stopped_at is not None:
+            self.stopped_at[batch.rank] = batch.stopped_at
+
+    def ended(self, rank: int) -> None:
+        """``rank``'s task ended: whatever it reported is final."""
+        self.final.add(rank)
+
+    def last_steps(self) -> dict[int, int]:
+        """Each rank's latest reported step (ranks that reported)."""
+        return {r: recs[max(recs)].step for r, recs in self.records.items() if recs}
+
+    def _frontier(self) -> float:
+        """The last step every reporting rank is done with."""
+        silent_ok = self.first_seen is not None and self.clock() - self.first_seen >= SILENT_S
+        edges = []
+        for r, recs in self.records.items():
+            if r in self.final:
+                continue
+            if not recs:
+                if not silent_ok:
+                    return -math.inf
+                continue
+            edges.append(recs[max(recs)].step - 1)
+        return min(edges, default=math.inf)
+
+    def ready(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Reduced records and per-rank rows of the steps completed since the last call, in step order."""
+        frontier = self._frontier()
+        by_step: dict[int, dict[int, ReportRecord]] = {}
+        for r, recs in self.records.items():
+            for record in recs.values():
+                if self.done_through < record.step <= frontier:
+                    by_step.setdefault(record.step, {})[r] = record
+        reduced, per_rank = [], []
+        for step in sorted(by_step):
+            row, ranks_rows = self._reduce(step, by_step[step])
+            reduced.append(row)
+            per_rank += ranks_rows
+            self.done_through = step
+        return reduced, per_rank
+
+    def _reduce(self, step: int, at: dict[int, ReportRecord]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        ranks = sorted(at)
+        self._check_names(step, at)
+        if self.t0 is None:
+            self.t0 = min(rec.time for rec in at.values())
+        names = list(dict.fromkeys(k for r in ranks for k in at[r].values))
+        row: dict[str, Any] = {"step": step}
+        for name in names:
+            having = [r for r in ranks if name in at[r].values]
+            how = "sum" if name == SAMPLES else at[having[0]].reduce.get(name, "mean")
+            row[name] = reduce_values([float(at[r].values[name]) for r in having], how)
+        rows = []
+        speeds = []
+        for r in ranks:
+            rec = at[r]
+            own: dict[str, Any] = {"step": step, "rank": r, **{k: float(v) for k, v in rec.values.items()}}
+            before = self.last_time.get(r)
+            if SAMPLES in rec.values and before is not None and rec.time > before:
+                own["samples_per_s"] = float(rec.values[SAMPLES]) / (rec.time - before)
+                speeds.append(own["samples_per_s"])
+            self.last_time[r] = rec.time
+            rows.append(own)
+        if speeds:
+            row["samples_per_s"] = sum(speeds)
+        row["time"] = max(rec.time for rec in at.values()) - self.t0
+        return row, rows
+
+    def _check_names(self, step: int, at: dict[int, ReportRecord]) -> None:
+        ranks = sorted(at)
+        first = ranks[0]
+        names = set(at[first].values)
+        for r in ranks[1:]:
+            other = set(at[r].values)
+            if other == names:
+                continue
+            self.mismatches += 1
+            key = (first, r, frozenset(names ^ other))
+            if key in self.told:
+                continue
+            self.told.add(key)
+            only_first, only_other = sorted(names - other), sorted(other - names)
+            notify(f"nbddp.report: at step {step}, rank {first} reported {sorted(names)} and rank {r} reported "
+                   f"{sorted(other)} (only on rank {first}: {only_first or 'none'}; only on rank {r}: "
+                   f"{only_other or 'none'}). Each metric is reduced over the ranks that reported it; report the "
+                   "same names on every rank at a step (reduce=None keeps rank 0's value)", stacklevel=2)
