@@ -103,7 +103,7 @@ class ReportedRun:
         self.live_state.status = "stopping"
         self.stop_at = self._stop_step()
         for r in ranks:
-            path = stop_note(self.session.file_prefix, r)
+            path = stop_note(f"{self.session.file_prefix}-w{r}")
             write_note(path, {"stop_at": self.stop_at})
             self.notes.append(path)
         self.stop_sent_at = time.monotonic()

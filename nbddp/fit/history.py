@@ -152,17 +152,24 @@ class History:
     def last_step(self) -> int:
         return self.steps[-1]["step"] if self.steps else 0
 
-    def plot(self, figsize: tuple[float, float] = (6.0, 3.6), ax: Axes | None = None) -> Any:
+    def plot(self, figsize: tuple[float, float] | None = None, ax: Axes | None = None, ranks: bool = False) -> Any:
         """The training and validation loss: a matplotlib ``Figure``, or drawn on ``ax`` (which is returned).
+
+        A call that reported (``nbddp.report``, ``metrics`` not empty): one
+        small plot per metric, and with ``ranks=True`` each rank's own line.
 
         The figure shows as an image as a cell's last value in any Jupyter
         kernel (it has a ``_repr_png_``); it is built with ``Figure`` + Agg,
         never pyplot, so it is safe from any thread and never pops up a
         window. ``ax=`` draws into a person's own axes, as pandas' ``plot`` does.
         """
-        from nbddp.live.plot import loss_figure
+        from nbddp.live.plot import loss_figure, metrics_figure
 
-        return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})", figsize=figsize, ax=ax)
+        if self.metrics and ax is None:
+            return metrics_figure(self.steps, self.metrics, self.rank_steps if ranks else None,
+                                  title=f"nbddp reports ({self.status})", figsize=figsize)
+        return loss_figure(self.steps, self.validations, title=f"nbddp fit ({self.status})",
+                           figsize=figsize or (6.0, 3.6), ax=ax)
 
     def to_pandas(self) -> Any:
         """Every record in one DataFrame, with a ``kind`` column: ``"step"``, ``"epoch"`` or ``"val"``.

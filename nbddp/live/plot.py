@@ -131,3 +131,47 @@ class LossPlot:
             self.fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})
             self.renders += 1
             return buf.getvalue()
+
+
+RANK_STYLE = {"lw": 0.9, "ls": "--", "alpha": 0.75}
+PLOTTED_SKIPPED = ("samples",)  # summed sample counts: their rate is shown as samples/s instead
+
+
+def plotted_metrics(names: list[str]) -> list[str]:
+    """The reported names that get a curve each."""
+    return [n for n in names if n not in PLOTTED_SKIPPED]
+
+
+def metrics_figure(steps: list[dict[str, Any]], names: list[str], rank_steps: list[dict[str, Any]] | None = None,
+                   title: str = "", figsize: tuple[float, float] | None = None, dpi: int = 100) -> Figure:
+    """One small plot per reported metric (each on its own scale), each rank's own line too when ``rank_steps``.
+
+    What a call that reports (``nbddp.report``) draws, live and in
+    ``History.plot()``: loss, accuracy and a learning rate differ by orders of
+    magnitude, so one shared axis would flatten all but the largest.
+    """
+    shown = plotted_metrics(names) or ["(no metric)"]
+    cols = min(len(shown), 3)
+    rows = -(-len(shown) // cols)
+    fig = shown_figure(figsize or (3.2 * cols, 2.3 * rows + (0.3 if title else 0.0)), dpi=dpi)
+    ranks = sorted({r["rank"] for r in rank_steps}) if rank_steps else []
+    for i, name in enumerate(shown):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        points = [r for r in steps if name in r]
+        if points:
+            ax.plot(*_thin(points, name), color="#1f77b4", lw=1.4, label="reduced" if ranks else None)
+        for rank in ranks:
+            own = [r for r in rank_steps or () if r["rank"] == rank and name in r]
+            if own:
+                ax.plot(*_thin(own, name), label=f"rank {rank}", **RANK_STYLE)  # type: ignore[arg-type]
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.locator_params(nbins=4)
+        ax.grid(alpha=0.3)
+        if ranks and i == 0:
+            ax.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

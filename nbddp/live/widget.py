@@ -38,10 +38,11 @@ import html
 import time
 from typing import TYPE_CHECKING, Any
 
-from nbddp.live.plot import LossPlot
+from nbddp.live.plot import LossPlot, figure_png, metrics_figure
 from nbddp.live.profile_button import ProfileButton
 from nbddp.live.time_bars import bar_html, rank_splits, split_html, split_sentence
-from nbddp.live.text import ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state
+from nbddp.live.text import (ended_status, fmt_bytes, fmt_time, paused_lines, progress_fields, rank_state,
+                             report_text)
 from nbddp.live.state import LiveState, ViewedFit
 from nbddp.protocol.messages import innermost_frames
 
@@ -157,7 +158,10 @@ def status_html(run: ViewedFit, status: str) -> str:
 def summary_text(run: ViewedFit) -> str:
     """The plain-text ending: what a saved notebook or a terminal shows."""
     f = progress_fields(run)
-    lines = [f"nbddp fit {f['status']}: {progress_text(f)}", metrics_text(f)]
+    if run.live_state.kind == "report":
+        lines = [f"nbddp reports {f['status']}: {report_text(run)}"]
+    else:
+        lines = [f"nbddp fit {f['status']}: {progress_text(f)}", metrics_text(f)]
     for r in rank_rows(run):
         sps = f"{r['samples_per_s']:,.0f}" if r["samples_per_s"] else "-"
         lines.append(f"  rank {r['rank']}  {r['host']}  {r['device']}  {sps} samples/s  peak {fmt_bytes(r['peak_mem'])}"
@@ -179,6 +183,14 @@ def _placeholder_html(text: str) -> str:
 def _shared_plot() -> LossPlot:
     """One figure per kernel: building one costs more than a redraw."""
     return LossPlot()
+
+
+def reports_png(hist: Any, ranks: bool) -> bytes:
+    """A reporting call's plot, one small plot per metric (``live/plot.py``), as PNG (a new figure: the metrics
+    are known only as they come)."""
+    fig = metrics_figure(hist.steps, list(getattr(hist, "metrics", [])),
+                         getattr(hist, "rank_steps", None) if ranks else None, dpi=80)
+    return figure_png(fig)
 
 
 class WidgetView:
@@ -222,12 +234,16 @@ class WidgetView:
                                             "free (dist_fit(..., block=False)); in a blocking cell use Kernel > Interrupt.")
         self.stop_button.on_click(self._on_stop)
         self.profile_button = ProfileButton()
+        # a call's reports (nbddp.report): each rank's own line on each metric's plot, on demand
+        self.rank_lines = w.Checkbox(value=False, description="per-rank lines", indent=False,
+                                     layout=w.Layout(display="none", width="auto"))
+        self.rank_lines.observe(self._on_rank_lines, names="value")
         self.box = w.VBox([
             self.status,
             w.HBox([self.bar, self.percent, self.progress]),
             self.metrics,
             w.HBox([self.placeholder, self.image,
-                    w.VBox([self.ranks, w.HBox([self.stop_button, self.profile_button.widget])],
+                    w.VBox([self.ranks, w.HBox([self.stop_button, self.profile_button.widget, self.rank_lines])],
                            layout=w.Layout(margin="0 0 0 12px"))],
                    layout=w.Layout(flex_flow="row wrap")),
             self.stalls,
@@ -246,6 +262,11 @@ class WidgetView:
         run.request_stop()
         self.status.value = status_html(run, "stopping")
 
+    def _on_rank_lines(self, _change: object = None) -> None:
+        self._plotted = (-1, -1)  # drawn again, with or without the ranks' lines
+        if self._run is not None:
+            self._draw_plot(self._run)
+
     # -- view protocol -------------------------------------------------------
     def start(self, run: ViewedFit) -> None:
         """Called in the cell's thread: show the dashboard."""
@@ -253,6 +274,12 @@ class WidgetView:
 
         self._run = self.profile_button.run = run
         self._t_start = self.clock()
+        if run.live_state.kind == "report":  # no total to count towards, nothing to profile
+            self.bar.layout.display = self.percent.layout.display = "none"
+            self.profile_button.widget.layout.display = "none"
+            self.rank_lines.layout.display = None
+            self.image.layout.width = self.placeholder.layout.width = "auto"  # a plot per metric, side by side
+            self.placeholder.value = _placeholder_html("a plot per metric appears with the first reports")
         _shared_plot()  # import matplotlib and build the figure now, while the workers set up
         self.status.value = status_html(run, "starting")
         self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
@@ -305,8 +332,11 @@ class WidgetView:
             f"<div class='nbddp-paused' style='color:#1f77b4;font-size:12px'>{html.escape(p)}</div>" for p in paused)
         self.bar.value = f["fraction"]
         self.percent.value = f"{f['fraction'] * 100:.0f}%"
-        self.progress.value = html.escape(progress_text(f))
-        self.metrics.value = html.escape(metrics_text(f))
+        if run.live_state.kind == "report":
+            self.progress.value = html.escape(report_text(run))
+        else:
+            self.progress.value = html.escape(progress_text(f))
+            self.metrics.value = html.escape(metrics_text(f))
         self.ranks.value = rank_table_html(rank_rows(run)) + split_html(run)
 
     def _draw_plot(self, run: ViewedFit) -> None:
@@ -319,7 +349,10 @@ class WidgetView:
         plot = _shared_plot()
         warm = plot.renders > 0  # a figure's first render loads fonts and caches: not what the next cost
         t0 = time.thread_time()  # CPU, not wall time: on a busy machine wall time counts other processes
-        self.image.value = plot.png(hist.steps, hist.validations)
+        if run.live_state.kind == "report":
+            self.image.value = reports_png(hist, self.rank_lines.value)
+        else:
+            self.image.value = plot.png(hist.steps, hist.validations)
         self.image.layout.display = None
         self.placeholder.layout.display = "none"
         cost = time.thread_time() - t0

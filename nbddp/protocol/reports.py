@@ -114,6 +114,9 @@ def reduce_values(values: list[float], how: str | None) -> float:
     return float(sum(values) / len(values))
 
 
-def stop_note(prefix: str, rank: int) -> str:
-    """The note where the kernel tells ``rank`` the step to stop after (``{"stop_at": step}``), on its host."""
-    return os.path.join(shm_dir(), f"{prefix}-w{rank}-report-stop")
+def stop_note(rank_prefix: str) -> str:
+    """The note where the kernel tells a rank the step to stop after (``{"stop_at": step}``), on its host.
+
+    ``rank_prefix``: the rank's file prefix, ``<session prefix>-w<rank>`` (the worker's ``STATE.file_prefix``).
+    """
+    return os.path.join(shm_dir(), f"{rank_prefix}-report-stop")

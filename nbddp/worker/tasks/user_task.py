@@ -59,7 +59,7 @@ def reports_open(phase: str) -> Iterator[None]:
         return
     framework_reports.install()
     rank = STATE.placement.rank
-    with reporting(rank, stop_note(STATE.file_prefix, rank) if STATE.file_prefix else None):
+    with reporting(rank, stop_note(STATE.file_prefix) if STATE.file_prefix else None):
         yield
 
 
