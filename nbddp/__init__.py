@@ -36,6 +36,8 @@ __all__ = [
     "run_script",
     "report",
     "should_stop",
+    "lightning_logger",
+    "accelerate_tracker",
     "export_checkpoint",
     "compile_cache",
     "RecompileWarning",
@@ -81,6 +83,8 @@ _LAZY = {
     "last_history": "nbddp.api",
     "report": "nbddp.api",
     "should_stop": "nbddp.api",
+    "lightning_logger": "nbddp.api",
+    "accelerate_tracker": "nbddp.api",
     "sweep": "nbddp.api",
     "SweepResult": "nbddp.sweeps.result",
     "SweepHandle": "nbddp.sweeps.handle",
@@ -126,8 +130,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import (dist_fit, evaluate, export_checkpoint, last_history, predict, report, restart, run,
-                           should_stop, start, status, stop, sweep)
+    from nbddp.api import (accelerate_tracker, dist_fit, evaluate, export_checkpoint, last_history,
+                           lightning_logger, predict, report, restart, run, should_stop, start, status, stop, sweep)
     from nbddp.sweeps.result import SweepResult
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle

@@ -18,6 +18,7 @@ from nbddp.live.choice import LiveChoice
 from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
 from nbddp.worker.tasks.reports import report, should_stop  # called on the ranks; each one list lookup elsewhere
+from nbddp.worker.tasks.report_loggers import accelerate_tracker, lightning_logger  # the frameworks' one line
 
 if TYPE_CHECKING:
     from ipyparallel import Cluster
@@ -762,5 +763,6 @@ def clear_debug() -> str:
     return clear(get_session())
 
 
-__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "report", "should_stop", "sweep", "predict", "evaluate",
+__all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "report", "should_stop",
+           "lightning_logger", "accelerate_tracker", "sweep", "predict", "evaluate",
            "export_checkpoint", "debug", "clear_debug"]

@@ -47,10 +47,10 @@ def trainer_callback() -> type:
                     return
                 values = {k: v for k, v in logs.items() if isinstance(v, numbers.Real)}
                 if values:
-                    try:
-                        OPEN[-1].report(int(state.global_step), "mean", values)
-                    except (TypeError, ValueError):  # a second train() counts its steps from 0 again
-                        pass
+                    channel = OPEN[-1]
+                    # never before this rank's last step (a second train() counts from 0 again: it joins the last)
+                    step = max(int(state.global_step), channel.records[-1].step if channel.records else 0)
+                    channel.report(step, "mean", values)
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 if OPEN and OPEN[-1].should_stop(int(state.global_step)):
