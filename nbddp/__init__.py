@@ -97,7 +97,7 @@ _LAZY = {
     "pull": "nbddp.cells.cell_code",
     "run_script": "nbddp.cells.scripts",
     "export_checkpoint": "nbddp.api",
-    "compile_cache": "nbddp.fit.compile_cache",
+    "compile_cache": "nbddp.cells.compile_cache",
     "RecompileWarning": "nbddp.fit.compile_report",
     "find_batch_size": "nbddp.measure.batch_size",
     "scaling_report": "nbddp.measure.scaling",
@@ -138,7 +138,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.cells.call_handle import CallHandle
     from nbddp import loggers
     from nbddp.measure.batch_size import find_batch_size
-    from nbddp.fit.compile_cache import compile_cache
+    from nbddp.cells.compile_cache import compile_cache
     from nbddp.fit.compile_report import RecompileWarning
     from nbddp.callbacks.base import stop_fit
     from nbddp.callbacks.early_stopping import EarlyStopping

@@ -124,7 +124,7 @@ class FitHooks:
     def for_reports(cls, loggers: LoggerChoice | Sequence[LoggerChoice] | None = None,
                     callbacks: object = None) -> FitHooks:
         """The hooks of a call that reports (``nbddp.report``): checked now; an ``EarlyStopping`` checks its
-        monitor at every reported step that holds it, and stops the call (``reports/reported_call.py``)."""
+        monitor at every reported step that holds it, and stops the call (``cells/reported_call.py``)."""
         chosen, cbs = resolve(loggers), check_callbacks(callbacks)
         for es in (cb for cb in cbs if isinstance(cb, EarlyStopping)):
             es.each_report = True

@@ -47,7 +47,7 @@ class RankCall(Work):
         self._waiter: int | None = None  # the thread waiting in wait()
         self.interrupted = False
         self.person_interrupts = 0  # Kernel > Interrupt while waiting
-        # a stop the call's own code agrees to (nbddp.should_stop(), reports/reported_call.py): True if it took
+        # a stop the call's own code agrees to (nbddp.should_stop(), cells/reported_call.py): True if it took
         # the first interrupt, so that the ranks end at one step instead of a KeyboardInterrupt each
         self.soft_stop: Callable[[], bool] | None = None
 

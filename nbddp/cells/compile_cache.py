@@ -11,8 +11,9 @@ The file: one JSON line (format, torch version, each blob's size, a
 signature), then the blobs. Ranks that compiled the same graphs give
 identical blobs; each is kept once. The blobs are code (torch unpickles
 them, then runs the graphs they hold), so ``load`` takes only a file this
-user's ``save`` signed (``signing.py``), or one the person vouches for with
-``trust_checkpoint=True``.
+user's ``save`` signed (``nbddp/fit/signing.py``), or one the person vouches for with
+``trust_checkpoint=True``. It lives here, beside ``nbddp.run``, because it is
+a call of nbddp's own functions on every rank (``function_calls.py``).
 """
 
 from __future__ import annotations
