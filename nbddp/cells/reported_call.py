@@ -40,6 +40,15 @@ from nbddp.session.session import Session
 STOP_LEAD_S = 1.0  # the agreed stop step lies this many seconds of steps past the furthest rank seen
 STOP_GRACE_S = 10.0  # then, if the ranks have not ended, the call is interrupted as any cell is
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt or the Stop button)"
+OUTPUT_WAIT_S = 2.0  # at the end, how long an ended rank's last published data is waited for
+
+
+def output_done(ar: Any, timeout: float) -> bool:
+    """Whether everything the task of ``ar`` published has arrived (waiting up to ``timeout`` s)."""
+    try:
+        return bool(ar.wait_for_output(timeout))
+    except Exception:  # noqa: BLE001 - a dead engine's task: nothing more will come
+        return True
 
 
 class ReportedRun:
@@ -120,11 +129,14 @@ class ReportedRun:
     # ---- every tick of the call's wait -----------------------------------------------
     def tick(self) -> None:
         for rank, ar in self.call.tasks.ars.items():
+            # a task's result can come before the last data it published (another socket): a rank is done
+            # reporting once its output is complete too (that idle message follows all its data)
+            ended = (rank in self.call.tasks.results or rank in self.call.tasks.failures) and output_done(ar, 0)
             batch = published(ar, "report")
             if isinstance(batch, ReportBatch) and batch is not self._seen.get(rank):
                 self._seen[rank] = batch
                 self.collector.take(batch)
-            if rank in self.call.tasks.results or rank in self.call.tasks.failures:
+            if ended:
                 self.collector.ended(rank)
         self._take(*self.collector.ready())
         if self.stop_sent_at is not None and time.monotonic() - self.stop_sent_at > STOP_GRACE_S:
@@ -167,9 +179,13 @@ class ReportedRun:
     # ---- the end ---------------------------------------------------------------------
     def finish(self, error: BaseException | None) -> History | None:
         """After the call: the last records, the view's last frame, the hooks closed; the History (if any)."""
-        for rank in self.call.tasks.ars:
-            self.collector.ended(rank)
+        deadline = time.monotonic() + OUTPUT_WAIT_S
+        for ar in self.call.tasks.ars.values():
+            output_done(ar, max(0.0, deadline - time.monotonic()))
         try:
+            self.tick()
+            for rank in self.call.tasks.ars:  # whatever has not come by now will not
+                self.collector.ended(rank)
             self.tick()
         finally:
             for path in self.notes:

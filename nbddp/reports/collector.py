@@ -29,7 +29,10 @@ class ReportCollector:
     def __init__(self, ranks: list[int], clock: Any = time.monotonic):
         self.ranks = list(ranks)
         self.clock = clock
-        self.records: dict[int, dict[int, ReportRecord]] = {r: {} for r in ranks}  # rank -> seq -> record
+        # rank -> seq -> record not given out yet (a given-out one is dropped: a later batch repeating it is ignored)
+        self.records: dict[int, dict[int, ReportRecord]] = {r: {} for r in ranks}
+        self.floor = dict.fromkeys(ranks, 0)  # rank -> the first seq not given out
+        self.last_step: dict[int, int] = {}  # rank -> its latest reported step
         self.final: set[int] = set()  # ranks whose last batch came (or whose task ended)
         self.checks_stop: set[int] = set()
         self.stopped_at: dict[int, int] = {}
@@ -43,16 +46,18 @@ class ReportCollector:
 
     @property
     def reported(self) -> bool:
-        return any(self.records.values())
+        return bool(self.last_step)
 
     def take(self, batch: ReportBatch) -> None:
         if batch.rank not in self.records:
             return
         if self.first_seen is None and batch.window:
             self.first_seen = self.clock()
-        mine = self.records[batch.rank]
+        mine, floor = self.records[batch.rank], self.floor[batch.rank]
         for seq, record in batch.window:
-            mine[seq] = record
+            if seq >= floor:
+                mine[seq] = record
+                self.last_step[batch.rank] = max(record.step, self.last_step.get(batch.rank, record.step))
         if batch.final:
             self.final.add(batch.rank)
         if batch.checks_stop:
@@ -67,20 +72,20 @@ class ReportCollector:
 
     def last_steps(self) -> dict[int, int]:
         """Each rank's latest reported step (ranks that reported)."""
-        return {r: recs[max(recs)].step for r, recs in self.records.items() if recs}
+        return dict(self.last_step)
 
     def _frontier(self) -> float:
         """The last step every reporting rank is done with."""
         silent_ok = self.first_seen is not None and self.clock() - self.first_seen >= SILENT_S
         edges = []
-        for r, recs in self.records.items():
+        for r in self.records:
             if r in self.final:
                 continue
-            if not recs:
+            if r not in self.last_step:
                 if not silent_ok:
                     return -math.inf
                 continue
-            edges.append(recs[max(recs)].step - 1)
+            edges.append(self.last_step[r] - 1)
         return min(edges, default=math.inf)
 
     def ready(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -88,8 +93,10 @@ class ReportCollector:
         frontier = self._frontier()
         by_step: dict[int, dict[int, ReportRecord]] = {}
         for r, recs in self.records.items():
-            for record in recs.values():
-                if self.done_through < record.step <= frontier:
+            for seq in [seq for seq, record in recs.items() if record.step <= frontier]:
+                record = recs.pop(seq)
+                self.floor[r] = max(self.floor[r], seq + 1)
+                if record.step > self.done_through:
                     by_step.setdefault(record.step, {})[r] = record
         reduced, per_rank = [], []
         for step in sorted(by_step):
