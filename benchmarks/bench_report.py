@@ -17,8 +17,10 @@ On 2 workers, one run, three figures:
   no nbddp task runs (what a script costs under ``torchrun``), per call,
   beside an empty function taking the same arguments.
 
-Also kept: each rank's time inside ``report`` per call (``inside_us``) and
-the machine's load average before and after (other engineers share it).
+Also kept: each rank's time inside ``report`` per call (``inside_us``), beside
+the same call of a function that does nothing (``inside_noop_us``: what the
+GIL and the engine's other threads cost any call there), and the machine's
+load average before and after (other engineers share it).
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def ddp_loop(steps: int, warmup: int, reporting: bool) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(64, 256, generator=g), torch.randint(0, 10, (64,), generator=g)
-    in_report = 0.0
+    def noop(step=None, *, reduce="mean", **metrics):  # the same call to a function that does nothing
+        return None
+
+    in_report = in_noop = 0.0
     t0 = 0.0
     for step in range(warmup + steps):
         if step == warmup:
@@ -63,9 +68,13 @@ def ddp_loop(steps: int, warmup: int, reporting: bool) -> dict:
         if reporting:
             r0 = time.perf_counter()
             nbddp.report(step, loss=loss.detach(), samples=64)
-            in_report += time.perf_counter() - r0
+            r1 = time.perf_counter()
+            noop(step, loss=loss.detach(), samples=64)
+            in_report += r1 - r0
+            in_noop += time.perf_counter() - r1
     took = time.perf_counter() - t0
-    return {"samples_per_s": steps * 64 / took, "in_report_s": in_report, "reports": warmup + steps if reporting else 0}
+    return {"samples_per_s": steps * 64 / took, "in_report_s": in_report, "in_noop_s": in_noop,
+            "reports": warmup + steps if reporting else 0}
 
 
 def arrivals() -> tuple[list[float], object]:
@@ -104,8 +113,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     import nbddp
     from nbddp.cells import reported_call
 
-    reps = reps or (1 if quick else 5)
-    steps, warmup = (60, 10) if quick else (600, 50)
+    reps = reps or (1 if quick else 10)  # many short pairs: on a shared machine the noise averages out
+    steps, warmup = (60, 10) if quick else (300, 30)
     out: dict = {"reps": reps, "steps": steps, "warmup": warmup, "load_before": os.getloadavg()}
     common.nbddp_start(2)
     seen, real = arrivals()
@@ -115,7 +124,8 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
             for mode in ("plain", "report"):
                 ranks = nbddp.run(ddp_loop, steps, warmup, mode == "report", live="text")
                 raw[mode].append({"samples_per_s": sum(r["samples_per_s"] for r in ranks),
-                                  "in_report_us": [1e6 * r["in_report_s"] / max(r["reports"], 1) for r in ranks]})
+                                  "in_report_us": [1e6 * r["in_report_s"] / max(r["reports"], 1) for r in ranks],
+                                  "in_noop_us": [1e6 * r["in_noop_s"] / max(r["reports"], 1) for r in ranks]})
     finally:
         reported_call.ReportedRun._take = real
         common.nbddp_stop()
@@ -125,6 +135,7 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
     out["latency_ms"] = {"median": common.median(1e3 * s for s in seen), "max": 1e3 * max(seen) if seen else None,
                          "points": len(seen)}
     out["inside_us"] = common.median(v for r in raw["report"] for v in r["in_report_us"])
+    out["inside_noop_us"] = common.median(v for r in raw["report"] for v in r["in_noop_us"])
     out["outside_ns"] = outside_cost(20_000 if quick else 1_000_000)
     out["load_after"] = os.getloadavg()
     return out

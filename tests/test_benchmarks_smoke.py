@@ -77,5 +77,8 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     assert sweep["summary"]["speedup"] > 0 and sweep["summary"]["gap_median_s"] is not None, sweep["summary"]
     assert set(sweep["summary"]["gap_parts_median_s"]) == {name for name, _, _ in PARTS}
     assert all(state == "complete" for r in sweep["sweep"] for state in r["states"])
+    report = results["benchmarks"]["report"]  # a loop reporting every step against the same loop without
+    assert report["throughput_ratio"]["median"] > 0 and report["latency_ms"]["points"] > 0, report
+    assert 0 < report["outside_ns"]["report_ns"] < 1e5, report["outside_ns"]
     predict = results["benchmarks"]["predict"]  # nbddp's side only here: its torchrun side is a full run's
     assert predict["torchrun_skipped"] and predict["return_gbps"] > 0 and predict["n"] == 2048, predict

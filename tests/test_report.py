@@ -350,3 +350,27 @@ def test_reduce_checks_name_the_metrics():
     assert metric_value("x", True) == 1.0 and metric_value("x", 3) == 3.0
     with pytest.raises(TypeError, match=r"report\(x=...\): got NoneType"):
         metric_value("x", None)
+
+
+def test_a_loop_that_asks_but_does_not_stop_is_interrupted_after_the_grace(ip, workers, views, monkeypatch):
+    monkeypatch.setattr(reported_call, "STOP_GRACE_S", 1.0)  # the setting, lowered: 10 s by default
+    cell = ("import time, nbddp\nfor step in range(1, 100000):\n    time.sleep(0.005)\n"
+            "    nbddp.report(step, loss=1.0)\n    nbddp.should_stop()  # asked, and ignored")
+    with interrupt_when(_reported(5)), pytest.raises(KeyboardInterrupt, match="interrupted on every rank"):
+        ip.run_cell_magic("ddp", "", cell)
+    assert nbddp.last_history().status == "interrupted"
+
+
+def test_a_framework_logging_an_earlier_step_joins_the_latest():
+    from nbddp.worker.engine.report_channel import OPEN
+    from nbddp.worker.tasks.report_loggers import report_numbers
+
+    channel = ReportChannel(0, None, None)  # as a task opens it (nothing to publish to outside an engine)
+    OPEN.append(channel)
+    try:
+        report_numbers({"loss": 1.0, "note": "text"}, 5, "mean")
+        report_numbers({"val_loss": 2.0}, 3, "mean")  # Lightning's validation, logged at an earlier step
+        report_numbers({"only": "text"}, 6, "mean")   # nothing numeric: nothing reported
+    finally:
+        OPEN.remove(channel)
+    assert [(r.step, r.values) for r in channel.records] == [(5, {"loss": 1.0, "val_loss": 2.0})]

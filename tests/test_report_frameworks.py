@@ -190,3 +190,35 @@ def test_a_script_that_reports_runs_unchanged_under_torchrun(tmp_path):
     assert proc.returncode == 0, stderr[-2000:]
     lines = sorted(line for line in stdout.splitlines() if "per-call" in line)
     assert [line.split()[1] for line in lines] == ["0", "1"]
+
+
+LIGHTNING_TRAINER = """
+import torch, lightning, nbddp
+
+class Tiny(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("train_loss", loss)
+        self.log("rank_seen", float(self.global_rank))
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0)))
+trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, log_every_n_steps=1,
+                            logger=nbddp.lightning_logger(), enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False)
+trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+"""
+
+
+def test_a_lightning_trainer_shows_its_logged_metrics(workers, runs):
+    """Heavy: Lightning's Trainer imported into both workers and run there."""
+    pytest.importorskip("lightning")
+    nbddp.run_cell(LIGHTNING_TRAINER, stream=False)
+    history = nbddp.last_history()
+    assert "train_loss" in history.metrics and len(history.steps) >= 5
+    assert all(r["rank_seen"] == 0.5 for r in history.steps if "rank_seen" in r)
