@@ -87,6 +87,16 @@ EXPECTED = {
         "best of those: {'lr': ",
         "workers stopped",
     ],
+    "report": [
+        "nbddp: 2 worker(s), backend gloo",
+        "nbddp reports completed: step 120 · loss",  # the custom loop's view, its final summary
+        "step 120: ranks",
+        "the CSV logger wrote 120 rows, the last at step 120",
+        "nbddp reports completed: step 20 · loss",  # the HF Trainer's, with no change to its code
+        "the Trainer logged ['loss', 'grad_norm', 'learning_rate'] up to step 20",
+        "[0, 1] [3.0, 3.0, 3.0, 3.0, 3.0]",
+        "workers stopped",
+    ],
     "checkpoint_resume": [
         "nbddp fit interrupted",
         "interrupted at step",
