@@ -28,10 +28,11 @@ def report(step: int | None = None, *, reduce: str | None = "mean", **metrics: A
             tensor on any device (read off the training thread). ``samples=n``
             is summed over the ranks and gives samples/s.
 
+    A refused call keeps nothing of itself; the rank's other reports go on as before.
+
     Raises:
         TypeError: a value that is not a number or tensor (a string...), or a bad ``step``.
         ValueError: a tensor of several elements, an unknown ``reduce``, a step that goes back.
-        Nothing of a refused call is kept; the rank's other reports go on as before.
     """
     if OPEN:
         OPEN[-1].report(step, reduce, metrics)
