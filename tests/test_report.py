@@ -374,3 +374,20 @@ def test_a_framework_logging_an_earlier_step_joins_the_latest():
     finally:
         OPEN.remove(channel)
     assert [(r.step, r.values) for r in channel.records] == [(5, {"loss": 1.0, "val_loss": 2.0})]
+
+
+def test_phase_seconds_reported_give_the_time_split(workers, views):
+    def loop():
+        import torch.distributed as dist
+
+        slow = 2.0 if dist.get_rank() == 1 else 1.0
+        for step in range(1, 5):
+            nbddp.report(step, loss=1.0, time_data=0.01 * slow, time_forward=0.02, time_backward=0.03,
+                         time_optimizer=0.01)
+
+    history = nbddp.run(loop).history
+    split = history.time_split()
+    assert list(split.index) == [0, 1]
+    assert split.loc[1, "data"] == pytest.approx(0.08) and split.loc[0, "data"] == pytest.approx(0.04)
+    assert split.loc[0, "forward"] == pytest.approx(0.08)
+    assert "time_forward" in history.metrics  # the phase seconds are metrics too (their mean over the ranks)

@@ -31,12 +31,14 @@ from nbddp.live import NullView, View, choose_view
 from nbddp.live.choice import LiveChoice
 from nbddp.live.state import LiveState
 from nbddp.protocol.fit_options import FitConfig
-from nbddp.protocol.messages import FitPlanInfo, RankInfo, published
+from nbddp.profiling.time_split import split_ranks
+from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, published
 from nbddp.protocol.notes import write_note
 from nbddp.protocol.reports import ReportBatch, stop_note
 from nbddp.reports.collector import ReportCollector
 from nbddp.session.session import Session
 
+PHASE_PREFIX = "time_"  # report(time_forward=s, ...): seconds of a phase, for History.time_split()
 STOP_LEAD_S = 1.0  # the agreed stop step lies this many seconds of steps past the furthest rank seen
 STOP_GRACE_S = 10.0  # then, if the ranks have not ended, the call is interrupted as any cell is
 PERSON_STOP = "stopped from the notebook (Kernel > Interrupt or the Stop button)"
@@ -73,6 +75,7 @@ class ReportedRun:
         self.notes: list[str] = []
         self.requests: Any = None  # no profile requests: the view hides its Profile button
         self._seen: dict[int, ReportBatch] = {}
+        self._spent: dict[int, dict[str, float]] = {}  # rank -> phase -> seconds reported (time_<phase>=s)
         self._seq = 0
         self._ended = False
         self.config = FitConfig()  # what the loggers read of a fit: its defaults (no checkpoint folder)
@@ -161,6 +164,11 @@ class ReportedRun:
                 self.hooks.record(self._seq, "step", record)
             self._seq += 1
         self.history.rank_steps.extend(per_rank)
+        for row in per_rank:  # phase seconds the loop reported (time_<phase>=s), summed per rank
+            for key, value in row.items():
+                if key.startswith(PHASE_PREFIX) and key[len(PHASE_PREFIX):] in TIMED_PHASES:
+                    mine = self._spent.setdefault(row["rank"], {})
+                    mine[key[len(PHASE_PREFIX):]] = mine.get(key[len(PHASE_PREFIX):], 0.0) + value
         if self.hooks is not None:
             self.hooks.tick(self.history.last_step)
 
@@ -170,11 +178,29 @@ class ReportedRun:
         if self.hooks is not None:
             self.hooks.start(FitPlanInfo(None, None, 0, 0, model_class=self.call.what))
 
+    def _rank_rows(self) -> list[dict[str, Any]]:
+        """``History.ranks``: where each rank ran, its last samples/s, and its time split when the loop reported
+        phase seconds (``time_<phase>=s``, summed over its steps: ``History.time_split()``)."""
+        spent = {p.rank: self._spent.get(p.rank, {}) for p in self.live_state.placements}
+        timed = any(spent.values())
+        splits = split_ranks([spent[p.rank] for p in self.live_state.placements]) if timed else []
+        figures = {f["rank"]: f for f in self._rank_figures()}
+        rows = []
+        for i, p in enumerate(self.live_state.placements):
+            row: dict[str, Any] = {"rank": p.rank, "host": p.host, "device": p.device,
+                                   "samples_per_s": figures.get(p.rank, {}).get("samples_per_s")}
+            if timed:
+                row["time_split"] = splits[i]
+            rows.append(row)
+        return rows
+
     def _rank_figures(self) -> list[dict[str, Any]]:
         last: dict[int, dict[str, Any]] = {}
         for row in self.history.rank_steps[-4 * max(1, self.live_state.world_size):]:
             last[row["rank"]] = row
-        return [{"rank": r, "samples_per_s": row.get("samples_per_s")} for r, row in sorted(last.items())]
+        bars = bool(self._spent) and len(last) == len(self.live_state.placements)  # the view's time-split bars
+        return [{"rank": r, "samples_per_s": row.get("samples_per_s"),
+                 **({"phase_s": dict(self._spent.get(r, {}))} if bars else {})} for r, row in sorted(last.items())]
 
     # ---- the end ---------------------------------------------------------------------
     def finish(self, error: BaseException | None) -> History | None:
@@ -201,6 +227,7 @@ class ReportedRun:
             "interrupted" if stopped else "completed")
         self.history.stop_reason = self.stop_reason
         self.history.timings["total_s"] = time.perf_counter() - self.started_at
+        self.history.ranks = self._rank_rows()
         self.live_state.status = self.history.status
         self._warn_uneven_stop()
         if self.hooks is not None:
