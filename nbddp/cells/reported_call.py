@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import traceback
 from typing import Any
 
 from nbddp.callbacks.fit_hooks import FitHooks
@@ -34,6 +35,7 @@ from nbddp.protocol.fit_options import FitConfig
 from nbddp.profiling.time_split import split_ranks
 from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, published
 from nbddp.protocol.notes import write_note
+from nbddp.protocol.notices import notify, report
 from nbddp.protocol.reports import ReportBatch, stop_note
 from nbddp.reports.collector import ReportCollector
 from nbddp.session.session import Session
@@ -241,8 +243,6 @@ class ReportedRun:
     def _warn_uneven_stop(self) -> None:
         stops = self.collector.stopped_at
         if len(set(stops.values())) > 1:
-            from nbddp.protocol.notices import notify
-
             notify(f"nbddp: the ranks stopped at different steps {dict(sorted(stops.items()))} (the stop step "
                    f"{self.stop_at} reached some ranks after they passed it): the steps are too short for "
                    f"STOP_LEAD_S={STOP_LEAD_S} s of lead", stacklevel=2)
@@ -254,10 +254,19 @@ def watch_reports(session: Session, call: RankCall, output: bool | None, live: L
     run = ReportedRun(session, call, live, hooks)
     printer = RankOutput(call.tasks.ars, live=bool(output)) if output is not None else None
 
+    broken: list[str] = []
+
     def tick() -> None:
         if printer is not None:
             printer.tick()
-        run.tick()
+        if broken:
+            return
+        try:
+            run.tick()
+        except Exception:  # noqa: BLE001 - the view or a hook failed: told once; the call itself goes on
+            broken.append(traceback.format_exc())
+            report("nbddp: showing what the ranks report failed; the call goes on without its view",
+                   broken[0])
 
     error: BaseException | None = None
     try:

@@ -15,6 +15,7 @@ returns is lost), so the kernel's History misses nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -35,6 +36,9 @@ class ReportChannel:
         self.rank = rank
         self.publish = publish
         self.stop_path = stop_path
+        if stop_path is not None:  # a note left by a kernel that died mid-call must not stop this task
+            with contextlib.suppress(OSError):
+                os.unlink(stop_path)
         self.records: list[ReportRecord] = []
         self.checks_stop = False
         self.stop_at: int | None = None
