@@ -391,3 +391,24 @@ def test_phase_seconds_reported_give_the_time_split(workers, views):
     assert split.loc[1, "data"] == pytest.approx(0.08) and split.loc[0, "data"] == pytest.approx(0.04)
     assert split.loc[0, "forward"] == pytest.approx(0.08)
     assert "time_forward" in history.metrics  # the phase seconds are metrics too (their mean over the ranks)
+
+
+def test_a_call_that_does_not_block_keeps_its_reports_and_stops_at_one_step(workers, views):
+    def loop():
+        import time
+
+        for step in range(1, 100000):
+            time.sleep(0.005)
+            nbddp.report(step, loss=1.0 / step)
+            if nbddp.should_stop():
+                return step
+        return None
+
+    handle = nbddp.run(loop, block=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _reported(5)():
+        time.sleep(0.02)
+    stopped = handle.stop()
+    assert stopped[0] is not None and stopped[0] == stopped[1]
+    assert handle.history is nbddp.last_history() and handle.history.last_step == stopped[0]
+    assert handle.history.status == "interrupted" and not views  # no view: the cell that made it has moved on

@@ -15,9 +15,10 @@ then: the handle keeps it, as ``%%px --noblock`` does, and
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from nbddp.cells.rank_output import output_of, write
+from nbddp.cells.reported_call import watch_reports
 from nbddp.execution.calls import RankCall, call_on_ranks
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.handle import WorkHandle
@@ -26,6 +27,8 @@ from nbddp.shipping import pickling as shipping
 
 if TYPE_CHECKING:
     from nbddp.execution.calls import Targets
+    from nbddp.fit.history import History
+    from nbddp.session.session import Session
 
 OUTPUT_WAIT_S = 2.0  # for the last output of ranks that ended (engine output comes in 0.2 s batches)
 
@@ -35,7 +38,11 @@ class CallHandle(WorkHandle[list[Any]]):
 
     Besides what every nbddp handle offers (``nbddp/execution/handle.py``):
     ``ranks`` (those it runs on), ``stdout``/``stderr`` (rank -> what it
-    printed so far) and ``display_outputs()``. Stopped (``stop()``,
+    printed so far), ``display_outputs()``, and ``history``: once the call
+    ended, the ``History`` of what it reported (``nbddp.report``; None if
+    nothing), also ``nbddp.last_history()``. A call whose code asks
+    ``nbddp.should_stop()`` takes ``stop()`` at one step on every rank and
+    returns its values. Stopped (``stop()``,
     ``cancel()``, Kernel > Interrupt while waiting), the ranks get
     ``KeyboardInterrupt`` as in a blocking cell and the call returns nothing.
     """
@@ -44,13 +51,16 @@ class CallHandle(WorkHandle[list[Any]]):
         super().__init__(call, call.what)
         self._call = call
         self._cleanup = cleanup
+        self.history: History | None = None  # what the call reported (nbddp.report), once it ended
         self.ranks = sorted(call.tasks.ars)
         self._thread = threading.Thread(target=self.settle, args=(self._finish,), name="nbddp-call-wait", daemon=True)
         self._thread.start()
 
     def _finish(self) -> list[Any]:
         try:
-            results = self._call.wait()
+            # what the call reports (nbddp.report) is kept as .history, with no view: this cell has moved on
+            results, self.history = watch_reports(cast("Session", self._call.session), self._call, None, False,
+                                                  None)
         finally:
             if self._cleanup is not None:
                 self._cleanup()
