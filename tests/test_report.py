@@ -412,3 +412,19 @@ def test_a_call_that_does_not_block_keeps_its_reports_and_stops_at_one_step(work
     assert stopped[0] is not None and stopped[0] == stopped[1]
     assert handle.history is nbddp.last_history() and handle.history.last_step == stopped[0]
     assert handle.history.status == "interrupted" and not views  # no view: the cell that made it has moved on
+
+
+def test_inside_dist_fit_report_does_nothing(workers, views):
+    import torch
+
+    def step_fn(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        nbddp.report(loss=loss)  # dist_fit records its own values: return extras from step_fn instead
+        assert nbddp.should_stop() is False
+        return loss
+
+    x = torch.randn(32, 2)
+    history = nbddp.dist_fit(torch.nn.Linear(2, 1), (x, x[:, :1]), max_steps=2, batch_size=8, step_fn=step_fn,
+                             live=False)
+    assert history.status == "completed" and not history.metrics and not views
