@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
 
     from nbddp.cells.call_handle import CallHandle
+    from nbddp.cells.rank_displays import Displays
     from nbddp.fit.fit_run import FitRun
     from nbddp.inference.predict_run import PredictHandle
     from nbddp.sweeps.handle import SweepHandle
@@ -100,32 +101,37 @@ def status() -> dict[str, Any]:
 
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[True] = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any]: ...
+        displays: Displays = None, **kwargs: Any) -> list[Any]: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[False], live: LiveChoice = None,
-        **kwargs: Any) -> CallHandle: ...
+        displays: Displays = None, **kwargs: Any) -> CallHandle: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any] | CallHandle: ...
+        displays: Displays = None, **kwargs: Any) -> list[Any] | CallHandle: ...
 
 
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        **kwargs: Any) -> list[Any] | CallHandle:
+        displays: Displays = None, **kwargs: Any) -> list[Any] | CallHandle:
     """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
 
     ``fn`` may be defined in the notebook: it travels by value. Inside it,
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
 
-    ``block`` and ``live`` are ``run``'s own (a keyword of ``fn`` with one of
-    these names goes through ``functools.partial``):
+    ``block``, ``live`` and ``displays`` are ``run``'s own (a keyword of
+    ``fn`` with one of these names goes through ``functools.partial``):
 
     * ``block=False`` returns a ``CallHandle`` at once, a
       ``concurrent.futures.Future`` of the list (``result()``, ``done()``,
       ``stop()``, ``await handle``, ...), as ipyparallel's ``apply_async``;
       what the ranks print is kept on it (``display_outputs()``).
     * ``live``: ``True``, ``None``, ``"widget"`` or ``"text"`` print the
-      ranks' output as it arrives; ``False`` prints nothing.
+      ranks' output as it arrives, progress bars (``\r``) redrawn in place,
+      one line per rank (``"widget"``: as a notebook display, ``"text"``:
+      as text); ``False`` prints nothing.
+    * ``displays``: whose rich output (``plt.show()``, ``display(...)``,
+      HTML progress tables) is shown under the cell: rank 0 by default, a
+      rank, a list of ranks, ``"all"`` or ``"none"``.
     """
     from nbddp.cells.function_calls import call_everywhere, start_everywhere
     from nbddp.execution.handle import check_block
@@ -135,10 +141,13 @@ def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice
         raise TypeError(f"nbddp.run(fn, ...) needs a function, got {type(fn).__name__}. "
                         f"HINT: pass the function itself, run(f, x), not its result, run(f(x))")
     check_block(block, "nbddp.run")
-    shown = live_choice(live, "nbddp.run") is not False
+    from nbddp.cells.live_lines import drawing_for
+
+    choice = live_choice(live, "nbddp.run")
     if not block:
         return start_everywhere(get_session(), fn, args, kwargs)
-    return call_everywhere(get_session(), fn, args, kwargs, output=shown)
+    return call_everywhere(get_session(), fn, args, kwargs, output=choice is not False, displays=displays,
+                           drawing=drawing_for(choice))
 
 
 @overload

@@ -6,7 +6,9 @@ from typing import Any, Callable
 
 from nbddp.shipping import pickling as shipping
 from nbddp.cells.call_handle import CallHandle, start_call, unpacked
-from nbddp.cells.rank_output import run_on_ranks
+from nbddp.cells.live_lines import Drawing
+from nbddp.cells.rank_displays import Displays
+from nbddp.cells.rank_output import run_on_ranks, shown_for
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import Session
 
@@ -30,14 +32,16 @@ class Shipped:
 
 
 def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                    output: bool = True) -> list[Any]:
-    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``)."""
+                    output: bool = True, displays: Displays = None, drawing: Drawing | None = None) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``), the
+    rich output of the ranks ``displays`` names, bars drawn as ``drawing`` says (``nbddp.cells.rank_output``)."""
     from nbddp.worker.tasks.entry import call_task
 
+    shown = shown_for(session, displays, None, "nbddp.run") if output else set()
     shipped = Shipped(session, fn, args, kwargs)
     try:
         results = run_on_ranks(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for,
-                               output=True if output else None)
+                               output=True if output else None, shown=shown, drawing=drawing)
     finally:
         shipped.discard()
     return unpacked(results)

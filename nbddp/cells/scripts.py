@@ -11,17 +11,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.cells.rank_output import run_on_ranks
+from nbddp.cells.rank_displays import Displays
+from nbddp.cells.rank_output import run_on_ranks, shown_for
 from nbddp.protocol.messages import ScriptResult
 from nbddp.session.session import get_session
 
 
-def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
+def run_script(path: str | os.PathLike, *args: Any, displays: Displays = None) -> list[ScriptResult]:
     """Run the script at ``path`` on every rank as ``__main__`` with ``sys.argv = [path, *args]``.
 
     Relative paths, in ``path`` and inside the script, resolve from the
     notebook's folder (the kernel's working directory). Output is labelled
-    by rank. ``sys.exit(0)`` counts as success; an exception or another exit
+    by rank, progress bars drawn in place; ``displays`` says whose rich
+    output (``plt.show()``, ``display(...)``) is shown: rank 0 by default, a
+    rank, a list, ``"all"`` or ``"none"``. ``sys.exit(0)`` counts as success; an exception or another exit
     status raises ``WorkerError`` naming the rank. Kernel > Interrupt stops
     the script on every rank.
 
@@ -41,7 +44,9 @@ def run_script(path: str | os.PathLike, *args: Any) -> list[ScriptResult]:
     compile(source, full, "exec")  # a SyntaxError is raised here, before any rank runs
     argv = [str(a) for a in args]
     s = get_session()
+    what = f"the script {os.path.basename(full)}"
+    shown = shown_for(s, displays, None, "run_script")
     cwd = os.getcwd()
-    results = run_on_ranks(s, f"the script {os.path.basename(full)}", remote_script,
-                           lambda p: (source, full, argv, cwd, s.generation), output=True)
+    results = run_on_ranks(s, what, remote_script, lambda p: (source, full, argv, cwd, s.generation), output=True,
+                           shown=shown)
     return [results[rank] for rank in sorted(results)]
