@@ -72,9 +72,7 @@ class RankDisplays:
         content = message.content
         if message.kind == "clear_output":
             if self.notebook:
-                from IPython.display import clear_output
-
-                clear_output(wait=bool(content.get("wait")))
+                clear(bool(content.get("wait")))
                 self.cleared = True
             return
         data = content.get("data") or {}
@@ -102,6 +100,15 @@ def publish(data: dict[str, Any], metadata: dict[str, Any], transient: dict[str,
     if transient:
         kwargs["transient"] = transient
     ip.display_pub.publish(data=data, metadata=metadata, **kwargs)
+
+
+def clear(wait: bool) -> None:
+    """Clear the cell's output through the shell's display publisher (as ``IPython.display.clear_output``)."""
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    if ip is not None:
+        ip.display_pub.clear_output(wait)
 
 
 def shown_ranks(displays: Displays, running: list[int], world_size: int, where: str) -> set[int] | None:
