@@ -11,7 +11,9 @@ backend the person chose (``MPLBACKEND``, ``matplotlib.use``) is left alone.
 
 Only a rank whose displays the cell shows renders its figures (a PNG costs
 tens of milliseconds); the others close theirs, as the inline backend would
-after drawing them.
+after drawing them. The worker side imports no display code
+(``tests/test_house.py``): it uses the modules the cell's own code loaded,
+and does nothing when the cell drew no figure.
 """
 
 from __future__ import annotations
@@ -22,17 +24,12 @@ import sys
 def show_open_figures(shown: bool) -> None:
     """Draw (``shown``) or drop the figures left open by the code that just ran, with the inline backend only."""
     pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is None:
+    inline = sys.modules.get("matplotlib_inline.backend_inline")  # loaded by pyplot when it drew with it
+    if pyplot is None or inline is None or not pyplot.get_fignums():
         return
-    import matplotlib
-
-    if "inline" not in str(matplotlib.get_backend()):
-        return
-    if not pyplot.get_fignums():
+    if "inline" not in str(pyplot.get_backend()):
         return
     if shown:
-        from matplotlib_inline.backend_inline import show
-
-        show(close=True)
+        inline.show(close=True)
     else:
         pyplot.close("all")
