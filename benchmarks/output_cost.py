@@ -13,7 +13,8 @@ turns (A, B, B, A, ...), so the machine's load hits both alike:
 * ``bar``: a cell with a 200-step tqdm bar, a figure and 20 printed lines:
   about 230 messages a rank.
 
-Reported: each side's median wall time per call, the ratio new / main, and
+Reported: each side's median wall time per call, the ratio new / main (of
+the medians, and the median of each turn's pair), and
 the kernel's own time in the new reader's ticks per message (its whole
 cost on the kernel's thread, ``tick_us_per_message``).
 
@@ -139,6 +140,9 @@ def measure(reps: int) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"reps": reps, "median_s": med,
             "ratio_new_over_main": {cell: med[f"{cell}/new"] / med[f"{cell}/main"] for cell in ("quiet", "bar")},
+            "paired_ratio_median": {cell: statistics.median(n / m for n, m in zip(times[f"{cell}/new"],
+                                                                                  times[f"{cell}/main"]))
+                                    for cell in ("quiet", "bar")},
             "tick_us_per_message": 1e6 * tick_s / messages if messages else None,
             "messages_per_bar_call": messages / reps if reps else None, "raw": times}
 

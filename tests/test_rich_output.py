@@ -149,19 +149,24 @@ def test_rank_0s_figure_arrives_as_png_and_other_ranks_only_on_request(ip, worke
     notebook.published.clear()
     ip.run_cell_magic("ddp", "--displays none", FIGURE_CELL)
     assert notebook.images() == []
+    notebook.published.clear()
+    ip.run_cell_magic("ddp", "--targets 1", FIGURE_CELL)
+    assert notebook.images() == [1]  # the default is the lowest rank the cell runs on
 
 
 def test_a_figure_left_open_is_drawn_at_the_cells_end_as_in_a_notebook(ip, workers, notebook):
     ip.run_cell_magic("ddp", "", "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])")
     assert notebook.images() == [0]
-    closed = nbddp.run(_open_figures)
-    assert closed == [0, 0]  # drawn on rank 0, dropped on rank 1: nothing left open for the next cell
+    state = nbddp.run(_figures_state)
+    assert [open_now for open_now, _ in state] == [0, 0]  # drawn on rank 0, dropped on rank 1: none left open
+    assert all("inline" in backend for _, backend in state)  # ipykernel's backend in every engine, set by no one
 
 
-def _open_figures() -> int:
+def _figures_state() -> tuple[int, str]:
+    import matplotlib
     import matplotlib.pyplot as plt
 
-    return len(plt.get_fignums())
+    return len(plt.get_fignums()), matplotlib.get_backend()
 
 
 HTML_CELL = """
@@ -185,6 +190,30 @@ def test_an_html_table_updated_in_place_and_a_widgets_snapshot(ip, workers, note
     assert len(widget) == 1 and "a widget" in widget[0]["data"]["text/plain"]
     updates = [item for item in notebook.published if item["update"]]
     assert len(updates) < 29, "updates of one display are folded"
+
+
+def test_tqdm_auto_on_a_worker_is_rank_0s_widget_with_its_text(ip, workers, notebook):
+    ip.run_cell_magic("ddp", "", "from tqdm.auto import tqdm\nfor _ in tqdm(range(5)):\n    pass")
+    widgets = [item for item in notebook.published if "application/vnd.jupyter.widget-view+json" in item["data"]]
+    assert [item["metadata"]["nbddp"]["rank"] for item in widgets] == [0]
+    assert "0/5" in widgets[0]["data"]["text/plain"]
+
+
+@pytest.mark.heavy
+def test_hf_trainers_notebook_progress_table_is_shown_and_updated_in_place(ip, workers, notebook):
+    """Imports transformers into both workers for the first time (heavy): HF's own ``NotebookTrainingTracker``,
+    which ``Trainer`` draws through ``NotebookProgressCallback`` when it finds itself in a notebook, as it does on a
+    worker (``is_in_notebook()``)."""
+    ip.run_cell_magic("ddp", "", "from transformers.utils.import_utils import is_in_notebook\n"
+                                 "from transformers.utils.notebook import NotebookTrainingTracker\n"
+                                 "assert is_in_notebook()\n"
+                                 "tracker = NotebookTrainingTracker(50)\n"
+                                 "for step in range(1, 51):\n"
+                                 "    tracker.update(step, force_update=True)\n"
+                                 "    tracker.write_line({'Step': step, 'Training Loss': 1 / step})")
+    tables = [item for item in notebook.final() if "<progress" in item["data"].get("text/html", "")]
+    assert len(tables) == 1 and "50/50" in tables[0]["data"]["text/html"]
+    assert tables[0]["metadata"]["nbddp"] == {"rank": 0}
 
 
 def test_clear_output_on_rank_0_clears_the_cell(ip, workers, notebook):
