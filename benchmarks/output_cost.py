@@ -47,7 +47,7 @@ plt.show()
 class MainReader:
     """Main's reader before issue 46: each task's kept text re-read at each tick, complete lines printed."""
 
-    def __init__(self, ars: dict[int, Any]):
+    def __init__(self, ars: dict[int, Any], inbox: Any = None):
         self.ars = ars
         self.seen = {(r, k): 0 for r in ars for k in ("stdout", "stderr")}
         self.partial = {key: "" for key in self.seen}
@@ -76,10 +76,10 @@ class MainReader:
 class TimedReader:
     """nbddp's reader, its ticks timed (the kernel's own cost) and its messages counted."""
 
-    def __init__(self, ars: dict[int, Any]):
+    def __init__(self, ars: dict[int, Any], inbox: Any):
         from nbddp.cells.rank_output import RankOutput
 
-        self.reader = RankOutput(ars, live=True, shown={0}, drawing="plain")
+        self.reader = RankOutput(ars, inbox, live=True, shown={0}, drawing="plain")
         self.tick_s = 0.0
         self.messages = 0
         drain = self.reader.inbox.drain
@@ -104,14 +104,17 @@ class TimedReader:
 
 def one_call(session: Any, code: str, reader_class: type) -> tuple[float, Any]:
     """A ``%%ddp`` cell of ``code`` shown by ``reader_class``: its wall time and the reader."""
+    from nbddp.cells.rank_messages import RankInbox
     from nbddp.execution.calls import call_on_ranks
     from nbddp.worker.tasks.cells import run_cell as remote_cell
 
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        inbox = RankInbox() if reader_class is TimedReader else None
         call = call_on_ranks(session, "%%ddp cell", remote_cell, lambda p: (code, 0, session.generation, False,
-                                                                            p.rank == 0))
-        reader = reader_class(call.tasks.ars)
+                                                                            p.rank == 0),
+                             on_sent=inbox.attach if inbox is not None else None)
+        reader = reader_class(call.tasks.ars, inbox)
         try:
             call.wait(on_tick=reader.tick)
         finally:

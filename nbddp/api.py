@@ -145,7 +145,7 @@ def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice
 
     choice = live_choice(live, "nbddp.run")
     if not block:
-        return start_everywhere(get_session(), fn, args, kwargs)
+        return start_everywhere(get_session(), fn, args, kwargs, displays=displays)
     return call_everywhere(get_session(), fn, args, kwargs, output=choice is not False, displays=displays,
                            drawing=drawing_for(choice))
 

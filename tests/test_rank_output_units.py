@@ -267,7 +267,8 @@ class FakeResult:
 
 def test_the_inbox_replays_what_came_before_it_then_keeps_each_message_once_in_order():
     ar = FakeResult({"stdout": "early\n", "stderr": "", "outputs": [{"data": {"text/plain": "x"}}]})
-    inbox = RankInbox({0: ar})
+    inbox = RankInbox()
+    inbox.attach(0, ar)
     hook = ar._children[0].iopub_callbacks[0]
     hook({"header": {"msg_type": "stream"}, "content": {"name": "stderr", "text": "\r1/2"}})
     hook({"header": {"msg_type": "status"}, "content": {}})  # not output: not kept

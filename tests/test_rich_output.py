@@ -272,3 +272,16 @@ def test_displays_errors_name_the_value_before_any_rank_runs(ip, workers, tmp_pa
     (tmp_path / "empty.py").write_text("")
     with pytest.raises(ValueError, match=r"run_script\(displays=\.\.\.\) takes a rank .*got 'rank 0'"):
         nbddp.run_script(tmp_path / "empty.py", displays="rank 0")
+
+
+def test_a_noblock_cell_keeps_its_figures_for_display_outputs(ip, workers, notebook):
+    handle = ip.run_cell_magic("ddp", "--noblock", FIGURE_CELL)
+    handle.result(timeout=60)
+    assert notebook.images() == []  # not drawn under whichever cell runs meanwhile
+    handle.display_outputs()
+    assert notebook.images() == [0]
+    handle = nbddp.run(_show_rank, block=False, displays="all")
+    handle.result(timeout=60)
+    handle.display_outputs()
+    assert [item["data"]["text/plain"] for item in notebook.published if "text/plain" in item["data"]][-2:] == [
+        "'shown by 0'", "'shown by 1'"]

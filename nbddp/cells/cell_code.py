@@ -72,7 +72,7 @@ def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bo
 
     if not block:
         return start_call(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, True, shows(p)),
-                          ranks)
+                          ranks, shown=shown)
     run_on_ranks(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, False, shows(p)), ranks,
                  output=stream, shown=shown)
     return None

@@ -48,9 +48,12 @@ def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, .
 
 
 def start_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> CallHandle:
-    """``run(..., block=False)``: the same call, handed back at once as a ``CallHandle`` (which keeps the output)."""
+                     kwargs: dict[str, Any], displays: Displays = None) -> CallHandle:
+    """``run(..., block=False)``: the same call, handed back at once as a ``CallHandle`` (which keeps the output;
+    ``display_outputs()`` shows the displays of the ranks ``displays`` names)."""
     from nbddp.worker.tasks.entry import call_task
 
+    shown = shown_for(session, displays, None, "nbddp.run")
     shipped = Shipped(session, fn, args, kwargs)
-    return start_call(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for, cleanup=shipped.discard)
+    return start_call(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for, cleanup=shipped.discard,
+                      shown=shown)

@@ -9,14 +9,16 @@ message also passes the task's ``iopub_callbacks`` (what ipyparallel's own
 rank that only appends the message to a deque, in the client's IO thread
 (about a microsecond); the cell's thread drains it at each tick.
 
-The callback is added in the IO thread itself, together with a copy of what
-ipyparallel kept so far, so that no message is lost or seen twice between
-the task being sent and the callback being added.
+The callback is added as each task is handed to the client, in the IO
+thread itself (which sends the task, then runs it, before it reads any
+reply), together with a copy of anything ipyparallel kept already: no
+message is lost or seen twice. Added after the call returned, it lost the
+first messages of a short cell (a ``clear_output`` among them) on a loaded
+machine.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -24,7 +26,6 @@ if TYPE_CHECKING:
     from ipyparallel import AsyncResult
 
 KINDS = frozenset({"stream", "display_data", "update_display_data", "clear_output"})
-ATTACH_WAIT_S = 5.0  # for the IO thread to take the callbacks (it answers in well under a millisecond)
 
 
 class RankMessage(NamedTuple):
@@ -34,31 +35,27 @@ class RankMessage(NamedTuple):
 
 
 class RankInbox:
-    """The output messages of ``ars`` (rank -> its task's ``AsyncResult``), until ``close()``."""
+    """The output messages of the tasks ``attach``-ed to it (one per rank), until ``close()``."""
 
-    def __init__(self, ars: dict[int, AsyncResult]):
+    def __init__(self) -> None:
         self._queue: deque[RankMessage] = deque()
         self._hooks: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []
-        attached = threading.Event()
-        loop = _io_loop(ars)
+        self._loop: Any = None  # the client's IO loop, once a task is attached
 
-        def attach() -> None:
-            try:
-                for rank, ar in sorted(ars.items()):
-                    self._attach(rank, ar)
-            finally:
-                attached.set()
-
+    def attach(self, rank: int, ar: AsyncResult) -> None:
+        """Listen to ``rank``'s task ``ar``: call it as soon as the task is handed to the client (``on_sent`` of
+        ``nbddp.execution.send.to_ranks``). The listening starts in the client's IO thread, which runs it right
+        after sending the task, before it reads any message of the reply."""
+        self._loop = loop = _io_loop(ar)
         if loop is None:
-            attach()
+            self._listen(rank, ar)
         else:
-            loop.add_callback(attach)
-            attached.wait(ATTACH_WAIT_S)
+            loop.add_callback(self._listen, rank, ar)
 
-    def _attach(self, rank: int, ar: AsyncResult) -> None:
+    def _listen(self, rank: int, ar: AsyncResult) -> None:
         for future in getattr(ar, "_children", []):
             md = getattr(getattr(future, "output", None), "metadata", None) or {}
-            for name in ("stdout", "stderr"):  # what arrived before this callback: replayed once
+            for name in ("stdout", "stderr"):  # anything that came before: replayed once
                 if md.get(name):
                     self._queue.append(RankMessage(rank, "stream", {"name": name, "text": md[name]}))
             for content in md.get("outputs") or []:
@@ -89,20 +86,23 @@ class RankInbox:
         return taken
 
     def close(self) -> None:
-        """Stop listening (the tasks' futures may outlive the call)."""
-        for callbacks, hook in self._hooks:
+        """Stop listening (the tasks' futures may outlive the call): in the IO thread, after any pending ``attach``."""
+        if self._loop is not None:
+            self._loop.add_callback(self._unhook)
+        else:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for callbacks, hook in hooks:
             try:
                 callbacks.remove(hook)
             except ValueError:
                 pass
-        self._hooks.clear()
 
 
-def _io_loop(ars: dict[int, AsyncResult]) -> Any:
-    """The IO loop of the client that sent ``ars`` (None when there is none to run on)."""
-    for ar in ars.values():
-        client = getattr(ar, "_client", None)
-        loop = getattr(client, "_io_loop", None)
-        if loop is not None and getattr(client, "_io_thread", None) is not None:
-            return loop
-    return None
+def _io_loop(ar: AsyncResult) -> Any:
+    """The IO loop of the client that sent ``ar`` (None when it has none running)."""
+    client = getattr(ar, "_client", None)
+    loop = getattr(client, "_io_loop", None)
+    return loop if loop is not None and getattr(client, "_io_thread", None) is not None else None

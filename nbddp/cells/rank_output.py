@@ -41,12 +41,13 @@ class RankOutput:
     ``drawing``: how bars are drawn in place (``nbddp.cells.live_lines``; by default what this kernel allows).
     """
 
-    def __init__(self, ars: dict[int, AsyncResult], live: bool = True, shown: Collection[int] | None = (),
-                 drawing: Drawing | None = None):
+    def __init__(self, ars: dict[int, AsyncResult], inbox: RankInbox, live: bool = True,
+                 shown: Collection[int] | None = (), drawing: Drawing | None = None):
+        """``inbox``: the ranks' messages, attached to each task as it was sent (``run_on_ranks``)."""
         self.ars = ars
         self.live = live
         drawing = drawing or drawing_here()
-        self.inbox = RankInbox(ars)
+        self.inbox = inbox
         self.buffers = {(r, k): LineBuffer() for r in ars for k in ("stdout", "stderr")}
         self.bars = LiveLines(drawing if live else "plain")
         chosen = None if shown is None else set(shown)
@@ -145,10 +146,15 @@ def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
     ``shown``: the ranks whose rich output is shown (None: all; ``shown_for``); ``drawing``: how bars are drawn
     in place (default: what this kernel allows).
     """
-    call = call_on_ranks(session, what, fn, args_for, ranks)
     if output is None:
-        return call.wait()
-    printer = RankOutput(call.tasks.ars, live=output, shown=shown, drawing=drawing)
+        return call_on_ranks(session, what, fn, args_for, ranks).wait()
+    inbox = RankInbox()
+    try:
+        call = call_on_ranks(session, what, fn, args_for, ranks, on_sent=inbox.attach)
+    except BaseException:
+        inbox.close()
+        raise
+    printer = RankOutput(call.tasks.ars, inbox, live=output, shown=shown, drawing=drawing)
     try:
         return call.wait(on_tick=printer.tick)
     finally:

@@ -32,14 +32,23 @@ def to_engines(client: Client, engine_ids: Iterable[int], fn: Callable[..., Any]
 
 
 def to_ranks(client: Client, placements: Iterable[Placement], fn: Callable[..., Any],
-             args_for: Callable[[Placement], tuple[Any, ...]]) -> dict[int, AsyncResult]:
+             args_for: Callable[[Placement], tuple[Any, ...]],
+             on_sent: Callable[[int, AsyncResult], None] | None = None) -> dict[int, AsyncResult]:
     """``fn(*args_for(p))`` on each placement's engine: rank -> its ``AsyncResult``.
 
     ``args_for`` is called once per rank, in rank order, right before that
     rank's task is sent (a parcel packed for the first local rank is reused
-    by the next).
+    by the next). ``on_sent(rank, ar)`` is called as soon as each task is
+    handed to the client, before the next one is packed: the moment to
+    listen to its output (``nbddp/cells/rank_messages.py``) with nothing
+    missed.
     """
-    return {p.rank: client[p.engine_id].apply_async(fn, *args_for(p)) for p in placements}
+    sent = {}
+    for p in placements:
+        sent[p.rank] = ar = client[p.engine_id].apply_async(fn, *args_for(p))
+        if on_sent is not None:
+            on_sent(p.rank, ar)
+    return sent
 
 
 def on_engines(client: Client, engine_ids: list[int], fn: Callable[..., Any], *args: Any) -> Any:
