@@ -113,7 +113,7 @@ def one_call(session: Any, code: str, reader_class: type) -> tuple[float, Any]:
         inbox = RankInbox() if reader_class is TimedReader else None
         call = call_on_ranks(session, "%%ddp cell", remote_cell, lambda p: (code, 0, session.generation, False,
                                                                             p.rank == 0),
-                             on_sent=inbox.attach if inbox is not None else None)
+                             listen=inbox.attach if inbox is not None else None)
         reader = reader_class(call.tasks.ars, inbox)
         try:
             call.wait(on_tick=reader.tick)

@@ -255,28 +255,40 @@ def test_the_magics_displays_flag_is_parsed_and_misuse_is_a_usage_error():
 
 # ---- the inbox ----------------------------------------------------------------------------
 class FakeFuture:
-    def __init__(self, md):
+    """ipyparallel's ``MessageFuture``, as far as the inbox uses it."""
+
+    def __init__(self):
         self.iopub_callbacks: list = []
-        self.output = type("Output", (), {"metadata": md})()
 
 
-class FakeResult:
-    def __init__(self, md):
-        self._children = [FakeFuture(md)]
-
-
-def test_the_inbox_replays_what_came_before_it_then_keeps_each_message_once_in_order():
-    ar = FakeResult({"stdout": "early\n", "stderr": "", "outputs": [{"data": {"text/plain": "x"}}]})
+def test_the_inbox_keeps_each_output_message_once_in_order_and_never_raises():
+    future = FakeFuture()
     inbox = RankInbox()
-    inbox.attach(0, ar)
-    hook = ar._children[0].iopub_callbacks[0]
+    inbox.attach(1, future)
+    hook = future.iopub_callbacks[0]
     hook({"header": {"msg_type": "stream"}, "content": {"name": "stderr", "text": "\r1/2"}})
     hook({"header": {"msg_type": "status"}, "content": {}})  # not output: not kept
+    hook({"header": {"msg_type": "display_data"}, "content": {"data": {}}})
     hook({"header": {"msg_type": "update_display_data"}, "content": {"data": {}}})
+    hook({"header": {"msg_type": "clear_output"}, "content": {"wait": True}})
     hook({"bad": "message"})  # never raises in the client's IO thread
-    assert [(m.rank, m.kind) for m in inbox.drain()] == [(0, "stream"), (0, "display_data"), (0, "stream"),
-                                                         (0, "update_display_data")]
+    assert [(m.rank, m.kind) for m in inbox.drain()] == [(1, "stream"), (1, "display_data"),
+                                                         (1, "update_display_data"), (1, "clear_output")]
     assert inbox.drain() == []
     inbox.close()
-    assert ar._children[0].iopub_callbacks == []
+    assert future.iopub_callbacks == []
 
+
+def test_a_tasks_future_is_seen_before_the_task_is_sent():
+    """``to_ranks`` hands each task's message future over before ipyparallel sends it, and only its own."""
+    from nbddp.execution.send import _futures_seen
+
+    class Client:
+        def create_message_futures(self, msg_id):
+            return [f"future of {msg_id}"]
+
+    client, seen = Client(), []
+    with _futures_seen(client, seen.append):
+        client.create_message_futures("a")
+    client.create_message_futures("b")  # after: not seen, the class's method again
+    assert seen == ["future of a"] and "create_message_futures" not in vars(client)

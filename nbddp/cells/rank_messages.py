@@ -9,21 +9,17 @@ message also passes the task's ``iopub_callbacks`` (what ipyparallel's own
 rank that only appends the message to a deque, in the client's IO thread
 (about a microsecond); the cell's thread drains it at each tick.
 
-The callback is added as each task is handed to the client, in the IO
-thread itself (which sends the task, then runs it, before it reads any
-reply), together with a copy of anything ipyparallel kept already: no
-message is lost or seen twice. Added after the call returned, it lost the
-first messages of a short cell (a ``clear_output`` among them) on a loaded
-machine.
+The callback is added to each task's future before the task is sent
+(``nbddp.execution.send.to_ranks``), so no message is missed: added once
+the call had returned, it lost the first messages of a short cell (a
+``clear_output`` among them) on a loaded machine, the client's IO thread
+having read them already.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
-
-if TYPE_CHECKING:
-    from ipyparallel import AsyncResult
+from typing import Any, Callable, NamedTuple
 
 KINDS = frozenset({"stream", "display_data", "update_display_data", "clear_output"})
 
@@ -40,29 +36,13 @@ class RankInbox:
     def __init__(self) -> None:
         self._queue: deque[RankMessage] = deque()
         self._hooks: list[tuple[list[Callable[..., Any]], Callable[..., Any]]] = []
-        self._loop: Any = None  # the client's IO loop, once a task is attached
 
-    def attach(self, rank: int, ar: AsyncResult) -> None:
-        """Listen to ``rank``'s task ``ar``: call it as soon as the task is handed to the client (``on_sent`` of
-        ``nbddp.execution.send.to_ranks``). The listening starts in the client's IO thread, which runs it right
-        after sending the task, before it reads any message of the reply."""
-        self._loop = loop = _io_loop(ar)
-        if loop is None:
-            self._listen(rank, ar)
-        else:
-            loop.add_callback(self._listen, rank, ar)
-
-    def _listen(self, rank: int, ar: AsyncResult) -> None:
-        for future in getattr(ar, "_children", []):
-            md = getattr(getattr(future, "output", None), "metadata", None) or {}
-            for name in ("stdout", "stderr"):  # anything that came before: replayed once
-                if md.get(name):
-                    self._queue.append(RankMessage(rank, "stream", {"name": name, "text": md[name]}))
-            for content in md.get("outputs") or []:
-                self._queue.append(RankMessage(rank, "display_data", content))
-            hook = self._hook(rank)
-            future.iopub_callbacks.append(hook)
-            self._hooks.append((future.iopub_callbacks, hook))
+    def attach(self, rank: int, future: Any) -> None:
+        """Listen to ``rank``'s task through its ipyparallel ``MessageFuture``, given before the task is sent
+        (``listen`` of ``nbddp.execution.send.to_ranks``), so that no message of its reply is missed."""
+        hook = self._hook(rank)
+        future.iopub_callbacks.append(hook)
+        self._hooks.append((future.iopub_callbacks, hook))
 
     def _hook(self, rank: int) -> Callable[[dict[str, Any]], None]:
         queue = self._queue
@@ -86,23 +66,10 @@ class RankInbox:
         return taken
 
     def close(self) -> None:
-        """Stop listening (the tasks' futures may outlive the call): in the IO thread, after any pending ``attach``."""
-        if self._loop is not None:
-            self._loop.add_callback(self._unhook)
-        else:
-            self._unhook()
-
-    def _unhook(self) -> None:
+        """Stop listening (the tasks' futures may outlive the call)."""
         hooks, self._hooks = self._hooks, []
         for callbacks, hook in hooks:
             try:
                 callbacks.remove(hook)
             except ValueError:
                 pass
-
-
-def _io_loop(ar: AsyncResult) -> Any:
-    """The IO loop of the client that sent ``ar`` (None when it has none running)."""
-    client = getattr(ar, "_client", None)
-    loop = getattr(client, "_io_loop", None)
-    return loop if loop is not None and getattr(client, "_io_thread", None) is not None else None

@@ -43,7 +43,7 @@ class RankOutput:
 
     def __init__(self, ars: dict[int, AsyncResult], inbox: RankInbox, live: bool = True,
                  shown: Collection[int] | None = (), drawing: Drawing | None = None):
-        """``inbox``: the ranks' messages, attached to each task as it was sent (``run_on_ranks``)."""
+        """``inbox``: the ranks' messages, attached to each task before it was sent (``run_on_ranks``)."""
         self.ars = ars
         self.live = live
         drawing = drawing or drawing_here()
@@ -150,7 +150,7 @@ def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
         return call_on_ranks(session, what, fn, args_for, ranks).wait()
     inbox = RankInbox()
     try:
-        call = call_on_ranks(session, what, fn, args_for, ranks, on_sent=inbox.attach)
+        call = call_on_ranks(session, what, fn, args_for, ranks, listen=inbox.attach)
     except BaseException:
         inbox.close()
         raise
