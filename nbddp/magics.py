@@ -7,7 +7,7 @@
                                              memory probe of every worker
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
 ``%ddp pull NAME... [--targets T]``          ``nbddp.pull(NAME, ..., rank=R)`` (or ``ranks=``)
-``%ddp script [--displays R] PATH [ARGS...]`` ``nbddp.run_script(PATH, *ARGS, displays=R)``
+``%ddp script [--displays R] PATH [ARGS]``   ``nbddp.run_script(PATH, *ARGS, displays=R)``
 ``%ddp stacks [--targets T] [--timeout S]``  ``nbddp.stacks()``: every rank's stack now
 ``%ddp debug [RANK] [--clear]``              ``nbddp.debug(RANK)``: pdb on a failed or paused
                                              rank; ``--clear`` drops kept failures
