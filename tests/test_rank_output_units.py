@@ -32,22 +32,24 @@ def test_a_bar_is_one_line_that_ends_as_its_last_state():
         assert buffer.feed(chunk) == []
         seen.append(buffer.current)
     assert buffer.live and seen[100].endswith("100/200 [00:00<00:00]") and seen[100].startswith(" 50%")
-    assert buffer.feed("\n") == [("100%|##########| 200/200 [00:01<00:00]", True)]
+    # its newline ends it, but the row stays open a little: tqdm goes back up to a bar's row when bars nest
+    assert buffer.feed("\n") == [] and buffer.current == "100%|##########| 200/200 [00:01<00:00]"
+    assert buffer.feed("next line\n") == [("100%|##########| 200/200 [00:01<00:00]", True), ("next line", False)]
     assert buffer.current == "" and not buffer.live
 
 
 def test_plain_lines_pass_through_and_chunks_may_split_anywhere():
     buffer = LineBuffer()
     assert buffer.feed("hello\nwor") == [("hello", False)]
-    assert buffer.current == "wor" and not buffer.live  # not redrawn: held until its newline, not drawn in place
+    assert buffer.current == "" and not buffer.live  # not redrawn: held until its newline, not drawn in place
     assert buffer.feed("ld\nlast") == [("world", False)]
-    assert buffer.rest() == "last" and buffer.current == ""
+    assert buffer.rest() == [("last", False)] and buffer.current == ""
 
 
 def test_carriage_return_overwrites_like_a_terminal_and_crlf_is_one_line_end():
     buffer = LineBuffer()
     assert buffer.feed("abcdef\rXY") == [] and buffer.current == "XYcdef"
-    assert buffer.feed("\r\n") == [("XYcdef", True)]
+    assert buffer.feed("\r\n") == [] and buffer.rest() == [("XYcdef", True)]
     assert buffer.feed("windows line\r") == [] and buffer.feed("\nnext\n") == [("windows line", False), ("next", False)]
     assert buffer.feed("a\r\nb\r\n") == [("a", False), ("b", False)]
 
@@ -57,7 +59,43 @@ def test_a_bar_cleared_on_close_leaves_nothing():
     buffer = LineBuffer()
     buffer.feed("\r 50%|#####     | 1/2")
     buffer.feed("\r" + " " * 20 + "\r")
-    assert not buffer.live and buffer.rest() == ""
+    assert not buffer.live and buffer.rest() == []
+
+
+def nested_bars() -> str:
+    """What tqdm writes for an epoch bar over a batch bar that clears itself (``leave=False``), then a print."""
+    import io
+
+    from tqdm import tqdm, trange
+
+    out = io.StringIO()
+    for _ in trange(2, file=out, mininterval=0):
+        for _ in tqdm(range(3), file=out, mininterval=0, leave=False):
+            pass
+    out.write("done\n")
+    return out.getvalue()
+
+
+def test_nested_bars_are_two_rows_while_they_run_and_one_line_at_the_end():
+    text = nested_bars()
+    assert "\x1b[A" in text  # tqdm goes down a row for the inner bar and back up
+    buffer = LineBuffer()
+    done, states = [], []
+    for piece in text.split("\x1b[A"):  # as the rank's writes arrive, escape codes cut in two included
+        for part in (piece[:-1], piece[-1:] + "\x1b", "[A"):
+            done += buffer.feed(part)
+        states.append(buffer.current)
+    done += buffer.rest()
+    assert [(line[:4], redrawn) for line, redrawn in done] == [("100%", True), ("done", False)]
+    assert "| 2/2 [" in done[0][0]
+    two_rows = [state.split("\n") for state in states if state.count("\n") == 1]
+    assert two_rows and all("/2 [" in outer and "/3 [" in inner for outer, inner in two_rows)
+    assert not any("\x1b" in state for state in states)
+
+
+def test_colours_are_dropped_and_cut_codes_are_joined():
+    buffer = LineBuffer()
+    assert buffer.feed("\x1b[32mgreen\x1b") == [] and buffer.feed("[0m text\n") == [("green text", False)]
 
 
 # ---- the block of bars ------------------------------------------------------------------

@@ -128,6 +128,22 @@ def test_outside_a_notebook_each_bar_ends_as_one_readable_line(ip, workers, writ
     assert ("stdout", "[rank 0] after 0\n") in written
 
 
+def test_nested_bars_show_both_rows_while_running_and_leave_the_outer_bar(ip, workers, notebook, written):
+    """An epoch bar over a batch bar that clears itself: tqdm moves the cursor down and back up between them."""
+    ip.run_cell_magic("ddp", "", "import time\nfrom tqdm import tqdm, trange\n"
+                                 "for epoch in trange(3):\n"
+                                 "    for batch in tqdm(range(20), leave=False):\n"
+                                 "        time.sleep(0.005)\n"
+                                 "print('trained', rank)")
+    drawn = [item["data"]["text/plain"] for item in notebook.published if "/3 [" in item["data"].get("text/plain", "")]
+    assert any(text.count("\n") == 3 and "/20 [" in text for text in drawn), drawn  # 2 rows a rank, mid-epoch
+    assert not any("\x1b" in text for text in drawn)
+    final = [item["data"]["text/plain"] for item in notebook.final() if "/3 [" in item["data"].get("text/plain", "")]
+    assert len(final) == 1 and final[0].count("3/3 [") == 2 and "/20 [" not in final[0]
+    assert [text for _, text in written if "/20" in text or "/3 " in text] == []
+    assert ("stdout", "[rank 1] trained 1\n") in written
+
+
 FIGURE_CELL = """
 import matplotlib.pyplot as plt
 plt.plot([0, 1], [rank, rank])

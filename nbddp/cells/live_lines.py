@@ -86,7 +86,8 @@ class LiveLines:
         if not self._dirty or not self.lines or (not force and now - self._last < self.every):
             return
         self._last, self._dirty = now, False
-        text = "\n".join(f"[rank {rank}] {line}" for (rank, _), (line, _) in sorted(self.lines.items()))
+        text = "\n".join(f"[rank {rank}] {row}" for (rank, _), (line, _) in sorted(self.lines.items())
+                         for row in line.split("\n"))  # nested bars: one row each
         if self.drawing == "display":
             self._show(text)
         else:

@@ -100,9 +100,9 @@ class RankOutput:
         try:
             self.tick()
             for (rank, kind), buffer in self.buffers.items():
-                rest = buffer.rest()
-                if rest and not self.bars.end((rank, kind), rest):
-                    self._emit(rank, kind, rest)
+                for line, redrawn in buffer.rest():
+                    if not (redrawn and self.bars.end((rank, kind), line)):
+                        self._emit(rank, kind, line)
             self.bars.finish()
             for rank, kind, line in sorted(self.lines, key=lambda item: item[0]):
                 write(kind, f"[rank {rank}] {line}\n")
