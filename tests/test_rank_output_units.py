@@ -250,7 +250,8 @@ def test_clear_output_from_a_shown_rank_clears_the_cell_in_a_notebook_only(publi
 
 
 def test_outside_a_notebook_new_displays_show_at_once_and_updates_only_at_the_end(publisher):
-    displays = RankDisplays({0}, notebook=False)
+    cleared: list[int] = []
+    displays = RankDisplays({0}, notebook=False, before_print=lambda: cleared.append(len(publisher.published)))
     displays.take(message(0, "display_data", {"text/plain": "table 0"}, display_id="t"))
     displays.take(message(0, "update_display_data", {"text/plain": "table 1"}, display_id="t"))
     displays.flush()
@@ -260,6 +261,7 @@ def test_outside_a_notebook_new_displays_show_at_once_and_updates_only_at_the_en
     displays.flush(final=True)
     assert [(p["data"]["text/plain"], p["update"]) for p in publisher.published] == [("table 0", False),
                                                                                     ("table 2", False)]
+    assert cleared == [0, 1]  # a terminal's bars made room before each
 
 
 def test_several_ranks_shown_are_labelled(publisher, capsys):

@@ -21,7 +21,7 @@ with the rank in the output's metadata:
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from nbddp.cells.rank_messages import RankMessage
 
@@ -31,11 +31,14 @@ Displays = int | list[int] | slice | str | bool | None  # a rank, a list, a slic
 class RankDisplays:
     """Publish the chosen ranks' rich output; ``take`` each message, ``flush`` at every tick."""
 
-    def __init__(self, shown: set[int] | None, notebook: bool, live: bool = True, label: bool = False):
+    def __init__(self, shown: set[int] | None, notebook: bool, live: bool = True, label: bool = False,
+                 before_print: Callable[[], None] | None = None):
         """``shown``: the ranks whose output is published (None: every rank); ``notebook``: a Jupyter kernel
         (updates and clears work); ``live``: publish at each tick, else all at ``flush(final=True)``;
-        ``label``: print ``[rank N] display:`` before each new display (several ranks shown)."""
+        ``label``: print ``[rank N] display:`` before each new display (several ranks shown);
+        ``before_print``: called before text is printed outside a notebook (a terminal's bars make room)."""
         self.shown, self.notebook, self.live, self.label = shown, notebook, live, label
+        self.before_print = before_print
         self.pending: list[RankMessage] = []  # in order; updates folded by display id
         self.updates: dict[str, int] = {}  # display id -> index of its pending update
         self.cleared = False  # a clear_output was published since the caller last asked
@@ -80,6 +83,8 @@ class RankDisplays:
         metadata["nbddp"] = {"rank": message.rank}
         transient = content.get("transient") or None
         update = message.kind == "update_display_data"
+        if not self.notebook and self.before_print is not None:
+            self.before_print()
         if self.label and not update:
             sys.stdout.write(f"[rank {message.rank}] display:\n")
             sys.stdout.flush()

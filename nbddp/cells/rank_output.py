@@ -52,8 +52,8 @@ class RankOutput:
         self.bars = LiveLines(drawing if live else "plain")
         chosen = None if shown is None else set(shown)
         several = len(ars) > 1 if chosen is None else len(chosen & set(ars)) > 1
-        self.displays = RankDisplays(chosen, notebook=drawing == "display",
-                                     live=live, label=several)
+        self.displays = RankDisplays(chosen, notebook=drawing == "display", live=live, label=several,
+                                     before_print=self.bars.before_print)
         self.lines: list[tuple[int, str, str]] = []  # (rank, stream, line) held back when not live
 
     def tick(self) -> None:
