@@ -144,6 +144,11 @@ def test_nested_bars_show_both_rows_while_running_and_leave_the_outer_bar(ip, wo
     assert ("stdout", "[rank 1] trained 1\n") in written
 
 
+def test_no_stream_prints_each_bars_final_line_grouped_by_rank(ip, workers, written):
+    ip.run_cell_magic("ddp", "--no-stream", "from tqdm import tqdm\nfor _ in tqdm(range(200)):\n    pass")
+    assert [BAR.search(text).group(1, 3) for kind, text in written if kind == "stderr"] == [("0", "200"), ("1", "200")]
+
+
 FIGURE_CELL = """
 import matplotlib.pyplot as plt
 plt.plot([0, 1], [rank, rank])
