@@ -27,6 +27,12 @@ measured inside the workers (torchrun_train's ``loop_s`` /
 ``time_split_cost``: what the always-on time split (issue 35) adds to a
 step, in this process, and its share of this benchmark's step.
 
+``output`` (``output_cost.py``): what showing the ranks' output costs a
+``%%ddp`` call since issue 46 (every message taken in order, bars drawn in
+place, displays republished), against main's reader, on the same workers in
+turns: a quiet cell and a cell with a 200-step tqdm bar; the ratio new /
+main, and the kernel's time per message.
+
 ``source_shipping``: what carrying the person's source lines costs a call
 (``nbddp.shipping.source_lines``), in this process: packing a model whose class comes from
 a 200-line notebook cell, with cloudpickle alone and with nbddp's pickler,
@@ -48,7 +54,7 @@ from pathlib import Path as _Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     _sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, epoch_round_trip, torchrun_train, warm_calls  # noqa: E402
+from benchmarks import common, epoch_round_trip, output_cost, torchrun_train, warm_calls  # noqa: E402
 
 NAME = "latency"
 CALLS = 3  # fits in a row per turn (1 with --quick: each torchrun or accelerate call is a new job of seconds)
@@ -236,6 +242,10 @@ def main(quick: bool = False, reps: int | None = None) -> dict:
                        f"fit's step, {cost['share_of_1ms_step']:.3%} of a 1 ms step), {cost['sync_us']:.1f} us a record")
             out["warm"] = warm_calls.measure(reps=6 if quick else 30, big_layers=2 if quick else 24)
             print_warm(out["warm"])
+            out["output"] = shown = output_cost.measure(reps=3 if quick else 15)
+            common.log(f"the ranks' output: x{shown['ratio_new_over_main']['quiet']:.3f} (quiet cell), "
+                       f"x{shown['ratio_new_over_main']['bar']:.3f} (200-step bar) of main's reader; "
+                       f"{shown['tick_us_per_message']:.1f} us of the kernel's time a message")
             out["epoch_round_trip"] = rt = epoch_round_trip.measure(reps=2 if quick else 7, epochs=5 if quick else 20)
             common.log(f"synchronous on_epoch_end: {rt['round_trip_ms']:.1f} ms a round trip per epoch (median of "
                        f"{rt['reps']} paired fits of {rt['epochs']} epochs; an epoch without it "
@@ -308,6 +318,7 @@ def summary_rows(res: dict) -> list[dict]:
     base = res.get("summary", {}).get("nbddp_warm", {}).get("overhead_s", {}).get("median")
     warm = warm_calls.rows(res["warm"]) if "warm" in res else []
     warm += epoch_round_trip.rows(res["epoch_round_trip"]) if "epoch_round_trip" in res else []
+    warm += output_cost.rows(res["output"]) if "output" in res else []
     return warm + [
         {"bench": "latency", "competitor": n, "metric": "overhead s/call",
          "median": s["overhead_s"]["median"], "ratio": common.ratio(s["overhead_s"]["median"], base),

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
 
     from nbddp.cells.call_handle import CallHandle
+    from nbddp.cells.rank_displays import Displays
     from nbddp.fit.fit_run import FitRun
     from nbddp.inference.predict_run import PredictHandle
     from nbddp.sweeps.handle import SweepHandle
@@ -102,41 +103,50 @@ def status() -> dict[str, Any]:
 
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[True] = True, live: LiveChoice = None,
-        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any]: ...
+        loggers: Any = None, callbacks: Any = None, displays: Displays = None, **kwargs: Any) -> list[Any]: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: Literal[False], live: LiveChoice = None,
-        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> CallHandle: ...
+        loggers: Any = None, callbacks: Any = None, displays: Displays = None, **kwargs: Any) -> CallHandle: ...
 @overload
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any] | CallHandle: ...
+        loggers: Any = None, callbacks: Any = None, displays: Displays = None,
+        **kwargs: Any) -> list[Any] | CallHandle: ...
 
 
 def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice = None,
-        loggers: Any = None, callbacks: Any = None, **kwargs: Any) -> list[Any] | CallHandle:
+        loggers: Any = None, callbacks: Any = None, displays: Displays = None,
+        **kwargs: Any) -> list[Any] | CallHandle:
     """Call ``fn(*args, **kwargs)`` on every rank (process group ready); results in rank order.
 
     ``fn`` may be defined in the notebook: it travels by value. Inside it,
     ``torch.distributed`` is initialised (``dist.get_rank()`` works). What it
     prints is shown labelled ``[rank N]``.
 
-    ``block``, ``live``, ``loggers`` and ``callbacks`` are ``run``'s own (a
-    keyword of ``fn`` with one of these names goes through ``functools.partial``):
+    ``block``, ``live``, ``loggers``, ``callbacks`` and ``displays`` are
+    ``run``'s own (a keyword of ``fn`` with one of these names goes through
+    ``functools.partial``):
 
     * ``block=False`` returns a ``CallHandle`` at once, a
       ``concurrent.futures.Future`` of the list (``result()``, ``done()``,
       ``stop()``, ``await handle``, ...), as ipyparallel's ``apply_async``;
       what the ranks print is kept on it (``display_outputs()``).
     * ``live``: ``True``, ``None``, ``"widget"`` or ``"text"`` print the
-      ranks' output as it arrives, and show what ``fn`` reports
-      (``nbddp.report``) in dist_fit's live view; ``False`` shows neither.
+      ranks' output as it arrives, progress bars (``\r``) redrawn in place,
+      one line per rank (``"widget"``: as a notebook display, ``"text"``:
+      as text), and show what ``fn`` reports (``nbddp.report``) in
+      dist_fit's live view; ``False`` shows neither.
     * ``loggers``, ``callbacks``: as ``dist_fit``'s, fed the reduced reports
       from the kernel; an ``EarlyStopping`` ends the call through
       ``nbddp.should_stop()``.
+    * ``displays``: whose rich output (``plt.show()``, ``display(...)``,
+      HTML progress tables) is shown under the cell: rank 0 by default, a
+      rank, a list of ranks, ``"all"`` or ``"none"``.
 
     The list (a ``RankResults``) carries ``.history``: the ``History`` of
     what ``fn`` reported (None if nothing), also ``nbddp.last_history()``.
     """
     from nbddp.cells.function_calls import call_everywhere, start_everywhere
+    from nbddp.cells.live_lines import drawing_for
     from nbddp.cells.reported_call import hooks_for
     from nbddp.execution.handle import check_block
     from nbddp.live.choice import live_choice
@@ -152,8 +162,9 @@ def run(fn: Callable[..., Any], *args: Any, block: bool = True, live: LiveChoice
             raise ValueError("nbddp.run(block=False) takes no loggers= or callbacks= yet: their records are fed "
                              "while a cell waits. Use block=True, or call nbddp.last_history() after the handle "
                              "ended and log from it")
-        return start_everywhere(get_session(), fn, args, kwargs)
-    return call_everywhere(get_session(), fn, args, kwargs, output=live is not False, live=live, hooks=hooks)
+        return start_everywhere(get_session(), fn, args, kwargs, displays=displays)
+    return call_everywhere(get_session(), fn, args, kwargs, output=live is not False, live=live, hooks=hooks,
+                           displays=displays, drawing=drawing_for(live))
 
 
 @overload

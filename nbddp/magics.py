@@ -7,7 +7,7 @@
                                              memory probe of every worker
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
 ``%ddp pull NAME... [--targets T]``          ``nbddp.pull(NAME, ..., rank=R)`` (or ``ranks=``)
-``%ddp script PATH [ARGS...]``               ``nbddp.run_script(PATH, *ARGS)``
+``%ddp script [--displays R] PATH [ARGS]``   ``nbddp.run_script(PATH, *ARGS, displays=R)``
 ``%ddp stacks [--targets T] [--timeout S]``  ``nbddp.stacks()``: every rank's stack now
 ``%ddp debug [RANK] [--clear]``              ``nbddp.debug(RANK)``: pdb on a failed or paused
                                              rank; ``--clear`` drops kept failures
@@ -17,6 +17,8 @@
                                              cell reports (``nbddp.report``)
 ``%%ddp --noblock``                          ``nbddp.run_cell(cell, block=False)``: the
                                              cell's value is a ``CallHandle`` (``_``)
+``%%ddp --displays all``                     ``nbddp.run_cell(cell, displays="all")``: every
+                                             rank's plots, not only the first rank's
 ==========================================  =====================================
 
 ``--targets`` is ipyparallel's spelling: one rank (``1``), a list
@@ -98,6 +100,7 @@ def _push(): """Send notebook variables to every rank's %%ddp namespace."""  # n
 
 
 @magic_arguments("%ddp script")
+@argument("--displays", default=None, help="whose plots and other rich output to show (before PATH): 0,1, all or none")
 @argument("path", metavar="PATH", help="the script, relative to the notebook's folder")
 @argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments (its sys.argv[1:])")
 def _script(): """Run a script written for torchrun on every rank; the same as nbddp.run_script()."""  # noqa: E704
@@ -119,6 +122,8 @@ def _debug(): """pdb on a failed rank's frame or a rank paused at breakpoint(); 
 @argument("--targets", "--ranks", dest="targets", default=None,
           help="the ranks to run on: 0,2, a slice such as ::2 or 1:, or all (default: all)")
 @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends, grouped by rank")
+@argument("--displays", default=None,
+          help="whose plots and other rich output to show: 0 (default: the first rank), 0,1, ::2, all or none")
 @argument("--block", dest="block", action="store_const", const=True, default=True, help="wait for the cell (default)")
 @argument("--noblock", dest="block", action="store_const", const=False,
           help="return at once with a CallHandle (the cell's value, so _): result() is each rank's value")
@@ -199,6 +204,20 @@ def parse_targets(text: str | None, func: Parsed) -> list[int] | slice | int | N
     return ranks[0] if len(ranks) == 1 and "," not in flat else sorted(set(ranks))
 
 
+def parse_displays(text: str | None, func: Parsed) -> Any:
+    """``--displays``: None (the first rank), ``all``, ``none``, or ranks as ``--targets`` spells them."""
+    if text is None:
+        return None
+    flat = text.strip().lower()
+    if flat in ("all", "none"):
+        return flat
+    try:
+        return parse_targets(text, func)
+    except UsageError:
+        raise misuse(func, f"--displays takes ranks like 0 or 0,1, a slice like ::2, 'all' or 'none'; "
+                           f"got {text!r}") from None
+
+
 # ---- the magics ----------------------------------------------------------------
 @magics_class
 class DDPMagics(Magics):
@@ -216,9 +235,14 @@ class DDPMagics(Magics):
             raise UsageError(f"%ddp has no sub-command {command!r}.\n{usage()}")
         if command == "script":  # the script's own arguments are its business: split like a shell, parse nothing
             words = shlex.split(rest)
+            displays = None
+            if words[:1] == ["--displays"] or words[:1] and words[0].startswith("--displays="):
+                value = words[0].partition("=")[2] if "=" in words[0] else (words[1] if len(words) > 1 else "")
+                words = words[1:] if "=" in words[0] else words[2:]
+                displays = parse_displays(value, _script)
             if not words:
                 raise UsageError(f"%ddp script needs the script's path, e.g. %ddp script train.py --lr 0.1\n{usage()}")
-            args = argparse.Namespace(path=words[0], args=words[1:])
+            args = argparse.Namespace(path=words[0], args=words[1:], displays=displays)
         else:
             args = parse(func, rest)
         args.line = rest  # (which spelling of a flag the person used, for messages)
@@ -237,7 +261,7 @@ class DDPMagics(Magics):
         loggers, callbacks = self._hooks(args.hooks)
         try:
             return run_cell(cell, parse_targets(args.targets, _cell), stream=not args.no_stream, block=args.block,
-                            loggers=loggers, callbacks=callbacks)
+                            loggers=loggers, callbacks=callbacks, displays=parse_displays(args.displays, _cell))
         except UnknownRanks as exc:
             raise misuse(_cell, f"%%ddp {flag_in(line)} {args.targets}: {exc.detail}") from None
 
@@ -294,7 +318,7 @@ class DDPMagics(Magics):
     def _do_script(self, args: argparse.Namespace) -> None:
         from nbddp.cells.scripts import run_script
 
-        run_script(args.path, *args.args)
+        run_script(args.path, *args.args, displays=args.displays)
 
     def _do_stacks(self, args: argparse.Namespace) -> None:
         from nbddp.execution.calls import UnknownRanks

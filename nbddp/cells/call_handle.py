@@ -9,14 +9,17 @@ in rank order, as ipyparallel's ``AsyncResult.get()`` gives them.
 What the ranks print is not written under whichever cell happens to run
 then: the handle keeps it, as ``%%px --noblock`` does, and
 ``display_outputs()`` prints it labelled ``[rank N]`` (``stdout`` and
-``stderr`` give it by rank).
+``stderr`` give it by rank), then shows the figures and other displays of the
+ranks ``displays=`` chose.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Callable, cast
 
+from nbddp.cells.rank_displays import publish
 from nbddp.cells.rank_output import output_of, write
 from nbddp.cells.reported_call import watch_reports
 from nbddp.execution.calls import RankCall, call_on_ranks
@@ -47,11 +50,13 @@ class CallHandle(WorkHandle[list[Any]]):
     ``KeyboardInterrupt`` as in a blocking cell and the call returns nothing.
     """
 
-    def __init__(self, call: RankCall, cleanup: Callable[[], None] | None = None):
+    def __init__(self, call: RankCall, cleanup: Callable[[], None] | None = None,
+                 shown: Collection[int] | None = ()):
         super().__init__(call, call.what)
         self._call = call
         self._cleanup = cleanup
         self.history: History | None = None  # what the call reported (nbddp.report), once it ended
+        self._shown = None if shown is None else set(shown)  # whose rich output display_outputs() shows
         self.ranks = sorted(call.tasks.ars)
         self._thread = threading.Thread(target=self.settle, args=(self._finish,), name="nbddp-call-wait", daemon=True)
         self._thread.start()
@@ -82,11 +87,17 @@ class CallHandle(WorkHandle[list[Any]]):
         return {rank: output_of(ar, "stderr") for rank, ar in sorted(self._call.tasks.ars.items())}
 
     def display_outputs(self) -> None:
-        """Print what every rank printed so far, labelled ``[rank N]``, rank by rank (stderr on stderr)."""
+        """Print what every rank printed so far, labelled ``[rank N]``, rank by rank (stderr on stderr), then
+        publish the rich output (figures, HTML) of the ranks ``displays=`` chose, as ipyparallel's does."""
         for kind, texts in (("stdout", self.stdout), ("stderr", self.stderr)):
             for rank, text in texts.items():
                 for line in text.splitlines():
                     write(kind, f"[rank {rank}] {line}\n")
+        for rank, ar in sorted(self._call.tasks.ars.items()):
+            if self._shown is None or rank in self._shown:
+                for content in getattr(ar, "outputs", None) or []:
+                    metadata = {**(content.get("metadata") or {}), "nbddp": {"rank": rank}}
+                    publish(content.get("data") or {}, metadata, content.get("transient") or None, update=False)
 
     def __repr__(self) -> str:
         return f"<CallHandle {self.what} on ranks {self.ranks}: {self.state()}>"
@@ -104,13 +115,14 @@ def unpacked(results: dict[int, shipping.Parcel | None]) -> list[Any]:
 
 def start_call(session: SessionLike, what: str, fn: Callable[..., Any],
                args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
-               cleanup: Callable[[], None] | None = None) -> CallHandle:
+               cleanup: Callable[[], None] | None = None, shown: Collection[int] | None = ()) -> CallHandle:
     """Launch ``fn(*args_for(p))`` on ``ranks`` (each must return a ``Parcel`` or None) and hand back its handle;
-    ``cleanup()`` runs once the call ended (or failed to launch)."""
+    ``cleanup()`` runs once the call ended (or failed to launch); ``shown``: whose rich output
+    ``display_outputs()`` publishes (None: every rank's)."""
     try:
         call = call_on_ranks(session, what, fn, args_for, ranks)
     except BaseException:
         if cleanup is not None:
             cleanup()
         raise
-    return CallHandle(call, cleanup)
+    return CallHandle(call, cleanup, shown)

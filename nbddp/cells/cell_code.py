@@ -17,9 +17,10 @@ from typing import Any
 from nbddp.shipping import pickling as shipping
 from nbddp.cells.call_handle import CallHandle, start_call
 from nbddp.execution.handle import check_block
-from nbddp.cells.rank_output import run_on_ranks
-from nbddp.live.choice import LiveChoice
+from nbddp.cells.rank_displays import Displays
+from nbddp.cells.rank_output import run_on_ranks, shown_for
 from nbddp.cells.reported_call import hooks_for, run_reporting
+from nbddp.live.choice import LiveChoice
 from nbddp.execution.calls import Targets
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import get_session
@@ -29,7 +30,7 @@ _CELL_NUMBERS = itertools.count(1)
 
 
 def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bool = True, loggers: Any = None,
-             callbacks: Any = None, live: LiveChoice = None) -> CallHandle | None:
+             callbacks: Any = None, live: LiveChoice = None, displays: Displays = None) -> CallHandle | None:
     """Run ``code`` on every rank (or ``ranks``), as ``%%ddp`` does; print each rank's output labelled.
 
     Args:
@@ -49,6 +50,11 @@ def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bo
             (``nbddp.report``), from the kernel (``%%ddp --hooks NAME``).
         live: the view of what the cell reports (``live=`` as everywhere);
             nothing shows for a cell that reports nothing.
+        displays: whose rich output (figures, HTML, widgets' snapshots) is
+            shown under the cell: by default the lowest rank it runs on
+            (rank 0); a rank, a list of ranks, ``"all"`` or ``"none"``
+            (``%%ddp --displays``). Figures a cell leaves open are shown at
+            its end on those ranks, as a notebook's inline backend does.
 
     Raises:
         SyntaxError: before any rank runs.
@@ -65,11 +71,17 @@ def run_cell(code: str, ranks: Targets = None, *, stream: bool = True, block: bo
     ast.parse(code, filename=filename)  # a SyntaxError is raised here, before any rank runs
     register_text(filename, code)  # nbddp.stacks() and the debugger show its lines
     s = get_session()
+    shown = shown_for(s, displays, ranks, "run_cell")
+
+    def shows(p: Placement) -> bool:  # a rank whose displays are shown draws the figures left open at the end
+        return shown is None or p.rank in shown
+
     if not block:
-        return start_call(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, True), ranks)
+        return start_call(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, True, shows(p)),
+                          ranks, shown=shown)
     hooks = hooks_for(loggers, callbacks)
-    run_reporting(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation), ranks, output=stream,
-                  live=live, hooks=hooks)
+    run_reporting(s, "%%ddp cell", remote_cell, lambda p: (code, number, s.generation, False, shows(p)), ranks,
+                  output=stream, live=live, hooks=hooks, shown=shown)
     return None
 
 

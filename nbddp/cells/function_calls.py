@@ -7,8 +7,11 @@ from typing import Any, Callable
 from nbddp.shipping import pickling as shipping
 from nbddp.cells.call_handle import CallHandle, start_call, unpacked
 from nbddp.callbacks.fit_hooks import FitHooks
-from nbddp.live.choice import LiveChoice
+from nbddp.cells.live_lines import Drawing
+from nbddp.cells.rank_displays import Displays
+from nbddp.cells.rank_output import shown_for
 from nbddp.cells.reported_call import RankResults, run_reporting
+from nbddp.live.choice import LiveChoice
 from nbddp.protocol.placement import Placement
 from nbddp.session.session import Session
 
@@ -32,15 +35,20 @@ class Shipped:
 
 
 def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                    output: bool = True, live: LiveChoice = None, hooks: FitHooks | None = None) -> RankResults:
-    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``); what it
-    reports shown (``live``) and given to ``hooks``: the values in rank order, with the History (``.history``)."""
+                    output: bool = True, live: LiveChoice = None, hooks: FitHooks | None = None,
+                    displays: Displays = None, drawing: Drawing | None = None) -> RankResults:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; its output labelled by rank (``output``), the
+    rich output of the ranks ``displays`` names, bars drawn as ``drawing`` says (``nbddp.cells.rank_output``);
+    what it reports shown (``live``) and given to ``hooks``: the values in rank order, with the History
+    (``.history``)."""
     from nbddp.worker.tasks.entry import call_task
 
+    shown = shown_for(session, displays, None, "nbddp.run") if output else set()
     shipped = Shipped(session, fn, args, kwargs)
     try:
         results, history = run_reporting(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for,
-                                         output=True if output else None, live=live, hooks=hooks)
+                                         output=True if output else None, live=live, hooks=hooks, shown=shown,
+                                         drawing=drawing)
     finally:
         shipped.discard()
     values = RankResults(unpacked(results))
@@ -49,9 +57,12 @@ def call_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, .
 
 
 def start_everywhere(session: Session, fn: Callable[..., Any], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> CallHandle:
-    """``run(..., block=False)``: the same call, handed back at once as a ``CallHandle`` (which keeps the output)."""
+                     kwargs: dict[str, Any], displays: Displays = None) -> CallHandle:
+    """``run(..., block=False)``: the same call, handed back at once as a ``CallHandle`` (which keeps the output;
+    ``display_outputs()`` shows the displays of the ranks ``displays`` names)."""
     from nbddp.worker.tasks.entry import call_task
 
+    shown = shown_for(session, displays, None, "nbddp.run")
     shipped = Shipped(session, fn, args, kwargs)
-    return start_call(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for, cleanup=shipped.discard)
+    return start_call(session, f"nbddp.run({shipped.name})", call_task, shipped.args_for, cleanup=shipped.discard,
+                      shown=shown)

@@ -1,16 +1,29 @@
-"""Each rank's output in the notebook, line by line, labelled ``[rank N]``, and the calls that print it.
+"""Each rank's output in the notebook, labelled ``[rank N]``, and the calls that print it.
 
-Engine output reaches the kernel in batches (a 0.2 s flush interval); it is
-polled while a cell, call or script waits, and printed as complete lines.
+Engine output reaches the kernel in batches (a 0.2 s flush interval). Every
+message is taken in order (``nbddp.cells.rank_messages.RankInbox``) and
+drained while a cell, call or script waits:
+
+* stream text becomes lines as a terminal shows them
+  (``nbddp.cells.line_buffer``): complete lines are printed labelled, a
+  line redrawn with ``\\r`` (a tqdm bar) is drawn in place, one line per rank
+  (``nbddp.cells.live_lines``), and ends as one readable line;
+* rich output (figures, HTML, widgets' snapshots) of the ranks chosen by
+  ``displays=`` is published under the cell (``nbddp.cells.rank_displays``).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Callable
 
-from nbddp.execution.calls import Targets, call_on_ranks
+from nbddp.cells.line_buffer import LineBuffer
+from nbddp.cells.live_lines import Drawing, LiveLines, drawing_here
+from nbddp.cells.rank_displays import Displays, RankDisplays, shown_ranks
+from nbddp.cells.rank_messages import RankInbox
+from nbddp.execution.calls import RankCall, Targets, call_on_ranks, chosen_ranks
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.protocol.placement import Placement
@@ -22,43 +35,61 @@ OUTPUT_WAIT_S = 2.0
 
 
 class RankOutput:
-    """Each rank's engine stdout/stderr, printed as complete lines with a ``[rank N]`` label.
+    """Each rank's engine output, shown as it arrives (``live``) or, grouped by rank, when the call ends.
 
-    ``live``: print as it arrives (polled at every tick); otherwise print
-    everything, grouped by rank, when the cell ends.
+    ``shown``: the ranks whose rich output is published (None: all);
+    ``drawing``: how bars are drawn in place (``nbddp.cells.live_lines``; by default what this kernel allows).
     """
 
-    def __init__(self, ars: dict[int, AsyncResult], live: bool = True):
+    def __init__(self, ars: dict[int, AsyncResult], inbox: RankInbox, live: bool = True,
+                 shown: Collection[int] | None = (), drawing: Drawing | None = None):
+        """``inbox``: the ranks' messages, attached to each task before it was sent (``run_on_ranks``)."""
         self.ars = ars
         self.live = live
-        self.seen = {(r, k): 0 for r in ars for k in ("stdout", "stderr")}
-        self.partial = {key: "" for key in self.seen}
+        drawing = drawing or drawing_here()
+        self.inbox = inbox
+        self.buffers = {(r, k): LineBuffer() for r in ars for k in ("stdout", "stderr")}
+        self.bars = LiveLines(drawing if live else "plain")
+        chosen = None if shown is None else set(shown)
+        several = len(ars) > 1 if chosen is None else len(chosen & set(ars)) > 1
+        self.displays = RankDisplays(chosen, notebook=drawing == "display", live=live, label=several,
+                                     before_print=self.bars.before_print)
         self.lines: list[tuple[int, str, str]] = []  # (rank, stream, line) held back when not live
 
     def tick(self) -> None:
-        for rank, ar in self.ars.items():
-            for kind in ("stdout", "stderr"):
-                self._take(rank, kind, output_of(ar, kind))
+        for message in self.inbox.drain():
+            if message.kind == "stream":
+                self._take(message.rank, message.content.get("name", ""), message.content.get("text", ""))
+            else:
+                self.displays.take(message)
+        self.displays.flush()
+        if self.displays.cleared:
+            self.displays.cleared = False
+            self.bars.forget()
+        self.bars.draw()
 
     def _take(self, rank: int, kind: str, text: str) -> None:
         key = (rank, kind)
-        new = text[self.seen[key]:]
-        if not new:
+        buffer = self.buffers.get(key)
+        if buffer is None or not isinstance(text, str):
             return
-        self.seen[key] = len(text)
-        *complete, rest = (self.partial[key] + new).split("\n")
-        self.partial[key] = rest
-        for line in complete:
-            self._emit(rank, kind, line)
+        for line, rewritten in buffer.feed(text):
+            if not (rewritten and self.bars.end(key, line)):
+                self._emit(rank, kind, line)
+        if buffer.live:
+            replaced = self.bars.set(key, buffer.current)
+            if replaced is not None:
+                self._emit(rank, kind, replaced)
 
     def _emit(self, rank: int, kind: str, line: str) -> None:
         if self.live:
+            self.bars.before_print()
             write(kind, f"[rank {rank}] {line}\n")
         else:
             self.lines.append((rank, kind, line))
 
     def finish(self, tasks: RankTasks) -> None:
-        """Wait briefly for the last output of ranks that ended, then print the rest."""
+        """Wait briefly for the last output of ranks that ended, then show the rest."""
         deadline = time.monotonic() + OUTPUT_WAIT_S
         for rank, ar in self.ars.items():
             if rank in tasks.results or rank in tasks.failures:
@@ -66,16 +97,21 @@ class RankOutput:
                     ar.wait_for_output(max(0.01, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - output is best effort
                     pass
-        self.tick()
-        for (rank, kind), rest in self.partial.items():
-            if rest:
-                self._emit(rank, kind, rest)
-                self.partial[(rank, kind)] = ""
-        for rank, kind, line in sorted(self.lines, key=lambda item: item[0]):
-            write(kind, f"[rank {rank}] {line}\n")
-        self.lines.clear()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            self.tick()
+            for (rank, kind), buffer in self.buffers.items():
+                for line, redrawn in buffer.rest():
+                    if not (redrawn and self.bars.end((rank, kind), line)):
+                        self._emit(rank, kind, line)
+            self.bars.finish()
+            for rank, kind, line in sorted(self.lines, key=lambda item: item[0]):
+                write(kind, f"[rank {rank}] {line}\n")
+            self.lines.clear()
+            self.displays.flush(final=True)
+        finally:
+            self.inbox.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
 def output_of(ar: AsyncResult, key: str) -> str:
@@ -92,19 +128,45 @@ def write(kind: str, text: str) -> None:
     (sys.stderr if kind == "stderr" else sys.stdout).write(text)
 
 
+def shown_for(session: SessionLike, displays: Displays, ranks: Targets, what: str) -> set[int] | None:
+    """The ranks whose rich output ``displays=`` asks for (None: every rank), checked before any rank starts."""
+    session.ensure_started()
+    world = session.world_size
+    return shown_ranks(displays, chosen_ranks(ranks, world) or list(range(world)), world, what)
+
+
 def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
-                 output: bool | None = None) -> dict[int, Any]:
+                 output: bool | None = None, shown: Collection[int] | None = (),
+                 drawing: Drawing | None = None) -> dict[int, Any]:
     """Start the default workers if needed, run ``fn(*args_for(p))`` on ``ranks``, wait: results by rank.
 
-    ``output``: print what the ranks print, labelled ``[rank N]``, as it
-    arrives (True) or grouped by rank at the end (False); None prints nothing.
+    ``output``: show what the ranks print, labelled ``[rank N]``, as it
+    arrives (True) or grouped by rank at the end (False); None shows nothing.
+    ``shown``: the ranks whose rich output is shown (None: all; ``shown_for``); ``drawing``: how bars are drawn
+    in place (default: what this kernel allows).
     """
-    call = call_on_ranks(session, what, fn, args_for, ranks)
-    if output is None:
+    call, printer = call_with_output(session, what, fn, args_for, ranks, output, shown, drawing)
+    if printer is None:
         return call.wait()
-    printer = RankOutput(call.tasks.ars, live=output)
     try:
         return call.wait(on_tick=printer.tick)
     finally:
         printer.finish(call.tasks)
+
+
+def call_with_output(session: SessionLike, what: str, fn: Callable[..., Any],
+                     args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
+                     output: bool | None = None, shown: Collection[int] | None = (),
+                     drawing: Drawing | None = None) -> tuple[RankCall, RankOutput | None]:
+    """Launch the call with its output listened to from before it is sent (``output`` None: no printer); the
+    caller waits, ticking the printer, and finishes it (``run_on_ranks``, ``cells/reported_call.py``)."""
+    if output is None:
+        return call_on_ranks(session, what, fn, args_for, ranks), None
+    inbox = RankInbox()
+    try:
+        call = call_on_ranks(session, what, fn, args_for, ranks, listen=inbox.attach)
+    except BaseException:
+        inbox.close()
+        raise
+    return call, RankOutput(call.tasks.ars, inbox, live=output, shown=shown, drawing=drawing)

@@ -22,10 +22,12 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Collection
 from typing import Any
 
 from nbddp.callbacks.fit_hooks import FitHooks
-from nbddp.cells.rank_output import RankOutput
+from nbddp.cells.live_lines import Drawing
+from nbddp.cells.rank_output import RankOutput, call_with_output
 from nbddp.execution.calls import RankCall
 from nbddp.fit.history import History
 from nbddp.live import NullView, View, choose_view
@@ -248,11 +250,11 @@ class ReportedRun:
                    f"STOP_LEAD_S={STOP_LEAD_S} s of lead", stacklevel=2)
 
 
-def watch_reports(session: Session, call: RankCall, output: bool | None, live: LiveChoice,
+def watch_reports(session: Session, call: RankCall, printer: RankOutput | None, live: LiveChoice,
                   hooks: FitHooks | None) -> tuple[dict[int, Any], History | None]:
-    """Wait for ``call`` (its output printed as ``run_on_ranks`` does); its results and the History it reported."""
+    """Wait for ``call`` (its output shown by ``printer``, as ``run_on_ranks`` does; None: not shown); its results
+    and the History it reported."""
     run = ReportedRun(session, call, live, hooks)
-    printer = RankOutput(call.tasks.ars, live=bool(output)) if output is not None else None
 
     broken: list[str] = []
 
@@ -303,12 +305,11 @@ class RankResults(list[Any]):
 
 
 def run_reporting(session: Session, what: str, fn: Any, args_for: Any, ranks: Any = None, output: bool | None = True,
-                  live: LiveChoice = None, hooks: FitHooks | None = None) -> tuple[dict[int, Any], History | None]:
+                  live: LiveChoice = None, hooks: FitHooks | None = None, shown: Collection[int] | None = (),
+                  drawing: Drawing | None = None) -> tuple[dict[int, Any], History | None]:
     """``run_on_ranks`` (``cells/rank_output.py``) that also shows what the ranks report: results, History."""
-    from nbddp.execution.calls import call_on_ranks
-
-    call = call_on_ranks(session, what, fn, args_for, ranks)
-    return watch_reports(session, call, output, live, hooks)
+    call, printer = call_with_output(session, what, fn, args_for, ranks, output, shown, drawing)
+    return watch_reports(session, call, printer, live, hooks)
 
 
 def hooks_for(loggers: Any, callbacks: Any) -> FitHooks | None:

@@ -11,18 +11,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbddp.live.choice import LiveChoice
+from nbddp.cells.rank_displays import Displays
+from nbddp.cells.rank_output import shown_for
 from nbddp.cells.reported_call import RankResults, hooks_for, run_reporting
+from nbddp.live.choice import LiveChoice
 from nbddp.session.session import get_session
 
 
 def run_script(path: str | os.PathLike, *args: Any, loggers: Any = None, callbacks: Any = None,
-               live: LiveChoice = None) -> RankResults:
+               live: LiveChoice = None, displays: Displays = None) -> RankResults:
     """Run the script at ``path`` on every rank as ``__main__`` with ``sys.argv = [path, *args]``.
 
     Relative paths, in ``path`` and inside the script, resolve from the
     notebook's folder (the kernel's working directory). Output is labelled
-    by rank. ``sys.exit(0)`` counts as success; an exception or another exit
+    by rank, progress bars drawn in place; ``displays`` says whose rich
+    output (``plt.show()``, ``display(...)``) is shown: rank 0 by default, a
+    rank, a list, ``"all"`` or ``"none"``. ``sys.exit(0)`` counts as success; an exception or another exit
     status raises ``WorkerError`` naming the rank. Kernel > Interrupt stops
     the script on every rank.
 
@@ -46,11 +50,12 @@ def run_script(path: str | os.PathLike, *args: Any, loggers: Any = None, callbac
     compile(source, full, "exec")  # a SyntaxError is raised here, before any rank runs
     argv = [str(a) for a in args]
     s = get_session()
+    what = f"the script {os.path.basename(full)}"
+    shown = shown_for(s, displays, None, "run_script")
     cwd = os.getcwd()
     hooks = hooks_for(loggers, callbacks)
-    results, history = run_reporting(s, f"the script {os.path.basename(full)}", remote_script,
-                                     lambda p: (source, full, argv, cwd, s.generation), output=True, live=live,
-                                     hooks=hooks)
+    results, history = run_reporting(s, what, remote_script, lambda p: (source, full, argv, cwd, s.generation),
+                                     output=True, live=live, hooks=hooks, shown=shown)
     values = RankResults(results[rank] for rank in sorted(results))
     values.history = history
     return values

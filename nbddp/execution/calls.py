@@ -84,15 +84,16 @@ class RankCall(Work):
             self.done_event.wait(10.0)
 
     # ---- running -------------------------------------------------------------------
-    def launch(self, fn: Callable[..., Any], args_for: Callable[[Placement], tuple[Any, ...]]) -> list[Placement]:
+    def launch(self, fn: Callable[..., Any], args_for: Callable[[Placement], tuple[Any, ...]],
+               listen: Callable[[int, Any], None] | None = None) -> list[Placement]:
         """Send ``fn(*args_for(p))`` to every chosen rank ``p``; return the placements.
 
-        Call holding the session's lock, after ``ensure_ready()``.
+        Call holding the session's lock, after ``ensure_ready()``; ``listen``: see ``nbddp.execution.send.to_ranks``.
         """
         s = self.session
         chosen = placements_for(s, self.ranks)
         s.follow_kernel_paths()
-        self._tasks = RankTasks(s, to_ranks(s.client, chosen, fn, args_for), self.what,
+        self._tasks = RankTasks(s, to_ranks(s.client, chosen, fn, args_for, listen), self.what,
                                 failed_result=self.failed_result)
         s.running = self
         return chosen
@@ -180,12 +181,16 @@ def placements_for(session: SessionLike, ranks: Targets) -> list[Placement]:
 
 
 def call_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
-                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None) -> RankCall:
-    """Start the default workers if needed, launch ``fn`` on ``ranks`` under the lock: the call, to ``wait`` for."""
+                  args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
+                  listen: Callable[[int, Any], None] | None = None) -> RankCall:
+    """Start the default workers if needed, launch ``fn`` on ``ranks`` under the lock: the call, to ``wait`` for.
+
+    ``listen(rank, message_future)``: given each rank's task before it leaves (``nbddp.execution.send.to_ranks``).
+    """
     session.ensure_started()
     call = RankCall(session, what, ranks)
     with interrupts_held() as held, session.lock:
         session.ensure_ready()
-        call.launch(fn, args_for)
+        call.launch(fn, args_for, listen)
     call.held_interrupts = len(held)
     return call

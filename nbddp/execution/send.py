@@ -11,8 +11,11 @@ form for the few set-up calls whose failure the caller handles as one
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.protocol.placement import Placement
@@ -32,14 +35,51 @@ def to_engines(client: Client, engine_ids: Iterable[int], fn: Callable[..., Any]
 
 
 def to_ranks(client: Client, placements: Iterable[Placement], fn: Callable[..., Any],
-             args_for: Callable[[Placement], tuple[Any, ...]]) -> dict[int, AsyncResult]:
+             args_for: Callable[[Placement], tuple[Any, ...]],
+             listen: Callable[[int, Any], None] | None = None) -> dict[int, AsyncResult]:
     """``fn(*args_for(p))`` on each placement's engine: rank -> its ``AsyncResult``.
 
     ``args_for`` is called once per rank, in rank order, right before that
     rank's task is sent (a parcel packed for the first local rank is reused
-    by the next).
+    by the next). ``listen(rank, message_future)`` is given each task's
+    ipyparallel ``MessageFuture`` before the task leaves (``_futures_seen``):
+    the moment to add an output callback (``nbddp/cells/rank_messages.py``)
+    that misses nothing.
     """
-    return {p.rank: client[p.engine_id].apply_async(fn, *args_for(p)) for p in placements}
+    sent = {}
+    for p in placements:
+        args = args_for(p)
+        with _futures_seen(client, None if listen is None else functools.partial(listen, p.rank)):
+            sent[p.rank] = client[p.engine_id].apply_async(fn, *args)
+    return sent
+
+
+@contextlib.contextmanager
+def _futures_seen(client: Client, seen: Callable[[Any], None] | None) -> Iterator[None]:
+    """Hand ``seen`` the message future of each task this thread sends meanwhile, before it is sent.
+
+    ipyparallel creates a task's futures in the sending thread, then leaves
+    the sending to its IO thread, which may read the first replies before
+    the sender gets the ``AsyncResult`` back: a callback added then has
+    missed them (seen: a short cell's ``clear_output``). So the client's
+    ``create_message_futures`` is wrapped, for this thread, while it sends.
+    """
+    if seen is None:
+        yield
+        return
+    create, me = client.create_message_futures, threading.get_ident()
+
+    def create_message_futures(*args: Any, **kwargs: Any) -> Any:
+        futures = create(*args, **kwargs)
+        if threading.get_ident() == me and futures:
+            seen(futures[0])
+        return futures
+
+    client.create_message_futures = create_message_futures
+    try:
+        yield
+    finally:
+        del client.create_message_futures  # the class's method again
 
 
 def on_engines(client: Client, engine_ids: list[int], fn: Callable[..., Any], *args: Any) -> Any:

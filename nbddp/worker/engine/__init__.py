@@ -1,4 +1,5 @@
-"""The engine process itself: its state, torchrun's environment, the heartbeat and stack dumps, device meshes.
+"""The engine process itself: its state, torchrun's environment, the heartbeat and stack dumps, device meshes,
+the figures a cell leaves open (``figures.py``).
 
 Also how the groups beyond the world group end (``group_lifetime.py``: a
 subgroup destroyed, DTensor's caches forgotten), which the tasks, the data

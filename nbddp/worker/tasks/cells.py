@@ -20,6 +20,7 @@ from typing import Any
 
 from nbddp.shipping import pickling as shipping
 from nbddp.shipping.source_lines import register_text
+from nbddp.worker.engine.figures import show_open_figures
 from nbddp.worker.engine.rank_state import STATE
 from nbddp.worker.memory.release import run_task
 from nbddp.worker.tasks.user_task import user_task
@@ -35,18 +36,22 @@ def _namespace() -> dict[str, Any]:
     return ns
 
 
-def run_cell(source: str, cell_number: int, generation: int, keep_value: bool = False) -> shipping.Parcel | None:
+def run_cell(source: str, cell_number: int, generation: int, keep_value: bool = False,
+             figures: bool = False) -> shipping.Parcel | None:
     """Execute ``source`` in this worker's namespace; print the last expression's value.
 
     Like a notebook cell: names it defines persist for later cells, and a
     final bare expression that is not ``None`` is printed (``repr``).
     ``keep_value`` (``%%ddp --noblock``): that value also comes back, packed
-    (None without a final expression).
+    (None without a final expression). ``figures``: this rank's displays are
+    shown, so the figures the cell leaves open are drawn at its end
+    (``nbddp/worker/engine/figures.py``); otherwise they are closed.
     """
-    return run_task(_run_cell, source, cell_number, generation, keep_value)
+    return run_task(_run_cell, source, cell_number, generation, keep_value, figures)
 
 
-def _run_cell(source: str, cell_number: int, generation: int, keep_value: bool) -> shipping.Parcel | None:
+def _run_cell(source: str, cell_number: int, generation: int, keep_value: bool,
+              figures: bool) -> shipping.Parcel | None:
     ns = _namespace()
     filename = CELL_FILENAME.format(n=cell_number)
     register_text(filename, source)  # tracebacks, stacks and pdb show the cell's lines
@@ -65,6 +70,10 @@ def _run_cell(source: str, cell_number: int, generation: int, keep_value: bool) 
                 if value is not None:
                     print(repr(value))
     finally:
+        try:
+            show_open_figures(figures)
+        except Exception as exc:  # noqa: BLE001 - a figure that cannot be drawn must not hide the cell's own error
+            print(f"nbddp: could not draw the cell's figures: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
     if not keep_value or last is None:
