@@ -9,13 +9,22 @@ Two markups, both HTML comments (invisible on GitHub and in the API site):
       0.99<!-- src: 2026-11-30_104055.json row throughput/mlp nbddp_live_off "samples/s" ratio -->
 
   ``row BENCH COMPETITOR METRIC FIELD`` picks a row of the file's ``summary_rows`` (what
-  ``benchmarks/report.py`` prints); ``key K1 K2 ...`` walks the JSON (integers index lists). A last
+  ``benchmarks/report.py`` prints); ``key K1 K2 ...`` walks the JSON (integers index lists). In a key
+  path, ``*`` takes every item of a list (or every value of a dict) and walks the rest of the path in each,
+  and a last ``min``, ``max`` or ``median`` reduces the list reached: the ends of a range written
+  ``0.45-0.74`` are often the extremes of per-repetition figures that the file keeps only as a list. A last
   ``x1000`` scales the value (seconds written as ms). The written figure must equal the value rounded to
   as many decimals as it is written with (``0.99`` for 0.994; ``2.0`` for 1.95; ``15,654`` for 15654.2).
   The file is under ``benchmarks/results/``.
 
 * ``<!-- figures -->`` ... ``<!-- /figures -->`` marks measured prose: every number in it (outside
   backticks) must carry a source, so a figure typed by hand, with none, fails too.
+
+* ``<!-- goal -->`` or ``<!-- setting -->`` right after a number and its unit says it is not a measurement
+  (a goal, a threshold, a size chosen for a benchmark). ``unsourced`` lists every number followed by a
+  unit of measure (``ms``, ``s``, ``x``, ``%``, ``GB/s``, ``MiB``, ``samples/s``...) outside the figures
+  regions, the report blocks and code that has neither a source nor such a mark; the test holds
+  docs/performance.md to none.
 
 * ``<!-- report: FILE -->`` ... ``<!-- /report -->`` holds ``benchmarks/report.py FILE``'s output exactly
   (the table is generated from the file; an edit by hand fails).
@@ -34,10 +43,14 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-NUMBER = r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?"
+NUMBER = r"(?:(?<![\w.>])-)?(?<![\w.])\d[\d,]*(?:\.\d+)?"  # "-->-0.86": a range's dash, not a sign
 SOURCED = re.compile(rf"({NUMBER})\s?<!-- src: (.*?) -->")
 REGION = re.compile(r"<!-- figures -->(.*?)<!-- /figures -->", re.S)
 REPORT = re.compile(r"<!-- report: (\S+) -->\n(.*?)<!-- /report -->", re.S)
+UNIT = r"(?:µs|us|ms|s|min|x|%|[KMG]i?B/s|[KMG]i?B|samples/s)"
+MEASURE = re.compile(rf"({NUMBER}(?: ?(?:-|to|/|\+) ?{NUMBER})* ?{UNIT})(?![\w/])( ?<!-- (?:goal|setting) -->)?")
+REDUCERS = {"min": min, "max": max, "median": lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else
+            (sorted(xs)[len(xs) // 2 - 1] + sorted(xs)[len(xs) // 2]) / 2}
 
 
 def _load(name: str) -> Any:
@@ -61,12 +74,26 @@ def value_of(source: str) -> float:
             raise KeyError(f"{name} has {len(rows)} summary rows {bench} / {competitor} / {metric}")
         value = rows[0][field]
     elif how == "key":
-        value = data
-        for key in path:
-            value = value[int(key)] if isinstance(value, list) else value[key]
+        value = _walk(data, path)
     else:
         raise ValueError(f"a source is 'FILE row ...' or 'FILE key ...', got {source!r}")
     return float(value) * scale
+
+
+def _walk(value: Any, path: list[str]) -> Any:
+    """``value`` at ``path``: integers index lists, ``*`` maps the rest of the path over every item, and a last
+    ``min``/``max``/``median`` reduces a list of numbers (a key of that name in a dict is looked up as usual)."""
+    for i, key in enumerate(path):
+        if key == "*":
+            rest = path[i + 1:]
+            reducer = REDUCERS.get(rest[-1]) if rest else None
+            items = value if isinstance(value, list) else list(value.values())
+            mapped = [_walk(item, rest[:-1] if reducer else rest) for item in items]
+            return reducer([float(v) for v in mapped]) if reducer else mapped
+        if isinstance(value, list) and key in REDUCERS and i == len(path) - 1:
+            return REDUCERS[key]([float(v) for v in value])
+        value = value[int(key)] if isinstance(value, list) else value[key]
+    return value
 
 
 def matches(written: str, value: float) -> bool:
@@ -86,6 +113,21 @@ def _bare_numbers(region: str) -> list[str]:
     plain = re.sub(r"`[^`]*`", "", SOURCED.sub("", region))
     plain = re.sub(r"<!--.*?-->", "", plain, flags=re.S)
     return re.findall(NUMBER, plain)
+
+
+def unsourced(text: str) -> list[str]:
+    """The measured-looking figures of ``text`` with no source: a number (or a range ``a-b``) followed by a unit,
+    outside figures regions, report blocks, code and backticks, with neither ``<!-- src: -->`` nor
+    ``<!-- goal -->``/``<!-- setting -->`` after it. Each as ``LINE: figure``."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731 -- keeps the line numbers
+    plain = REPORT.sub(blank, text)
+    plain = REGION.sub(blank, plain)
+    plain = re.sub(r"```.*?```", blank, plain, flags=re.S)
+    plain = re.sub(r"`[^`\n]*`", blank, plain)
+    plain = SOURCED.sub(blank, plain)
+    plain = re.sub(r"<!-- (?!goal -->|setting -->).*?-->", blank, plain, flags=re.S)
+    plain = re.sub(r"\]\([^)]*\)", blank, plain)  # link targets
+    return [f"{_line(plain, m.start())}: {m.group(1)}" for m in MEASURE.finditer(plain) if not m.group(2)]
 
 
 def check_text(text: str, where: str) -> list[str]:

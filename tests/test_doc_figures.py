@@ -85,3 +85,27 @@ def test_the_launchers_the_readme_names_are_the_tested_ones():
 def test_getting_started_names_the_torch_pyproject_requires():
     floor = re.search(r'"torch>=([\d.]+)"', _read("pyproject.toml")).group(1)
     assert f"PyTorch {floor}+" in _read("docs/getting-started.md")
+
+
+def test_a_range_from_a_list_resolves_and_fails_when_edited():
+    # 2026-12-05_075002_latency.json keeps the 7 paired round trips only as a list: its extremes are the range.
+    good = ("<!-- figures -->9.07<!-- src: 2026-12-05_075002_latency.json key latency epoch_round_trip "
+            "round_trip_ms_all min -->-12.1<!-- src: 2026-12-05_075002_latency.json key latency epoch_round_trip "
+            "round_trip_ms_all max --> ms<!-- /figures -->")
+    assert doc_figures.check_text(good, "x.md") == []
+    edited = good.replace("12.1<!--", "12.4<!--")
+    assert any("12.4 is written" in p and "says 12.1388" in p for p in doc_figures.check_text(edited, "x.md"))
+
+
+def test_a_star_walks_every_item_before_the_reducer():
+    source = "2026-12-03_091310_predict.json key predict raw torchrun * loop_s min"
+    per_turn = [t["loop_s"] for t in doc_figures._load("2026-12-03_091310_predict.json")["predict"]["raw"]["torchrun"]]
+    assert doc_figures.value_of(source) == min(per_turn)
+    assert doc_figures.value_of("2026-12-05_075002_latency.json key latency summary torchrun overhead_s min") == \
+        doc_figures._load("2026-12-05_075002_latency.json")["latency"]["summary"]["torchrun"]["overhead_s"]["min"]
+
+
+def test_an_unsourced_measure_outside_a_region_is_found():
+    assert doc_figures.unsourced("took 2.4-2.9 s, then 0.49x; `3 s` in code; 1 %<!-- goal --> of a core") == \
+        ["1: 2.4-2.9 s", "1: 0.49x"]
+    assert doc_figures.unsourced("shipped in 8<!-- src: f key a --> ms<!-- figures -->7 ms<!-- /figures -->") == []
