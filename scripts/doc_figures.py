@@ -12,7 +12,9 @@ Two markups, both HTML comments (invisible on GitHub and in the API site):
   ``benchmarks/report.py`` prints); ``key K1 K2 ...`` walks the JSON (integers index lists). In a key
   path, ``*`` takes every item of a list (or every value of a dict) and walks the rest of the path in each,
   and a last ``min``, ``max`` or ``median`` reduces the list reached: the ends of a range written
-  ``0.45-0.74`` are often the extremes of per-repetition figures that the file keeps only as a list. A last
+  ``0.45-0.74`` are often the extremes of per-repetition figures that the file keeps only as a list.
+  ``match REGEX`` reads a text file (a log under ``benchmarks/results/``) and takes the first group of the
+  first match, for figures that a run kept only in its log. A last
   ``x1000`` scales the value (seconds written as ms). The written figure must equal the value rounded to
   as many decimals as it is written with (``0.99`` for 0.994; ``2.0`` for 1.95; ``15,654`` for 15654.2).
   The file is under ``benchmarks/results/``.
@@ -65,6 +67,8 @@ def value_of(source: str) -> float:
     if len(parts) > 2 and re.fullmatch(r"x[\d.]+", parts[-1]):
         scale = float(parts.pop()[1:])
     name, how, *path = parts
+    if how == "match":
+        return _matched(name, " ".join(path)) * scale
     data = _load(name)
     if how == "row":
         bench, competitor, metric, field = path
@@ -76,8 +80,18 @@ def value_of(source: str) -> float:
     elif how == "key":
         value = _walk(data, path)
     else:
-        raise ValueError(f"a source is 'FILE row ...' or 'FILE key ...', got {source!r}")
+        raise ValueError(f"a source is 'FILE row ...', 'FILE key ...' or 'FILE match REGEX', got {source!r}")
     return float(value) * scale
+
+
+def _matched(name: str, pattern: str) -> float:
+    """The first group of ``pattern``'s first match in the text file ``name``: some runs kept their figures only
+    in a log (``2026-12-04_gpu_check/check.log``), which is the result file then."""
+    with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+        found = re.search(pattern, f.read())
+    if found is None:
+        raise KeyError(f"{name} has no match for {pattern!r}")
+    return float(found.group(1).replace(",", ""))
 
 
 def _walk(value: Any, path: list[str]) -> Any:

@@ -109,3 +109,14 @@ def test_an_unsourced_measure_outside_a_region_is_found():
     assert doc_figures.unsourced("took 2.4-2.9 s, then 0.49x; `3 s` in code; 1 %<!-- goal --> of a core") == \
         ["1: 2.4-2.9 s", "1: 0.49x"]
     assert doc_figures.unsourced("shipped in 8<!-- src: f key a --> ms<!-- figures -->7 ms<!-- /figures -->") == []
+
+
+def test_a_figure_kept_only_in_a_log_resolves_and_fails_when_edited():
+    log = "2026-12-04_gpu_check/check.log"
+    good = (f"<!-- figures -->idle 18<!-- src: {log} match 'rank 0 over 10 traced steps.*?idle (\\d+) %' --> %, "
+            f"over 54.4<!-- src: {log} match 'HTA [\\d.]+, rank 0 over ([\\d.]+) ms' --> ms<!-- /figures -->")
+    assert doc_figures.check_text(good, "x.md") == []
+    edited = good.replace("idle 18<!--", "idle 12<!--")
+    assert any("12 is written" in p and "says 18" in p for p in doc_figures.check_text(edited, "x.md"))
+    missing = good.replace("traced steps", "traced stops")
+    assert any("does not resolve" in p and "no match" in p for p in doc_figures.check_text(missing, "x.md"))
