@@ -94,6 +94,11 @@ def _matched(name: str, pattern: str) -> float:
     return float(found.group(1).replace(",", ""))
 
 
+def _flat(values: Any) -> list[float]:
+    """The numbers of ``values``, nested lists (a ``*`` inside a ``*``) flattened."""
+    return [x for v in values for x in _flat(v)] if isinstance(values, list) else [float(values)]
+
+
 def _walk(value: Any, path: list[str]) -> Any:
     """``value`` at ``path``: integers index lists, ``*`` maps the rest of the path over every item, and a last
     ``min``/``max``/``median`` reduces a list of numbers (a key of that name in a dict is looked up as usual)."""
@@ -103,9 +108,9 @@ def _walk(value: Any, path: list[str]) -> Any:
             reducer = REDUCERS.get(rest[-1]) if rest else None
             items = value if isinstance(value, list) else list(value.values())
             mapped = [_walk(item, rest[:-1] if reducer else rest) for item in items]
-            return reducer([float(v) for v in mapped]) if reducer else mapped
+            return reducer(_flat(mapped)) if reducer else mapped
         if isinstance(value, list) and key in REDUCERS and i == len(path) - 1:
-            return REDUCERS[key]([float(v) for v in value])
+            return REDUCERS[key](_flat(value))
         value = value[int(key)] if isinstance(value, list) else value[key]
     return value
 
