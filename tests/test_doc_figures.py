@@ -23,6 +23,7 @@ def test_every_figure_with_a_source_equals_its_result_file():
     assert doc_figures.check("README.md", "docs/performance.md") == []
     readme = _read("README.md")
     assert len(doc_figures.SOURCED.findall(readme)) >= 6  # the comparison table's measured rows
+    assert len(doc_figures.SOURCED.findall(_read("docs/performance.md"))) >= 290  # every figure the page keeps
 
 
 def test_a_figure_edited_by_hand_fails():
@@ -120,3 +121,18 @@ def test_a_figure_kept_only_in_a_log_resolves_and_fails_when_edited():
     assert any("12 is written" in p and "says 18" in p for p in doc_figures.check_text(edited, "x.md"))
     missing = good.replace("traced steps", "traced stops")
     assert any("does not resolve" in p and "no match" in p for p in doc_figures.check_text(missing, "x.md"))
+
+
+def test_every_measured_figure_of_the_performance_page_has_a_source():
+    # A number followed by a unit (ms, s, x, %, GB/s, MiB, samples/s...) outside a figures region, a generated
+    # table and code either carries <!-- src: --> or is marked <!-- goal --> / <!-- setting -->.
+    assert doc_figures.unsourced(_read("docs/performance.md")) == []
+
+
+def test_an_unsourced_figure_typed_into_the_performance_page_fails():
+    page = _read("docs/performance.md")
+    edited = page.replace("## The fast paths, and why\n", "## The fast paths, and why\n\nA warm call takes 12 ms.\n", 1)
+    assert edited != page
+    line = page[:page.index("## The fast paths, and why")].count("\n") + 3
+    assert doc_figures.unsourced(edited) == [f"{line}: 12 ms"]
+    assert doc_figures.unsourced(edited.replace("12 ms.", "12 ms<!-- goal -->.")) == []
