@@ -1,6 +1,6 @@
 """Every measured figure in the README and the docs names its result file, and equals it.
 
-    .venv/bin/python scripts/doc_figures.py README.md docs/performance.md    # each mismatch, or "ok"
+    .venv/bin/python scripts/doc_figures.py README.md docs/performance.md    # each problem, or "ok"
 
 Two markups, both HTML comments (invisible on GitHub and in the API site):
 
@@ -31,7 +31,7 @@ Two markups, both HTML comments (invisible on GitHub and in the API site):
 * ``<!-- report: FILE -->`` ... ``<!-- /report -->`` holds ``benchmarks/report.py FILE``'s output exactly
   (the table is generated from the file; an edit by hand fails).
 
-``tests/test_doc_figures.py`` runs ``check`` on README.md and docs/performance.md.
+``tests/test_doc_figures.py`` runs ``check`` and ``unsourced`` on README.md and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -186,6 +186,11 @@ def check(*relative: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    found = check(*(sys.argv[1:] or ["README.md", "docs/performance.md"]))
+    files = sys.argv[1:] or ["README.md", "docs/performance.md"]
+    found = check(*files)
+    for rel in files:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            found += [f"{rel}:{where} has no source (or mark it <!-- goal --> or <!-- setting -->)"
+                      for where in unsourced(f.read())]
     print("\n".join(found) or "ok")
     sys.exit(1 if found else 0)

@@ -123,10 +123,11 @@ def test_a_figure_kept_only_in_a_log_resolves_and_fails_when_edited():
     assert any("does not resolve" in p and "no match" in p for p in doc_figures.check_text(missing, "x.md"))
 
 
-def test_every_measured_figure_of_the_performance_page_has_a_source():
+def test_every_measured_figure_of_the_performance_page_and_the_readme_has_a_source():
     # A number followed by a unit (ms, s, x, %, GB/s, MiB, samples/s...) outside a figures region, a generated
     # table and code either carries <!-- src: --> or is marked <!-- goal --> / <!-- setting -->.
     assert doc_figures.unsourced(_read("docs/performance.md")) == []
+    assert doc_figures.unsourced(_read("README.md")) == []
 
 
 def test_an_unsourced_figure_typed_into_the_performance_page_fails():
