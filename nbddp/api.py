@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster | None = None,
           profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
           threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
-          slurm: bool | Mapping[str, Any] | None = None) -> dict[str, Any]:
+          slurm: bool | Mapping[str, Any] | None = None, detach: bool = False,
+          keep_alive: str | float = "2h") -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
     Args:
@@ -72,19 +73,98 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster 
             ``queue_timeout`` cancels it after that many seconds (default: wait).
             ``stop()``, ``restart()`` and the kernel's death cancel it. See
             ``docs/multi-node.md``.
+        detach: the workers outlive this kernel (as ``nbddp.detach()`` right
+            after the start): restart or lose the kernel, then ``nbddp.attach()``
+            in the next one. See ``docs/sessions.md``.
+        keep_alive: with ``detach``: a session with no kernel attached and no
+            fit running ends by itself after this long (``"2h"``, ``"30m"``,
+            ``"90s"``, ``"1d"`` or seconds), leaving nothing behind.
 
     Calling it again with the same settings while workers run does nothing
     (a new ``timeout`` or ``stall_timeout`` is applied).
     """
+    from nbddp.detached.detach import check_start, detach as detach_session
+
+    check_start(detach, keep_alive)  # a bad value fails before any process starts
     get_session().start(n, backend=backend, cluster=cluster, profile=profile, cluster_id=cluster_id,
                         timeout=timeout, threads=threads, interface=interface, stall_timeout=stall_timeout,
                         slurm=slurm)
+    if detach:
+        detach_session(get_session(), keep_alive)
     return status()
 
 
 def stop() -> None:
     """Stop the workers this kernel started (an attached cluster is only left)."""
     get_session().stop()
+
+
+def detach(keep_alive: str | float = "2h") -> dict[str, Any]:
+    """Let the running workers outlive this kernel; the session's ``sessions()`` row.
+
+    The workers, the controller, a running fit, kept models, resident
+    datasets and every ``%%ddp`` name stay when the kernel exits, restarts or
+    dies; ``nbddp.attach()`` in the next kernel takes them up again. With no
+    kernel attached and no fit running for ``keep_alive`` (``"2h"``, ``"30m"``,
+    ``"90s"`` or seconds; never "forever"), the session ends by itself,
+    leaving no process, file or Slurm job behind. Called again, it sets a new
+    ``keep_alive``. See ``docs/sessions.md``.
+
+    Raises:
+        NotStartedError: no workers run here. SessionError: another kernel
+            drives the session now. ClusterError: the workers are an
+            ipcluster nbddp did not start (they already outlive the kernel).
+        TypeError, ValueError: ``keep_alive`` is not a duration above zero.
+    """
+    from nbddp.detached.detach import detach as detach_session
+    from nbddp.detached.listing import row
+
+    return row(detach_session(get_session(), keep_alive))
+
+
+def attach(id: str | None = None, *, take_over: bool = False) -> dict[str, Any]:
+    """Take a detached session up in this kernel (a new one after a restart, or another notebook); ``status()``.
+
+    ``id``: one of ``nbddp.sessions()``; default: the only one there is.
+    The workers come back as they are: their process group, kept models
+    (``nbddp.kept()``), resident datasets and ``%%ddp`` names; a fit that
+    was running comes back as ``nbddp.running()``. One kernel drives a
+    session at a time: ``take_over=True`` moves it here from a live one.
+
+    Raises:
+        SessionError: no session (the message lists ``sessions()``), the one
+            named has ended, several exist and none was named, another live
+            kernel is attached (naming its pid), or its controller is gone
+            (the record is then removed). PermissionError: the session
+            belongs to another user.
+    """
+    from nbddp.detached.attach import attach as attach_session
+
+    attach_session(get_session(), id, take_over)
+    return status()
+
+
+def sessions() -> list[dict[str, Any]]:
+    """This user's detached sessions: ``id``, ``world``, ``backend``, ``started``, ``attached`` (a kernel's pid),
+    ``running`` (the fit running there), ``kept`` (names), ``keep_alive_s``, ``idle_since``, ``slurm_jobs``."""
+    from nbddp.detached.listing import rows
+
+    return rows()
+
+
+def running() -> FitHandle | None:
+    """The handle of the fit running on this kernel's workers (also one found running by ``attach()``), or None."""
+    from nbddp.detached.resumed_fit import running_handle
+
+    return running_handle(get_session())
+
+
+def kept() -> list[dict[str, Any]]:
+    """The models ``dist_fit(keep=...)`` left on the ranks: ``name``, ``strategy`` ("module", "fsdp", "pipeline",
+    "tensor"), ``precision``, ``params``; each usable as ``predict("name", ...)`` and ``evaluate("name", ...)``."""
+    from nbddp.inference.kept_listing import kept_models
+
+    return kept_models(get_session())
 
 
 def restart() -> dict[str, Any]:
@@ -748,4 +828,4 @@ def clear_debug() -> str:
 
 
 __all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "sweep", "predict", "evaluate",
-           "export_checkpoint", "debug", "clear_debug"]
+           "export_checkpoint", "debug", "clear_debug", "detach", "attach", "sessions", "running", "kept"]

@@ -35,6 +35,9 @@ class WorkerState:
     failure: Any = None  # the nbddp.worker.debugging.postmortem.Failure kept for %ddp debug
     mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (device_mesh.py)
     kept_by: dict[str, Any] = field(default_factory=dict)  # keep= name -> worker.inference.kept.KeptFit
+    fit_id: str = ""  # the fit running now (FitLaunch.fit_id): rank 0's journal names it
+    fit_results: dict[str, Any] = field(default_factory=dict)  # a detached session's last fit: its id -> this rank's
+    # FitResult (or the error), kept until a kernel takes it (worker/training/journal.py)
 
 
 STATE = WorkerState()
