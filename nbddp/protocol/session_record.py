@@ -105,7 +105,7 @@ def runtime_dir() -> str:
         os.makedirs(base, mode=0o700, exist_ok=True)
     except PermissionError as e:
         raise PermissionError(f"the session records' folder {base} cannot be created by uid {os.getuid()}: {e}. "
-                              "Only the user who started a session can attach to it.") from None
+                              "Only the user who started a detached session can attach to it.") from None
     _check_owned(base, "the session records' folder")
     return base
 

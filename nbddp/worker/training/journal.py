@@ -25,7 +25,7 @@ from nbddp.worker.engine.rank_state import STATE
 
 def detached() -> bool:
     """Whether this rank's session is detached (the marker is on this host)."""
-    return bool(STATE.file_prefix) and os.path.exists(detached_marker(STATE.file_prefix))
+    return bool(STATE.session_prefix) and os.path.exists(detached_marker(STATE.session_prefix))
 
 
 def keep(plan: Any, records: list[tuple[int, str, dict[str, Any]]], status: str, ranks: list[dict[str, Any]],
@@ -33,14 +33,14 @@ def keep(plan: Any, records: list[tuple[int, str, dict[str, Any]]], status: str,
     """Rank 0: write the journal (every record so far) and the note, when the session is detached."""
     if not STATE.fit_id or not detached():
         return
-    path = journal_path(STATE.file_prefix)
+    path = journal_path(STATE.session_prefix)
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         pickle.dump({"fit_id": STATE.fit_id, "records": list(records), "status": status, "ranks": list(ranks),
                      "plan": plan, "ended": ended}, f)
     os.replace(tmp, path)
-    write_note(fit_note_path(STATE.file_prefix), {"fit_id": STATE.fit_id, "status": "ended" if ended else "running",
+    write_note(fit_note_path(STATE.session_prefix), {"fit_id": STATE.fit_id, "status": "ended" if ended else "running",
                                                   "seq": len(records), "ended": ended})
 
 
@@ -53,6 +53,6 @@ def ended(fit_id: str, result: Any, error: BaseException | None) -> None:
         return
     if error is not None:  # the journal keeps the records it had; the note says how the fit ended
         how = f"failed: {type(error).__name__}: {error}"
-        write_note(fit_note_path(STATE.file_prefix), {"fit_id": fit_id, "status": "ended", "ended": how})
+        write_note(fit_note_path(STATE.session_prefix), {"fit_id": fit_id, "status": "ended", "ended": how})
         return
     keep(result.plan, list(result.records), str(result.status), [], ended=str(result.status))
