@@ -5,8 +5,10 @@ folder (``NBDDP_RUNTIME_DIR``). One session is checked in order: a detached
 kernel keeps an FSDP model, defines a ``%%ddp`` name and runs a
 ``block=False`` fit, then is SIGKILLed; a new kernel attaches, takes the fit
 up (History continuous, weights equal to an unbroken fit's), predicts with
-the kept model and reads the name; a third kernel is refused; a process of
-another uid cannot attach; ``nbddp.stop()`` leaves nothing. A second test
+the kept model and reads the name; a third kernel is refused, then takes
+the session over (``take_over=True``: the second is refused work and its
+``stop()`` only lets go); a process of another uid cannot attach; the
+third kernel's ``nbddp.stop()`` leaves nothing. A second test
 lets an abandoned session end by its ``keep_alive``. A kernel killed
 without ``detach`` is ``tests/test_orphans.py``'s (run as ever: nothing left).
 """
@@ -163,7 +165,7 @@ def _other_uid_attach(runtime: str, session_id: str) -> str:
 
 def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
     """The whole story in one session: three kernels, one set of workers, an FSDP fit, a fit killed in the middle
-    of and the unbroken fit it is compared with (about 25 s on 2 cores)."""
+    of and the unbroken fit it is compared with (about 35 s on 2 cores)."""
     runtime = str(tmp_path / "runtime")
     common = COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
     first = Kernel(runtime)
@@ -201,7 +203,16 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
 
         assert "REFUSED" in _other_uid_attach(runtime, after["id"])
 
-        second.run("nbddp.stop(); print('NBDDP-OUT', json.dumps(nbddp.sessions()))")
+        moved = third.run("nbddp.attach(take_over=True)\n"
+                          "print('NBDDP-OUT', json.dumps(nbddp.pull('secret', ranks=[0, 1])['secret']))")
+        assert moved == [40, 41]  # the session moved to the third kernel, the names with it
+        left = second.run("try:\n    nbddp.run(os.getpid)\nexcept nbddp.SessionError as e:\n"
+                          "    nbddp.stop()  # (lets go only: the third kernel drives the session)\n"
+                          "    print('NBDDP-OUT', json.dumps({'refused': str(e)}))")
+        assert left is not None and f"moved to the kernel with pid {third.pid}" in left["refused"]
+        assert len(_alive(pids)) == len(pids)
+
+        third.run("nbddp.stop()")
         assert _wait_gone(pids, 15) == []
         assert glob.glob(f"/dev/shm/{before['prefix']}*") == []
         assert not os.path.exists(before["record"])
