@@ -7,7 +7,8 @@ kernel is attached (the record names its live pid) or a fit runs on the
 ranks (rank 0's fit note says "running"), the session is in use. Once it
 has been unused for the record's ``keep_alive_s``, the reaper ends it as the
 kernel's death would have: every process, the Slurm job, the /dev/shm files,
-and the record itself.
+and the record itself. A Slurm job that ended by itself (its time limit,
+``scancel``) ends the session at once: its workers are gone with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nbddp.protocol.notes import read_note
 from nbddp.protocol.session_record import fit_note_path, read
 
 RECORD_PREFIX = "record:"  # a PIDFILE line naming the session record (the session is detached)
+JOB_CHECK_TICKS = 20  # a detached session's Slurm job is asked after every this many ticks (10 s: squeue costs)
 
 
 def record_line(pidfile: str) -> str | None:
@@ -40,15 +42,14 @@ def fit_running(file_prefix: str) -> bool:
     return isinstance(note, dict) and note.get("status") == "running"
 
 
-def in_use(record_path: str, file_prefix: str) -> bool | None:
-    """True while a kernel is attached or a fit runs; None once the record is gone (the session was ended)."""
-    try:
-        record = read(record_path)
-    except PermissionError:
-        return None
-    if record is None:
-        return None
-    return bool(record.kernel_pid and pid_alive(record.kernel_pid)) or fit_running(file_prefix)
+def jobs_ended(job_ids: list[str]) -> bool:
+    """Whether every Slurm job of the session has ended (its time limit, a cancel): the session has no workers left."""
+    if not job_ids:
+        return False
+    from nbddp.cluster.slurm.queue import query
+
+    states = query(job_ids)
+    return len(states) == len(job_ids) and all(state.ended for state in states.values())
 
 
 def wait_unused(pidfile: str, record_path: str, file_prefix: str, interval: float = 0.5) -> bool:
@@ -57,15 +58,20 @@ def wait_unused(pidfile: str, record_path: str, file_prefix: str, interval: floa
     Returns False on a clean stop (the pid file removed by an attached
     kernel's ``nbddp.stop()``), True when the session must end now.
     """
-    idle_since = time.monotonic()
+    idle_since, ticks = time.monotonic(), 0
     while os.path.exists(pidfile):
-        used = in_use(record_path, file_prefix)
-        if used is None:
+        try:
+            record = read(record_path)
+        except PermissionError:
+            record = None
+        if record is None:
+            return True  # the record was removed (its controller was found gone): end what is left
+        now, ticks = time.monotonic(), ticks + 1
+        if ticks % JOB_CHECK_TICKS == 0 and jobs_ended(record.slurm_job_ids):
             return True
-        record = read(record_path)
-        if used or record is None:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since >= record.keep_alive_s:
+        if (record.kernel_pid and pid_alive(record.kernel_pid)) or fit_running(file_prefix):
+            idle_since = now
+        elif now - idle_since >= record.keep_alive_s:
             return True
         time.sleep(interval)
     return False
