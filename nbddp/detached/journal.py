@@ -36,7 +36,7 @@ def note_launch(run: Any) -> None:
     if entry is not None:
         records.refresh(run.session, running=entry)
         # this kernel took the result itself: a kernel attaching later has nothing to take up
-        run.when_done(lambda: fit_ended(run.session, entry, run.error is None))
+        run.on_ending(lambda: fit_ended(run.session, entry, run.error is None))
 
 
 def fit_ended(session: Session, entry: dict[str, Any], succeeded: bool) -> None:
