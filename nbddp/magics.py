@@ -275,7 +275,9 @@ class DDPMagics(Magics):
         from nbddp import api
         from nbddp.monitor.status import status_table
 
-        api.attach(args.id, take_over=args.take_over)
+        status = api.attach(args.id, take_over=args.take_over)
+        print(f"nbddp: attached to session {status['detached']}" + (
+            "; its fit goes on: nbddp.running() is its handle" if api.running() is not None else ""))
         _show(status_table())
 
     def _do_sessions(self, args: argparse.Namespace) -> None:

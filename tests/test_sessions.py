@@ -271,7 +271,9 @@ def test_the_magics_call_the_api(ip, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(api, "detach", lambda keep_alive: calls.append(("detach", keep_alive)) or
                         {"id": "X", "keep_alive_s": 3.0})
-    monkeypatch.setattr(api, "attach", lambda id, take_over: calls.append(("attach", id, take_over)))
+    monkeypatch.setattr(api, "attach", lambda id, take_over: calls.append(("attach", id, take_over)) or
+                        {"detached": "X"})
+    monkeypatch.setattr(api, "running", lambda: None)
     monkeypatch.setattr(api, "sessions", lambda: calls.append(("sessions",)) or [])
     monkeypatch.setattr(api, "start", lambda *a, **k: calls.append(("start", k["detach"], k["keep_alive"])))
     monkeypatch.setattr("nbddp.monitor.status.status_table", lambda: "")
@@ -282,4 +284,5 @@ def test_the_magics_call_the_api(ip, monkeypatch, capsys):
     ip.run_line_magic("ddp", "start -n 2 --detach --keep-alive 3s")
     assert calls == [("detach", "30m"), ("attach", "20261205-000000-abcdef", True), ("attach", None, False),
                      ("sessions",), ("start", True, "3s")]
-    assert "session X detached" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "session X detached" in out and "nbddp: attached to session X" in out

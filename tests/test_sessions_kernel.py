@@ -4,7 +4,7 @@ Each kernel is started through ``jupyter_client`` with a private records
 folder (``NBDDP_RUNTIME_DIR``). One session is checked in order: a detached
 kernel keeps an FSDP model, defines a ``%%ddp`` name and runs a
 ``block=False`` fit, then is SIGKILLed; a new kernel attaches, takes the fit
-up (History continuous, weights equal to an unbroken fit's), predicts with
+up (History continuous, weights equal to an unbroken fit's, its CSV logger's run complete), predicts with
 the kept model and reads the name; a third kernel is refused, then takes
 the session over (``take_over=True``: the second is refused work and its
 ``stop()`` only lets go); a process of another uid cannot attach; the
@@ -46,7 +46,7 @@ nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
 nbddp.dist_fit(net(), (X, Y), epochs=1, batch_size=16, strategy="fsdp", keep="fsdp_m", live=False, seed=0)
 torch.save(nbddp.predict("fsdp_m", X[:32], live=False), OUT)
 nbddp.run_cell("secret = 40 + rank")
-handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False)
+handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False, loggers=[nbddp.loggers.CSV(CSV_PATH)])
 while len(handle.history.steps) < 3:
     time.sleep(0.02)
 s = get_session()
@@ -71,12 +71,18 @@ unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
 weights_diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
                                                                 reference.state_dict().values()))
 kept = nbddp.kept()
+import csv
+with open(CSV_PATH) as f:
+    rows = list(csv.DictReader(f))
+csv_runs = sorted({r["run"] for r in rows})
+csv_steps = [int(r["step"]) for r in rows if r["kind"] == "step"]
 predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(OUT)).abs().max().item()
 print("NBDDP-OUT", json.dumps({"attach_s": attach_s, "was_running": was_running, "steps": steps,
                                "unbroken_steps": [r["step"] for r in unbroken.steps],
                                "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
                                "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
-                               "kept": kept, "predict_diff": predict_diff,
+                               "kept": kept, "predict_diff": predict_diff, "csv_runs": csv_runs,
+                               "csv_steps": csv_steps,
                                "secret": nbddp.pull("secret", ranks=[0, 1])["secret"],
                                "pid": os.getpid(), "id": nbddp.sessions()[0]["id"]}))
 """
@@ -167,7 +173,8 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
     """The whole story in one session: three kernels, one set of workers, an FSDP fit, a fit killed in the middle
     of and the unbroken fit it is compared with (about 35 s on 2 cores)."""
     runtime = str(tmp_path / "runtime")
-    common = COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
+    common = (COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
+              f"CSV_PATH = {str(tmp_path / 'metrics.csv')!r}\n")
     first = Kernel(runtime)
     pids: list[int] = []
     kernels = [first]
@@ -188,6 +195,8 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         # continuous: every record the unbroken fit has, in order, with the same losses (none lost in the restart)
         assert after["steps"] == after["unbroken_steps"] and after["steps"][-1] == 12 * 32
         assert after["loss_diff"] <= 1e-6
+        # the loggers given at the start wrote the same run on, through the restart: every step once, in order
+        assert len(after["csv_runs"]) == 1 and after["csv_steps"] == after["steps"]
         assert after["epochs"] == 12 and after["status"] == "completed"
         assert after["weights_diff"] <= 1e-6
         (kept,) = after["kept"]
@@ -252,3 +261,47 @@ print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "r
     finally:
         kernel.close()
         _kill(pids)
+
+
+NOTEBOOK_SHOWS = ["records so far, status 'training': now restart the kernel",  # before the restart
+                  "nbddp: attached to session", "its fit goes on: nbddp.running() is its handle",
+                  "detached session",  # (%ddp attach's table)
+                  "completed: 60 epochs, step records", "none missing: True",
+                  "rank 0 kept this before the restart", "rank 1 kept this before the restart", "workers stopped"]
+
+
+def _notebook_text(path: str) -> str:
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                     for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def _in_order(text: str, wanted: list[str]) -> list[str]:
+    """The strings of ``wanted`` not found in ``text`` in that order."""
+    at, missing = 0, []
+    for w in wanted:
+        found = text.find(w, at)
+        if found < 0:
+            missing.append(w)
+        else:
+            at = found + len(w)
+    return missing
+
+
+def test_the_restart_mid_fit_notebook_comes_from_a_real_restart(tmp_path, monkeypatch):
+    """``scripts/make_restart_mid_fit.py --run`` restarts a real kernel between its cells (nbclient cannot):
+    notebooks/restart_mid_fit.ipynb's outputs come from such a run, and one is made and checked here."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import make_restart_mid_fit
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NBDDP_RUNTIME_DIR", str(tmp_path / "runtime"))
+    path = make_restart_mid_fit.main(["--run"])
+    made = _notebook_text(path)
+    assert _in_order(made, NOTEBOOK_SHOWS) == [], made
+    assert _in_order(_notebook_text(os.path.join(ROOT, "notebooks", "restart_mid_fit.ipynb")), NOTEBOOK_SHOWS) == []
+    assert os.listdir(tmp_path / "runtime") == []  # %ddp stop ended the session: no record left

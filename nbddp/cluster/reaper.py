@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from nbddp.cluster.idle_watch import RECORD_PREFIX, record_line, wait_unused
 from nbddp.protocol.host import pid_alive
 from nbddp.protocol.notes import shm_dir
+from nbddp.protocol.session_record import remove_session
 
 SLURM_PREFIX = "slurm:"  # a PIDFILE line naming a Slurm job to cancel
 
@@ -144,8 +145,7 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
                 return 0  # an attached kernel stopped the session cleanly
             listed = _pids(pidfile)  # (an attached kernel may have replaced engines meanwhile)
             last, jobs = listed if listed is not None and (listed[0] or listed[1]) else (last, jobs)
-            with contextlib.suppress(OSError):
-                os.unlink(record)
+            remove_session(record)  # the record and what was kept beside it
             break
         time.sleep(interval)
     _end_session(last, jobs, pidfile, file_prefix)

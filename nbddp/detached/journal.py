@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbddp.detached import records
+from nbddp.detached import fit_loggers, records
 from nbddp.session.session import Session
 
 
@@ -35,6 +35,7 @@ def note_launch(run: Any) -> None:
     entry = sketch(run)
     if entry is not None:
         records.refresh(run.session, running=entry)
+        fit_loggers.save(run.session, run, entry)  # (before the watcher starts: no logger has opened its run yet)
         # this kernel took the result itself: a kernel attaching later has nothing to take up
         run.on_ending(lambda: fit_ended(run.session, entry, run.error is None))
 
@@ -42,6 +43,7 @@ def note_launch(run: Any) -> None:
 def fit_ended(session: Session, entry: dict[str, Any], succeeded: bool) -> None:
     """The record no longer names the fit as running; the name it kept on the ranks is listed."""
     record = records.refresh(session, running=None)
+    fit_loggers.forget(session.record_path, entry)
     keep = entry.get("keep")
     if record is not None and succeeded and keep and keep not in record.kept:
         records.refresh(session, kept=[*record.kept, keep])

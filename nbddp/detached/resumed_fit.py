@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from nbddp.callbacks.fit_hooks import FitHooks
+from nbddp.detached import fit_loggers
 from nbddp.execution.policy import FailurePolicy
 from nbddp.execution.rank_tasks import RankTasks
 from nbddp.execution.send import to_ranks
@@ -52,7 +53,15 @@ class ResumedFit(Work):
                                     placements=[RankInfo(p.rank, p.host, p.device, p.pid) for p in session.placements],
                                     batch_size=int(entry.get("batch_size") or 0),
                                     global_batch=int(entry.get("global_batch") or 0), status="training")
-        self.hooks = FitHooks([], [], {})  # the loggers and callbacks stayed in the kernel that launched the fit
+        # its loggers, as the launching kernel handed them over (nbddp/detached/fit_loggers.py); its callbacks
+        # lived in that kernel and are gone with it
+        saved = fit_loggers.load(session.record_path, entry) if session.record_path else None
+        self.hooks = FitHooks(list(saved["loggers"]), [], dict(saved["described"])) if saved else FitHooks([], [], {})
+        self.hooks.saved_runs = dict(entry.get("runs") or {})
+        self.hooks.bind(self)
+        self.config: Any = saved["cfg"] if saved else None
+        self.handle: Any = None  # the ResumedFitHandle (resume())
+        self.stop_reason: str | None = None
         self.requests = ProfileRequests(session)
         self.error: BaseException | None = None
         self.weights: Any = None  # the trained state dict (or module) once the fit ended
@@ -83,12 +92,16 @@ class ResumedFit(Work):
         if journal.get("fit_id") != self.fit_id:
             return
         self.live_state.plan = journal.get("plan") or self.live_state.plan
+        if self.live_state.plan is not None and self.config is not None:
+            self.hooks.start(self.live_state.plan)  # (once) the loggers open the same runs again
         self.live_state.ranks = journal.get("ranks") or self.live_state.ranks
         if not self.stop_requested and journal.get("status") and not journal.get("ended"):
             self.live_state.status = journal["status"]
         for seq, kind, record in journal.get("records", [])[self._seen:]:
             self.history.add(kind, record)
+            self.hooks.record(seq, kind, record)
             self._seen = seq + 1
+        self.hooks.tick(self.history.last_step)
 
     def _tick(self) -> None:
         self._read_journal()
@@ -105,6 +118,7 @@ class ResumedFit(Work):
         except BaseException as exc:  # noqa: BLE001 - handed to the handle
             self.error = exc
             self.history.status = self.live_state.status = "failed"
+            self.hooks.close(self.history)
         finally:
             self.release_workers()
             try:
@@ -130,6 +144,9 @@ class ResumedFit(Work):
                 parcel.discard()
         history.model = self.weights
         self.live_state.plan = self.live_state.plan or head.plan
+        plan = self.live_state.plan if self.config is not None else None
+        self.stop_reason = head.stop_reason
+        self.hooks.finish(history, head.records, plan, head.restored)  # the records not handed over, then close
         self.history = self.session.last_history = history
         self.live_state.status = history.status
         from nbddp.detached.journal import fit_ended
@@ -223,7 +240,7 @@ def resume(session: Session, entry: dict[str, Any], live: Any = None) -> Resumed
     from nbddp.live import choose_view
 
     run = ResumedFit(session, entry, choose_view(live))
-    handle = ResumedFitHandle(run)
+    handle = run.handle = ResumedFitHandle(run)
     session.resumed = handle
     run.launch()
     return handle

@@ -106,11 +106,11 @@ def runtime_dir() -> str:
     except PermissionError as e:
         raise PermissionError(f"the session records' folder {base} cannot be created by uid {os.getuid()}: {e}. "
                               "Only the user who started a detached session can attach to it.") from None
-    _check_owned(base, "the session records' folder")
+    check_owned(base, "the session records' folder")
     return base
 
 
-def _check_owned(path: str, what: str) -> os.stat_result:
+def check_owned(path: str, what: str) -> os.stat_result:
     """Refuse ``path`` unless this user owns it and no one else may read or write it."""
     try:
         st = os.stat(path)
@@ -148,7 +148,7 @@ def write(record: SessionRecord, folder: str | None = None) -> str:
 def read(path: str) -> SessionRecord | None:
     """The record at ``path`` (None once removed); ``PermissionError`` for one this user may not trust."""
     try:
-        _check_owned(path, "the session record")
+        check_owned(path, "the session record")
         with open(path) as f:
             return SessionRecord.from_json(json.load(f))
     except FileNotFoundError:
@@ -178,6 +178,15 @@ def remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_session(path: str) -> None:
+    """The record and every file kept beside it for the session (``session-<id>-*``: a fit's loggers)."""
+    import glob
+
+    for beside in glob.glob(glob.escape(path[:-len(".json")]) + "-*"):
+        remove(beside)
+    remove(path)
 
 
 def detached_marker(file_prefix: str) -> str:

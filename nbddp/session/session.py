@@ -27,7 +27,7 @@ from nbddp.cluster.engines import Workers
 from nbddp.debugging.rank_lines import DebugBoard
 from nbddp.live.job_line import JobLine
 from nbddp.protocol.errors import ClusterError, FitRunningError, NotStartedError
-from nbddp.protocol.session_record import remove as remove_record
+from nbddp.protocol.session_record import remove_session as remove_record
 from nbddp.session.ownership import check_owner
 from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
@@ -349,6 +349,7 @@ class Session:
             "world_size": group.world_size,
             "generation": group.generation,
             "owned": workers.owned,
+            "detached": os.path.basename(self.record_path)[len("session-"):-len(".json")] if self.record_path else None,
             "hosts": sorted({p.host for p in group.placements}),
             "master": group.init_method,
             "allocator": list(group.allocator),  # worker/memory/allocator.py: "tuned", or "default (why)"
