@@ -305,3 +305,48 @@ def test_the_restart_mid_fit_notebook_comes_from_a_real_restart(tmp_path, monkey
     assert _in_order(made, NOTEBOOK_SHOWS) == [], made
     assert _in_order(_notebook_text(os.path.join(ROOT, "notebooks", "restart_mid_fit.ipynb")), NOTEBOOK_SHOWS) == []
     assert os.listdir(tmp_path / "runtime") == []  # %ddp stop ended the session: no record left
+
+
+def _python(code: str, runtime: str) -> dict | None:
+    """``code`` in a new process (a kernel of its own, without Jupyter); the JSON of its last NBDDP-OUT line."""
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("NBDDP-OUT")]
+    assert lines or done.returncode == 0, done.stderr[-3000:]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
+def test_a_worker_lost_while_no_kernel_is_attached_ends_the_session(tmp_path):
+    """Nothing replaces a lost rank while no kernel is attached (max_restarts is the kernel's): attach() says which
+    worker died, and the session is ended with nothing left."""
+    runtime = str(tmp_path / "runtime")
+    first = _python("""
+import json, os, psutil, nbddp
+from nbddp.session.session import get_session
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "rank1": s.placements[1].pid, "prefix": s.file_prefix,
+                               "record": s.record_path}))
+os._exit(0)  # a kernel that dies: no clean-up
+""", runtime)
+    assert first is not None
+    pids = first["pids"]
+    try:
+        os.kill(first["rank1"], signal.SIGKILL)
+        out = _python("""
+import json, nbddp
+try:
+    nbddp.attach()
+except nbddp.SessionError as e:
+    print("NBDDP-OUT", json.dumps({"refused": str(e)}))
+""", runtime)
+        assert out is not None, "attach() took up a session that had lost a worker"
+        assert f"(pid {first['rank1']}) died while no kernel was attached" in out["refused"]
+        assert "the session was ended, leaving nothing behind" in out["refused"]
+        assert _wait_gone(pids, 20) == []
+        assert not os.path.exists(first["record"]) and glob.glob(f"/dev/shm/{first['prefix']}*") == []
+    finally:
+        _kill(pids)

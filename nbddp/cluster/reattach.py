@@ -17,6 +17,7 @@ from nbddp.cluster.engines import Workers, running_children
 from nbddp.cluster.reaper import Reaper
 from nbddp.cluster.slurm.watch import SlurmJobs
 from nbddp.protocol.errors import ClusterError
+from nbddp.protocol.host import pid_alive
 
 CONNECT_WITHIN_S = 10.0
 
@@ -46,11 +47,23 @@ def reattach(cluster_file: str, connection_file: str, engine_pids: dict[int, int
     workers.reaper = Reaper.adopt(*reaper)
     workers.controller_helpers = running_children(getattr(cluster.controller, "process", None))
     deadline = time.monotonic() + CONNECT_WITHIN_S
-    while set(engine_pids) - set(client.ids) and time.monotonic() < deadline:
-        time.sleep(0.02)  # the client learns the registered engines right after connecting
+    while time.monotonic() < deadline:  # the client learns the registered engines moments after connecting
+        missing = sorted(set(engine_pids) - set(client.ids))
+        if not missing or any(not pid_alive(engine_pids[e]) for e in missing if _local(cluster, engine_pids[e])):
+            break
+        time.sleep(0.02)
     missing = sorted(set(engine_pids) - set(client.ids))
-    if missing:
+    dead = [e for e in engine_pids if _local(cluster, engine_pids[e]) and not pid_alive(engine_pids[e])]
+    if missing or dead:
         workers.client.close()
-        raise ClusterError(f"engines {missing} of this session are no longer registered with its controller "
-                           "(a worker died while no kernel was attached)")
+        lost = sorted(set(missing) | set(dead))
+        raise ClusterError(f"engine(s) {lost} of this session (pid {', '.join(str(engine_pids[e]) for e in lost)}) "
+                           "died while no kernel was attached")
     return workers
+
+
+def _local(cluster: object, pid: int) -> bool:
+    """Whether ``pid`` is an engine this host's launcher started (a remote engine's pid means nothing here)."""
+    engines = getattr(cluster, "engines", None) or {}
+    return any(getattr(launcher, "pid", None) == pid for es in engines.values()
+               for launcher in getattr(es, "launchers", {}).values())

@@ -95,9 +95,12 @@ def attach(session: Session, session_id: str | None = None, take_over: bool = Fa
         workers = reattach(record.cluster_file, record.connection_file,
                            {p["engine_id"]: p["pid"] for p in record.group["placements"]},
                            (record.reaper_pid, record.reaper_pidfile, path), record.options.get("engine_env", {}))
-    except ClusterError as exc:
-        raise SessionError(f"session {record.id} cannot be attached: {exc}. It ends by itself once idle for its "
-                           f"keep_alive ({record.keep_alive_s:.0f} s); start new workers with nbddp.start()") from exc
+    except ClusterError as exc:  # a worker died while no kernel was attached: its group and what it held are lost
+        session_record.remove(path)  # the reaper sees it gone and ends the rest of the session
+        raise SessionError(f"session {record.id} cannot be attached: {exc}. Its process group is broken, and a fit "
+                           "that was running cannot go on (a lost rank is replaced by an attached kernel only); "
+                           "the session was ended, "
+                           "leaving nothing behind. Start new workers with nbddp.start(detach=True)") from exc
     ownership.take_over(session, workers, records.group_from_json(record.group), records.options_from_json(record.options),
                       record.token, record.file_prefix, record.resident, record.started)
     session.record_path = path
