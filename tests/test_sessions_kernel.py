@@ -63,6 +63,7 @@ nbddp.attach()
 attach_s = time.perf_counter() - t0
 handle = nbddp.running()
 was_running = not handle.done()
+at_attach = len(handle.history.steps)  # the whole curve so far, before any new record (what the view draws)
 model = net()
 history = handle.wait(into=model)
 steps = [r["step"] for r in history.steps]
@@ -78,6 +79,7 @@ csv_runs = sorted({r["run"] for r in rows})
 csv_steps = [int(r["step"]) for r in rows if r["kind"] == "step"]
 predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(OUT)).abs().max().item()
 print("NBDDP-OUT", json.dumps({"attach_s": attach_s, "was_running": was_running, "steps": steps,
+                               "at_attach": at_attach,
                                "unbroken_steps": [r["step"] for r in unbroken.steps],
                                "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
                                "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
@@ -192,6 +194,7 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         after = second.run(AFTER, timeout=300)
         assert after["attach_s"] < 2.0, after
         assert after["was_running"], "the fit ended before the new kernel attached: make it longer"
+        assert after["at_attach"] >= before["steps"]  # the journal replayed every record from before the kill
         # continuous: every record the unbroken fit has, in order, with the same losses (none lost in the restart)
         assert after["steps"] == after["unbroken_steps"] and after["steps"][-1] == 12 * 32
         assert after["loss_diff"] <= 1e-6
@@ -239,14 +242,19 @@ def test_an_abandoned_session_ends_at_keep_alive_leaving_nothing(tmp_path):
         out = kernel.run("""
 import json, psutil, nbddp
 from nbddp.session.session import get_session
+import os
 nbddp.start(2, backend="gloo", detach=True, keep_alive="3s")
 s = get_session()
 pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
 for pid in list(pids):
     pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path}))
+record = json.load(open(s.record_path))
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
+                               "modes": [oct(os.stat(p).st_mode & 0o777) for p in
+                                         (s.record_path, record["cluster_file"], record["connection_file"])]}))
 """)
         pids = out["pids"]
+        assert out["modes"] == ["0o600"] * 3  # the record, ipyparallel's cluster file, the connection file
         os.kill(kernel.pid, signal.SIGKILL)
         t0 = time.monotonic()
         time.sleep(1.5)
@@ -350,3 +358,42 @@ except nbddp.SessionError as e:
         assert not os.path.exists(first["record"]) and glob.glob(f"/dev/shm/{first['prefix']}*") == []
     finally:
         _kill(pids)
+
+
+def test_a_fit_taken_up_by_attach_stops_when_asked(tmp_path):
+    """``handle.stop()`` on a fit found running: every rank stops at the same step, the History says so."""
+    runtime = str(tmp_path / "runtime")
+    first = _python(COMMON.replace("EPOCHS", "400") + """
+import psutil
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False)
+while len(handle.history.steps) < 2:
+    time.sleep(0.02)
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids)}))
+os._exit(0)
+""", runtime)
+    assert first is not None
+    try:
+        out = _python(COMMON.replace("EPOCHS", "400") + """
+nbddp.attach()
+handle = nbddp.running()
+try:
+    handle.profile(2)
+except nbddp.NbddpError as e:
+    refused = str(e)
+history = handle.stop()
+model = net()
+handle.result(into=model)
+print("NBDDP-OUT", json.dumps({"status": history.status, "epochs": len(history.epochs), "refused": refused,
+                               "last": history.steps[-1]["step"]}))
+nbddp.stop()
+""", runtime)
+        assert out is not None and out["status"] == "interrupted" and out["epochs"] < 400, out
+        assert "not available for a fit this kernel found running" in out["refused"]
+        assert _wait_gone(first["pids"], 15) == []
+    finally:
+        _kill(first["pids"])

@@ -102,7 +102,7 @@ def attach(session: Session, session_id: str | None = None, take_over: bool = Fa
                            "the session was ended, "
                            "leaving nothing behind. Start new workers with nbddp.start(detach=True)") from exc
     ownership.take_over(session, workers, records.group_from_json(record.group), records.options_from_json(record.options),
-                      record.token, record.file_prefix, record.resident, record.started)
+                      record.token, record.file_prefix, record.resident, record.started, busy=bool(record.running))
     session.record_path = path
     record.kernel_pid, record.detached_at = os.getpid(), 0.0
     session_record.write(record, os.path.dirname(path))

@@ -106,7 +106,7 @@ class ResumedFit(Work):
     def _tick(self) -> None:
         self._read_journal()
         assert self.tasks is not None, "launch() set the tasks before the watcher started"
-        self.tasks.check_stalls()
+        # (no stall checks: the ranks' heartbeats are the fit task's, and this kernel's tasks wait behind it)
         self.live_state.positions = self.tasks.positions()
         self.view.update(self)
 
@@ -121,6 +121,9 @@ class ResumedFit(Work):
             self.hooks.close(self.history)
         finally:
             self.release_workers()
+            workers = self.session.workers
+            if workers is not None:  # (held back at attach: the ranks were busy with the fit)
+                self.session.debugger.announce(workers.client, list(self.session.placements), workers.controller_host)
             try:
                 self.view.finish(self)
             except Exception:  # noqa: BLE001 - a display problem must not hide the result
@@ -160,8 +163,6 @@ class ResumedFit(Work):
             return
         self.stop_requested = True
         self.live_state.status = "stopping"
-        if self.tasks is not None:
-            self.tasks.stopping()
         workers = self.session.workers
         if workers is not None:
             import signal

@@ -79,11 +79,13 @@ def let_go_if_moved(session: Session) -> bool:
 
 
 def take_over(session: Session, workers: Workers, group: GroupState, options: StartOptions, token: str,
-              file_prefix: str, resident: list[str], started: float) -> None:
+              file_prefix: str, resident: list[str], started: float, busy: bool = False) -> None:
     """Use the workers of a detached session as they are (``nbddp.attach``): no probe, no new group.
 
     The ranks keep their group, their datasets, kept models and ``%%ddp``
-    names; this kernel learns them instead of making them anew.
+    names; this kernel learns them instead of making them anew. ``busy``: a
+    fit still runs on the ranks, so nothing is sent to them now (a task would
+    wait behind the fit): the debugger's address is told them when it ends.
 
     Raises:
         ClusterError: this kernel runs workers of its own already.
@@ -100,4 +102,5 @@ def take_over(session: Session, workers: Workers, group: GroupState, options: St
         session.started_wall, session.stopped_explicitly = started, False
         session.supervisor.closing = False
         session.resident.mark(resident)
-        session.debugger.announce(workers.client, list(group.placements), workers.controller_host)
+        if not busy:
+            session.debugger.announce(workers.client, list(group.placements), workers.controller_host)
