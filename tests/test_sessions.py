@@ -286,3 +286,35 @@ def test_the_magics_call_the_api(ip, monkeypatch, capsys):
                      ("sessions",), ("start", True, "3s")]
     out = capsys.readouterr().out
     assert "session X detached" in out and "nbddp: attached to session X" in out
+
+
+def test_a_logger_that_cannot_be_handed_on_is_said_at_the_start(runtime):
+    """A detached fit's loggers are pickled for a later kernel; one that cannot be is said (the fit goes on)."""
+    import threading
+    from types import SimpleNamespace
+
+    from nbddp.detached import fit_loggers
+    from nbddp.loggers import CSV
+    from nbddp.loggers.guard import LoggerSet
+    from nbddp.protocol.notices import NbddpWarning
+    from nbddp.session.session import Session
+
+    session = Session()
+    session.record_path = session_record.write(_record("20261205-000000-logger"))
+    entry = {"fit_id": "f1"}
+
+    def run_with(logger):
+        return SimpleNamespace(hooks=SimpleNamespace(loggers=LoggerSet([logger]), described={}, noted_runs=None),
+                               plan=SimpleNamespace(cfg={"epochs": 1}))
+
+    handed = run_with(CSV("metrics.csv"))
+    fit_loggers.save(session, handed, entry)
+    saved = fit_loggers.load(session.record_path, entry)
+    assert saved is not None and isinstance(saved["loggers"][0], CSV) and handed.hooks.noted_runs is not None
+    assert not os.path.exists(fit_loggers.loggers_path(session.record_path, "f1"))  # taken once
+
+    unpicklable = CSV("metrics.csv")
+    unpicklable.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.warns(NbddpWarning, match="loggers cannot be handed to a kernel that attaches later"):
+        fit_loggers.save(session, run_with(unpicklable), entry)
+    assert fit_loggers.load(session.record_path, entry) is None
