@@ -168,8 +168,10 @@ def kept() -> list[dict[str, Any]]:
 
 
 def restart() -> dict[str, Any]:
-    """Stop and start again with the same settings (fresh engines, fresh group)."""
-    get_session().restart()
+    """Stop and start again with the same settings (fresh engines, fresh group; a detached session stays detached)."""
+    from nbddp.detached.detach import restart as restart_session
+
+    restart_session(get_session())
     return status()
 
 

@@ -361,7 +361,8 @@ except nbddp.SessionError as e:
 
 
 def test_a_fit_taken_up_by_attach_stops_when_asked(tmp_path):
-    """``handle.stop()`` on a fit found running: every rank stops at the same step, the History says so."""
+    """``handle.stop()`` on a fit found running: every rank stops at the same step, the History says so; then
+    ``nbddp.restart()`` keeps the session detached."""
     runtime = str(tmp_path / "runtime")
     first = _python(COMMON.replace("EPOCHS", "400") + """
 import psutil
@@ -388,12 +389,15 @@ except nbddp.NbddpError as e:
 history = handle.stop()
 model = net()
 handle.result(into=model)
+nbddp.restart()  # fresh workers, detached again with the same keep_alive
+(again,) = nbddp.sessions()
 print("NBDDP-OUT", json.dumps({"status": history.status, "epochs": len(history.epochs), "refused": refused,
-                               "last": history.steps[-1]["step"]}))
+                               "last": history.steps[-1]["step"], "again": again}))
 nbddp.stop()
 """, runtime)
         assert out is not None and out["status"] == "interrupted" and out["epochs"] < 400, out
         assert "not available for a fit this kernel found running" in out["refused"]
+        assert out["again"]["this_kernel"] and out["again"]["keep_alive_s"] == 600.0
         assert _wait_gone(first["pids"], 15) == []
     finally:
         _kill(first["pids"])

@@ -84,3 +84,11 @@ def _mark(file_prefix: str) -> None:
     """The ranks' watchdogs read this file: it exists, so the kernel's death is no reason to exit."""
     fd = os.open(session_record.detached_marker(file_prefix), os.O_WRONLY | os.O_CREAT, 0o600)
     os.close(fd)
+
+
+def restart(session: Session) -> None:
+    """``nbddp.restart()``: fresh workers; a detached session's are detached again, with the same ``keep_alive``."""
+    record = session_record.read(session.record_path) if session.record_path else None
+    session.restart()
+    if record is not None:
+        detach(session, record.keep_alive_s)
