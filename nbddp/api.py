@@ -146,7 +146,7 @@ def attach(id: str | None = None, *, take_over: bool = False) -> dict[str, Any]:
 
 def sessions() -> list[dict[str, Any]]:
     """This user's detached sessions: ``id``, ``world``, ``backend``, ``started``, ``attached`` (a kernel's pid),
-    ``running`` (the fit running there), ``kept`` (names), ``keep_alive_s``, ``idle_since``, ``slurm_jobs``."""
+    ``running`` (the fit running there), ``kept`` (names), ``keep_alive_s``, ``slurm_jobs``."""
     from nbddp.detached.listing import rows
 
     return rows()

@@ -104,7 +104,7 @@ def attach(session: Session, session_id: str | None = None, take_over: bool = Fa
     ownership.take_over(session, workers, records.group_from_json(record.group), records.options_from_json(record.options),
                       record.token, record.file_prefix, record.resident, record.started, busy=bool(record.running))
     session.record_path = path
-    record.kernel_pid, record.detached_at = os.getpid(), 0.0
+    record.kernel_pid = os.getpid()
     session_record.write(record, os.path.dirname(path))
     if record.running:  # a fit that ran on while no kernel was attached (or ended meanwhile): its handle
         resume(session, record.running, live)

@@ -70,7 +70,7 @@ def detach(session: Session, keep_alive: object = session_record.DEFAULT_KEEP_AL
         record = records.build(session, session_record.new_id(), keep_alive_s, session.started_wall or time.time())
         session.record_path = session_record.write(record)
     else:
-        refreshed = records.refresh(session, keep_alive_s=keep_alive_s, kernel_pid=os.getpid(), detached_at=0.0)
+        refreshed = records.refresh(session, keep_alive_s=keep_alive_s, kernel_pid=os.getpid())
         assert refreshed is not None, "a detached session's record exists until stop()"
         record = refreshed
     workers.reaper.detach(session.record_path)

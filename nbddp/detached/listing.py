@@ -19,7 +19,7 @@ def rows() -> list[dict[str, Any]]:
 def row(record: SessionRecord) -> dict[str, Any]:
     """``id``, ``world``, ``backend``, ``started``, ``attached`` (a live kernel's pid, or None), ``running`` (the
     fit running on it, or None), ``kept`` (the names ``dist_fit(keep=...)`` bound), ``keep_alive_s``,
-    ``idle_since`` (no kernel attached since), ``slurm_jobs`` and ``this_kernel``."""
+    ``slurm_jobs`` and ``this_kernel``."""
     attached = record.kernel_pid if record.kernel_pid and pid_alive(record.kernel_pid) else None
     running = dict(record.running) if record.running else None
     if running is not None and not _fit_note_running(record.file_prefix, running.get("fit_id", "")):
@@ -29,8 +29,6 @@ def row(record: SessionRecord) -> dict[str, Any]:
         "id": record.id, "world": record.world, "backend": record.backend,
         "started": datetime.datetime.fromtimestamp(record.started).isoformat(timespec="seconds"),
         "attached": attached, "running": running, "kept": kept, "keep_alive_s": record.keep_alive_s,
-        "idle_since": (datetime.datetime.fromtimestamp(record.detached_at).isoformat(timespec="seconds")
-                       if attached is None and record.detached_at else None),
         "slurm_jobs": list(record.slurm_job_ids), "this_kernel": record.kernel_pid == os.getpid(),
     }
 

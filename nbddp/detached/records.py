@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any
 
 from nbddp.cluster.slurm.request import SlurmRequest
@@ -79,12 +78,3 @@ def refresh(session: Session, **changes: Any) -> SessionRecord | None:
         setattr(record, name, value)
     session_record.write(record, os.path.dirname(path))
     return record
-
-
-def left(session: Session) -> None:
-    """This kernel lets go of its session (``detached_at``), keeping it for the next kernel."""
-    path = session.record_path
-    record = session_record.read(path) if path else None
-    if path is not None and record is not None and record.kernel_pid == os.getpid():
-        record.kernel_pid, record.detached_at = 0, time.time()
-        session_record.write(record, os.path.dirname(path))

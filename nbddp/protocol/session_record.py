@@ -55,7 +55,6 @@ class SessionRecord:
     resident: list[str] = field(default_factory=list)  # the dataset keys the ranks hold
     kept: list[str] = field(default_factory=list)  # names dist_fit(keep=...) bound, as the last kernel knew them
     running: dict[str, Any] | None = None  # the fit running when the kernel left (its id, returns, keep ...)
-    detached_at: float = 0.0  # when the last kernel left (0: one is attached)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
