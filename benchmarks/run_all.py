@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from benchmarks import common  # noqa: E402
 
 # scaling comes last: it ends on 1 worker, and every other benchmark works on the 2 it leaves running
-BENCHES = ["startup", "throughput", "live", "latency", "weights", "fsdp", "memory", "data", "topologies", "sweep",
-           "predict", "report", "scaling"]
+BENCHES = ["startup", "attach", "throughput", "live", "latency", "weights", "fsdp", "memory", "data", "topologies",
+           "sweep", "predict", "report", "scaling"]
 
 
 def run(quick: bool = False, only: list[str] | None = None, reuse_workers: bool = False) -> dict:

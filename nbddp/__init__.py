@@ -20,6 +20,11 @@ __all__ = [
     "stop",
     "status",
     "restart",
+    "detach",
+    "attach",
+    "sessions",
+    "running",
+    "kept",
     "run",
     "dist_fit",
     "last_history",
@@ -66,6 +71,7 @@ __all__ = [
     "WorkerDied",
     "WorkerStalled",
     "NothingToDebug",
+    "SessionError",
     "NbddpWarning",
     "__version__",
     "load_ipython_extension",
@@ -78,6 +84,11 @@ _LAZY = {
     "stop": "nbddp.api",
     "status": "nbddp.api",
     "restart": "nbddp.api",
+    "detach": "nbddp.api",
+    "attach": "nbddp.api",
+    "sessions": "nbddp.api",
+    "running": "nbddp.api",
+    "kept": "nbddp.api",
     "run": "nbddp.api",
     "dist_fit": "nbddp.api",
     "last_history": "nbddp.api",
@@ -126,12 +137,14 @@ _LAZY = {
     "WorkerDied": "nbddp.protocol.errors",
     "WorkerStalled": "nbddp.protocol.errors",
     "NothingToDebug": "nbddp.protocol.errors",
+    "SessionError": "nbddp.protocol.errors",
     "NbddpWarning": "nbddp.protocol.notices",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbddp.api import (accelerate_tracker, dist_fit, evaluate, export_checkpoint, last_history,
-                           lightning_logger, predict, report, restart, run, should_stop, start, status, stop, sweep)
+    from nbddp.api import (accelerate_tracker, attach, detach, dist_fit, evaluate, export_checkpoint, kept,
+                           last_history, lightning_logger, predict, report, restart, run, running, sessions,
+                           should_stop, start, status, stop, sweep)
     from nbddp.sweeps.result import SweepResult
     from nbddp.sweeps.handle import SweepHandle
     from nbddp.inference.predict_run import PredictHandle
@@ -145,7 +158,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nbddp.fit.history import plot_histories
     from nbddp.cells.cell_code import pull, push, run_cell
     from nbddp.api import debug
-    from nbddp.protocol.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, ShippingError,
+    from nbddp.protocol.errors import (ClusterError, FitRunningError, NbddpError, NotStartedError, NothingToDebug, SessionError, ShippingError,
                               SlurmError, UntrustedCheckpointError, WorkerDied, WorkerError, WorkerStalled)
     from nbddp.fit.handle import FitHandle
     from nbddp.fit.history import History

@@ -19,6 +19,7 @@ from nbddp.protocol.data_forms import DataLike
 from nbddp.protocol.strategy_settings import StrategySettings
 from nbddp.worker.tasks.reports import report, should_stop  # called on the ranks; each one list lookup elsewhere
 from nbddp.worker.tasks.report_loggers import accelerate_tracker, lightning_logger  # the frameworks' one line
+from nbddp.session_calls import attach, detach, kept, running, sessions  # sessions that outlive the kernel
 
 if TYPE_CHECKING:
     from ipyparallel import Cluster
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster | None = None,
           profile: str | None = None, cluster_id: str | None = None, timeout: float | None = None,
           threads: int | None = None, interface: str | None = None, stall_timeout: float | None = None,
-          slurm: bool | Mapping[str, Any] | None = None) -> dict[str, Any]:
+          slurm: bool | Mapping[str, Any] | None = None, detach: bool = False,
+          keep_alive: str | float = "2h") -> dict[str, Any]:
     """Start (or attach to) the workers and form the process group; return ``status()``.
 
     Args:
@@ -75,13 +77,24 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster 
             ``queue_timeout`` cancels it after that many seconds (default: wait).
             ``stop()``, ``restart()`` and the kernel's death cancel it. See
             ``docs/multi-node.md``.
+        detach: the workers outlive this kernel (as ``nbddp.detach()`` right
+            after the start): restart or lose the kernel, then ``nbddp.attach()``
+            in the next one. See ``docs/sessions.md``.
+        keep_alive: with ``detach``: a session with no kernel attached and no
+            fit running ends by itself after this long (``"2h"``, ``"30m"``,
+            ``"90s"``, ``"1d"`` or seconds), leaving nothing behind.
 
     Calling it again with the same settings while workers run does nothing
     (a new ``timeout`` or ``stall_timeout`` is applied).
     """
+    from nbddp.detached.detach import check_start, detach as detach_session
+
+    check_start(detach, keep_alive)  # a bad value fails before any process starts
     get_session().start(n, backend=backend, cluster=cluster, profile=profile, cluster_id=cluster_id,
                         timeout=timeout, threads=threads, interface=interface, stall_timeout=stall_timeout,
                         slurm=slurm)
+    if detach:
+        detach_session(get_session(), keep_alive)
     return status()
 
 
@@ -91,8 +104,10 @@ def stop() -> None:
 
 
 def restart() -> dict[str, Any]:
-    """Stop and start again with the same settings (fresh engines, fresh group)."""
-    get_session().restart()
+    """Stop and start again with the same settings (fresh engines, fresh group; a detached session stays detached)."""
+    from nbddp.detached.detach import restart as restart_session
+
+    restart_session(get_session())
     return status()
 
 
@@ -776,4 +791,4 @@ def clear_debug() -> str:
 
 __all__ = ["start", "stop", "status", "restart", "run", "dist_fit", "last_history", "report", "should_stop",
            "lightning_logger", "accelerate_tracker", "sweep", "predict", "evaluate",
-           "export_checkpoint", "debug", "clear_debug"]
+           "export_checkpoint", "debug", "clear_debug", "detach", "attach", "sessions", "running", "kept"]

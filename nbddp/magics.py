@@ -3,6 +3,9 @@
 ==========================================  =====================================
 ``%ddp start [-n N] [--backend B] ...``      ``nbddp.start(...)``, then the table
 ``%ddp stop`` / ``%ddp restart``             ``nbddp.stop()`` / ``nbddp.restart()``
+``%ddp start --detach [--keep-alive 2h]``    ``nbddp.start(..., detach=True, keep_alive=...)``
+``%ddp detach`` / ``%ddp attach [ID]``       ``nbddp.detach()`` / ``nbddp.attach(ID)``
+                                             (``--take-over``); ``%ddp sessions``
 ``%ddp status``                              ``nbddp.status()`` plus a liveness and
                                              memory probe of every worker
 ``%ddp push NAME...``                        ``nbddp.push(NAME=value, ...)``
@@ -72,11 +75,28 @@ class Parsed(Protocol):
 @argument("--sbatch", default=None, help='extra sbatch arguments, quoted: --sbatch "--qos=high --exclusive" (with --slurm)')
 @argument("--queue-timeout", type=float, default=None, help="cancel the job after waiting this many s in the queue")
 @argument("--controller-ip", default=None, help="this machine's address the nodes reach (default: detected)")
+@argument("--detach", action="store_true", help="the workers outlive this kernel: %%ddp attach in the next one")
+@argument("--keep-alive", default="2h", help="with --detach: end the session after this long unused (default 2h)")
 def _start(): """Start (or attach to) the workers; the same as nbddp.start()."""  # noqa: E704
 
 
 @magic_arguments("%ddp stop")
 def _stop(): """Stop the workers this kernel started."""  # noqa: E704
+
+
+@magic_arguments("%ddp detach")
+@argument("--keep-alive", default="2h", help="end the session after this long with no kernel and no fit (default 2h)")
+def _detach(): """Let the workers outlive this kernel; the same as nbddp.detach()."""  # noqa: E704
+
+
+@magic_arguments("%ddp attach")
+@argument("id", nargs="?", default=None, help="the session (from %%ddp sessions); default: the only one")
+@argument("--take-over", action="store_true", help="move the session here from the kernel attached to it")
+def _attach(): """Take a detached session up in this kernel; the same as nbddp.attach()."""  # noqa: E704
+
+
+@magic_arguments("%ddp sessions")
+def _sessions(): """This user's detached sessions; the same as nbddp.sessions()."""  # noqa: E704
 
 
 @magic_arguments("%ddp status")
@@ -134,7 +154,8 @@ def _cell(): """Run the cell on every rank (or the --targets given)."""  # noqa:
 
 
 _SUBCOMMANDS = {"start": _start, "stop": _stop, "status": _status, "restart": _restart, "pull": _pull, "push": _push,
-                "script": _script, "stacks": _stacks, "debug": _debug}
+                "script": _script, "stacks": _stacks, "debug": _debug, "detach": _detach, "attach": _attach,
+                "sessions": _sessions}
 
 
 def usage() -> str:
@@ -283,8 +304,30 @@ class DDPMagics(Magics):
 
         api.start(args.n, backend=args.backend, profile=args.profile, cluster_id=args.cluster_id,
                   timeout=args.timeout, threads=args.threads, interface=args.interface,
-                  stall_timeout=args.stall_timeout, slurm=slurm_settings(args))
+                  stall_timeout=args.stall_timeout, slurm=slurm_settings(args), detach=args.detach,
+                  keep_alive=args.keep_alive)
         _show(status_table())
+
+    def _do_detach(self, args: argparse.Namespace) -> None:
+        from nbddp import api
+
+        row = api.detach(args.keep_alive)
+        print(f"nbddp: session {row['id']} detached: it outlives this kernel; `%ddp attach {row['id']}` in the next "
+              f"one (it ends after {row['keep_alive_s']:.0f} s with no kernel attached and no fit running)")
+
+    def _do_attach(self, args: argparse.Namespace) -> None:
+        from nbddp import api
+        from nbddp.monitor.status import status_table
+
+        status = api.attach(args.id, take_over=args.take_over)
+        print(f"nbddp: attached to session {status['detached']}" + (
+            "; its fit goes on: nbddp.running() is its handle" if api.running() is not None else ""))
+        _show(status_table())
+
+    def _do_sessions(self, args: argparse.Namespace) -> None:
+        from nbddp import api
+
+        _show(api.sessions())
 
     def _do_stop(self, args: argparse.Namespace) -> None:
         from nbddp import api

@@ -31,7 +31,8 @@ Two markups, both HTML comments (invisible on GitHub and in the API site):
 * ``<!-- report: FILE -->`` ... ``<!-- /report -->`` holds ``benchmarks/report.py FILE``'s output exactly
   (the table is generated from the file; an edit by hand fails).
 
-``tests/test_doc_figures.py`` runs ``check`` and ``unsourced`` on README.md and docs/performance.md.
+``tests/test_doc_figures.py`` runs ``check`` and ``unsourced`` on README.md and docs/performance.md, and
+``check`` on docs/sessions.md.
 """
 
 from __future__ import annotations

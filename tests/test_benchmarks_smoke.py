@@ -31,7 +31,8 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     left is one launch per competitor path, 4-10 s each on 2 cores, about 50 s together: one
     ipyparallel cluster, three torchrun jobs (MLP and CNN on 2 ranks, CNN on 1), one
     accelerate launcher, and three nbddp starts (start-up's, memory's second order after
-    ``nbddp.restart()``, scaling's 1 worker); the benchmarks' own work takes the other ~30 s.
+    ``nbddp.restart()``, scaling's 1 worker); the benchmarks' own work takes the other ~30 s. Attach's
+    detached session (two processes of its own) and its cold start add about 25 s.
     """
     sys.path.insert(0, ROOT)
     sigint = signal.getsignal(signal.SIGINT)  # accelerate's launcher installs torch elastic's handler

@@ -25,7 +25,8 @@ PUBLIC = {"start", "stop", "status", "restart", "run", "dist_fit", "run_cell", "
           "UntrustedCheckpointError", "WorkerError", "WorkerDied", "WorkerStalled", "NothingToDebug", "__version__",
           "load_ipython_extension",
           "unload_ipython_extension", "loggers", "EarlyStopping", "stop_fit", "plot_histories",
-          "DDP", "NbddpWarning", "last_history"}
+          "DDP", "NbddpWarning", "last_history", "detach", "attach", "sessions", "running", "kept", "SessionError",
+          "report", "should_stop", "lightning_logger", "accelerate_tracker"}
 
 
 class Net(nn.Module):

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 EXECUTED_ELSEWHERE = {
     "custom_loop": "tests/test_notebooks_magics.py",
     "live_fit": "tests/test_live_notebook.py",
+    "restart_mid_fit": "tests/test_sessions_kernel.py",  # two kernels, a restart between them (nbclient has one)
 }
 
 # what each notebook must print (text outputs, in order of appearance)

@@ -384,3 +384,44 @@ def test_sigterm_during_a_task_ends_the_engine_at_once_and_idle_handling_comes_b
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert (done.returncode, done.stdout) == (143, "idle handler\n"), done.stderr
     assert time.monotonic() - t0 < 20
+
+
+# ---- a detached session's job (issue 43) ------------------------------------------------------------------
+def _detached_record(tmp_path, monkeypatch, keep_alive_s: float) -> str:
+    from nbddp.protocol import session_record
+
+    monkeypatch.setenv("NBDDP_RUNTIME_DIR", str(tmp_path / "runtime"))
+    record = session_record.SessionRecord(
+        id="20261205-000000-slurm0", owner_uid=os.getuid(), kernel_pid=0, cluster_file="", connection_file="",
+        world=2, backend="gloo", started=time.time(), keep_alive_s=keep_alive_s, file_prefix="", token="t",
+        slurm_job_ids=["42"])
+    return session_record.write(record)
+
+
+def test_a_detached_session_keeps_its_job_until_keep_alive_and_lists_it(tmp_path, fake_slurm, monkeypatch):
+    """No kernel, no fit: the job stays (no scancel) while the session is idle for less than keep_alive."""
+    from nbddp.cluster.idle_watch import wait_unused
+
+    calls = fake_slurm({"squeue": "echo 42\\|RUNNING\\|None\\|n1\\|0:05\\|30:00\\|debug\\|1"})
+    path = _detached_record(tmp_path, monkeypatch, keep_alive_s=1.5)
+    (row,) = nbddp.sessions()
+    assert row["slurm_jobs"] == ["42"]
+    pidfile = tmp_path / "pids"
+    pidfile.write_text("")
+    t0 = time.monotonic()
+    assert wait_unused(str(pidfile), path, "", interval=0.05) is True  # keep_alive reached: the session must end
+    assert time.monotonic() - t0 >= 1.5
+    assert "squeue" in calls.read_text() and "scancel" not in calls.read_text()  # asked after, never cancelled
+
+
+def test_a_detached_sessions_job_that_ended_ends_the_session_at_once(tmp_path, fake_slurm, monkeypatch):
+    """The job reached its time limit before keep_alive: the session ends now (its workers went with the job)."""
+    from nbddp.cluster.idle_watch import wait_unused
+
+    fake_slurm({"squeue": "echo 42\\|TIMEOUT\\|TimeLimit\\|n1\\|30:00\\|30:00\\|debug\\|1"})
+    path = _detached_record(tmp_path, monkeypatch, keep_alive_s=3600.0)
+    pidfile = tmp_path / "pids"
+    pidfile.write_text("")
+    t0 = time.monotonic()
+    assert wait_unused(str(pidfile), path, "", interval=0.05) is True
+    assert time.monotonic() - t0 < 30

@@ -98,6 +98,10 @@ class FitHooks:
         self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # (what, its argument), for the hooks thread
         self.thread: threading.Thread | None = None
         self.answers: Answers | None = None  # the synchronous callbacks' answers (attach)
+        # a detached session's fit (nbddp/detached/journal.py): told the run each logger opened, so that a kernel
+        # attaching later goes on writing the same runs (saved_runs: what it was told, given back there)
+        self.noted_runs: Callable[[str, dict[str, Any]], None] | None = None
+        self.saved_runs: dict[str, Any] | None = None
 
     @classmethod
     def build(cls, loggers: LoggerChoice | Sequence[LoggerChoice] | None = None, callbacks: object = None, *,
@@ -256,6 +260,8 @@ class FitHooks:
         cfg = run.config
         path = runs_file(cfg)
         saved = read_runs(path) if cfg.resume and plan.start_step > 0 else {}
+        if self.saved_runs is not None:  # the same runs, opened again by the kernel that attached
+            saved = self.saved_runs
         self.info = fit_info(cfg, run.session, plan, self.described, saved.get("run_name"))
         self.info.handle = run.handle
         for cb in self.callbacks.callbacks:
@@ -265,6 +271,8 @@ class FitHooks:
             states = self.loggers.start(self.info, saved.get("loggers", {}))
             if cfg.checkpoint_dir:
                 write_runs(path, self.info.run_name, states)
+            if self.noted_runs is not None:
+                self.noted_runs(self.info.run_name, states)
         self.callbacks.call("on_fit_start", self.info, self._stop)
 
     def _deliver(self, item: tuple[int, str, dict[str, Any], int | None]) -> None:

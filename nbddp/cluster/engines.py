@@ -120,7 +120,7 @@ class Workers:
             workers.stop()
             raise
         if workers.owned:
-            workers.controller_helpers = _children(getattr(cluster.controller, "process", None))
+            workers.controller_helpers = running_children(getattr(cluster.controller, "process", None))
             workers.reaper.update(workers.all_pids(), workers.job_ids())
         return workers
 
@@ -385,7 +385,7 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
-def _children(process: psutil.Process | None) -> list[psutil.Process]:
+def running_children(process: psutil.Process | None) -> list[psutil.Process]:
     import psutil
 
     if process is None:

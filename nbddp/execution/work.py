@@ -51,6 +51,7 @@ class Work(abc.ABC):
         self.description = description  # "a dist_fit", "%%ddp cell": names the work in messages
         self.done_event = threading.Event()
         self._when_done: list[Callable[[], None]] = []  # told once the work ended (its handle, execution/handle.py)
+        self._ending: list[Callable[[], None]] = []  # told as it ends, before anyone waiting for it wakes
         self._done_lock = threading.Lock()
 
     @property
@@ -70,8 +71,18 @@ class Work(abc.ABC):
                 return
         fn()
 
+    def on_ending(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` as the work ends, before a waiting cell returns (a detached session's record is
+        brought up to date before the kernel may exit: ``nbddp/detached/journal.py``)."""
+        self._ending.append(fn)
+
     def set_done(self) -> None:
         """The work has ended: its outcome is known. Wakes the waiters, then calls what ``when_done`` was given."""
+        for fn in self._ending:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the work's end must come, whatever a listener does
+                logger.exception("nbddp: a listener for the end of %s failed", self.description)
         with self._done_lock:
             self.done_event.set()
             told, self._when_done = self._when_done, []

@@ -9,11 +9,31 @@ way back and what the kernel added (``overhead_s``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.fit.preflight import FitPlan
+from nbddp.shipping import pickling as shipping
 from nbddp.profiling.time_split import split_ranks
 from nbddp.protocol.messages import FitResult, RankInfo
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+
+
+def load_weights(model: Module | None, factory: Callable[[], Module] | None, parcel: shipping.Parcel) -> Module:
+    """Into the notebook's own ``model`` (or one built from ``factory``); else the trained module itself.
+
+    Also how a kernel that attached takes a fit's weights (``handle.result(into=model)``).
+    """
+    target = model
+    if target is None and factory is not None:
+        target = factory()
+    if target is None:
+        return shipping.unpack(parcel)
+    state = shipping.unpack(parcel, copy=False)
+    target.load_state_dict(state)
+    del state
+    return target
 
 
 def rank_rows(head: FitResult, results: dict[int, FitResult], placements: list[RankInfo]) -> list[dict[str, Any]]:

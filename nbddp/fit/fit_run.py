@@ -10,16 +10,17 @@ stop) or gets a ``FitHandle`` at once.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbddp.shipping import pickling as shipping
 from nbddp.callbacks.fit_hooks import FitHooks
 from nbddp.fit import compile_report
 from nbddp.fit.handle import FitHandle
-from nbddp.fit.fit_result import fit_timings, rank_rows
+from nbddp.fit.fit_result import fit_timings, load_weights, rank_rows
 from nbddp.fit.history import History
 from nbddp.live import View
 from nbddp.live.state import LiveState
@@ -39,9 +40,6 @@ from nbddp.elastic import fit_scope
 from nbddp.elastic.recovery import Recovery
 from nbddp.protocol.errors import SlurmError, WorkerError
 from nbddp.session.session import Session
-
-if TYPE_CHECKING:
-    from torch.nn import Module
 
 HARD_STOP_WAIT_S = 30.0
 SYNC_POLL_S = 0.01  # the watcher's tick in a fit with synchronous callbacks (benchmarks/epoch_round_trip.py)
@@ -73,6 +71,7 @@ class FitRun(Work):
             plan.launch = dataclasses.replace(plan.launch, channel=self.link.channel)
         # restore_best: what the workers monitor; the synchronous callbacks
         plan.launch = self.hooks.attach(plan.launch, session, self.link)
+        plan.launch = dataclasses.replace(plan.launch, fit_id=secrets.token_hex(6))  # (a kernel attaching later)
         self._training_started = False
         self._stop_sent = False
         self.hard_stopped = False
@@ -102,6 +101,8 @@ class FitRun(Work):
                 fit_scope.begin(self.session, self.plan.cfg)
             self.start_tasks(self.plan.cfg, self.plan.launch)
             self.session.running = self
+            for told in list(self.session.on_launch):  # a detached session's record names the running fit
+                told(self)
             self.view.start(self)
             self.thread = threading.Thread(target=self._watch, name="nbddp-fit-watch", daemon=True)
             self.thread.start()
@@ -327,7 +328,7 @@ class FitRun(Work):
         parcel: shipping.Parcel | None = head.weights
         if parcel is not None:
             try:
-                history.model = self._load_weights(parcel)
+                history.model = load_weights(self.plan.model, self.plan.factory, parcel)
             finally:
                 parcel.discard()
         loaded = time.perf_counter()
@@ -345,18 +346,6 @@ class FitRun(Work):
         self.history = self.session.last_history = history
         self.live_state.status = history.status
         self.session.resident.mark(self.plan.data_keys)
-
-    def _load_weights(self, parcel: shipping.Parcel) -> Module:
-        """Into the notebook's own model (or one built from the factory); else the trained module itself."""
-        target = self.plan.model
-        if target is None and self.plan.factory is not None:
-            target = self.plan.factory()
-        if target is None:
-            return shipping.unpack(parcel)
-        state = shipping.unpack(parcel, copy=False)
-        target.load_state_dict(state)
-        del state
-        return target
 
     def result(self) -> History:
         """The History (or the fit's error), after the workers' notices, raised here in the calling cell."""

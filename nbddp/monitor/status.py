@@ -56,6 +56,8 @@ def status_table() -> StatusTable | str:
         rows.append({"rank": row["rank"], "local rank": row["local_rank"], "host": row["host"], "pid": row["pid"],
                      "device": row["device"], "alive": alive, "memory": memory, "keeps": keeps, "fit running": fit})
     owner = "started by this kernel" if st["owned"] else "attached"
+    if st.get("detached"):  # it outlives the kernel (nbddp.detach / nbddp.attach)
+        owner = f"detached session {st['detached']}"
     summary = (f"nbddp: {st['world_size']} worker(s), backend {st['backend']}, {owner}, "
                f"process-group generation {st['generation']}")
     summary = "\n".join([summary, *job_lines(st.get("slurm") or [])])  # the Slurm job(s) holding the workers

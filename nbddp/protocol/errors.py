@@ -43,6 +43,10 @@ class ClusterError(NbddpError):
     """Engines or their controller could not be started, reached or replaced."""
 
 
+class SessionError(NbddpError):
+    """A detached session could not be detached, found or attached (``nbddp.attach``, ``nbddp.sessions``)."""
+
+
 class SlurmError(ClusterError):
     """Slurm refused, held, cancelled or ended the job holding the workers, or cannot be used from here.
 

@@ -72,6 +72,7 @@ class FitLaunch:
     stoppers: tuple[Any, ...] = ()  # every EarlyStopping's BestSpec (with patience): the workers decide the stop
     answers: tuple[str, ...] = ()  # record kinds after which the ranks wait for the kernel's callbacks (epoch_answer)
     channel: str = ""  # a group across hosts: the fit's token in the store keys of answers/requests (store_channel)
+    fit_id: str = ""  # names the fit in rank 0's journal and the ranks' kept results (a kernel that attaches later)
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,16 @@ import shutil
 import secrets
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.protocol import placement as topology
 from nbddp.cluster.engines import Workers
 from nbddp.debugging.rank_lines import DebugBoard
 from nbddp.live.job_line import JobLine
 from nbddp.protocol.errors import ClusterError, FitRunningError, NotStartedError
+from nbddp.protocol.session_record import remove_session as remove_record
+from nbddp.session.ownership import check_owner
 from nbddp.session.process_group import GroupFormer, GroupState
 from nbddp.session.resident_datasets import ResidentSet
 from nbddp.shipping.shm_files import BufferPool, remove_files
@@ -52,6 +55,7 @@ class Session:
         self.stopped_explicitly = False
         self.running: Any = None  # the FitRun, cell or call that holds the workers now
         self.last_history: Any = None  # the last fit's History (nbddp.last_history()), interrupted ones too
+        self.resumed: Any = None  # the handle of a fit nbddp.attach() found running (nbddp/detached/resumed_fit.py)
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.supervisor = Supervisor(self)
@@ -66,6 +70,9 @@ class Session:
         self._former: GroupFormer | None = None
         self._generations = 0  # numbers every group this kernel formed, across stop() and start()
         self._paths_sent: tuple[Any, ...] = ()  # (sys.path, cwd, generation) the local workers follow
+        self.started_wall = 0.0  # time.time() of start(): what nbddp.sessions() shows
+        self.record_path: str | None = None  # a detached session's record (nbddp/detached/), removed by stop()
+        self.on_launch: list[Callable[[Any], None]] = []  # told of every work launched (a detached session's record)
 
     # ---- what the rest of the package reads ---------------------------------
     @property
@@ -130,6 +137,7 @@ class Session:
             self.options = StartOptions(n, backend, cluster, profile, cluster_id, timeout, threads, interface,
                                         stall_timeout, request)
             self.workers = self._launch(n, cluster, profile, cluster_id, threads, request)
+            self.started_wall = time.time()
             self.supervisor.closing = False
             try:
                 self.form_group(reprobe=True)
@@ -175,8 +183,13 @@ class Session:
     def stop(self, wait_gone: bool = True) -> None:
         """Stop the workers this kernel started; never starts any (a heal under way is cancelled).
 
-        ``wait_gone=False`` (restart): a cancelled Slurm job may still be on its way out.
+        ``wait_gone=False`` (restart): a cancelled Slurm job may still be on its way out. A detached
+        session moved to another kernel is only let go here: that kernel drives it now.
         """
+        from nbddp.session.ownership import let_go_if_moved
+
+        if let_go_if_moved(self):
+            return
         self.supervisor.closing = True
         running = self.running
         if running is not None and not running.finished:
@@ -198,8 +211,15 @@ class Session:
             self.send_pool.close()
             self.sources.forget()
             remove_files(self.file_prefix)
+            if self.record_path is not None:  # a detached session ends here: no kernel will find it again
+                remove_record(self.record_path)
+                self.record_path = None
             # this host's Inductor cache of the session (dist_fit(compile=...)): kept only by compile_cache(save=...)
             shutil.rmtree(session_cache_dir(self.file_prefix), ignore_errors=True)
+
+    def forget_group_state(self, generation: int) -> None:
+        """The next group this kernel forms is ``generation + 1``, from fresh probes (``session/ownership.py``)."""
+        self._former, self._generations, self._paths_sent = None, generation, ()
 
     def restart(self) -> "Session":
         opts = self.options
@@ -246,6 +266,7 @@ class Session:
         self.supervisor.raise_if_failed()
         if self.workers is None or self.group is None:
             raise NotStartedError("no workers are running; call nbddp.start() (or %ddp start) first")
+        check_owner(self)
         if self.busy:
             raise FitRunningError(
                 f"{self.running.describe()} is still running on these workers; wait for it "
@@ -328,6 +349,7 @@ class Session:
             "world_size": group.world_size,
             "generation": group.generation,
             "owned": workers.owned,
+            "detached": os.path.basename(self.record_path)[len("session-"):-len(".json")] if self.record_path else None,
             "hosts": sorted({p.host for p in group.placements}),
             "master": group.init_method,
             "allocator": list(group.allocator),  # worker/memory/allocator.py: "tuned", or "default (why)"

@@ -27,6 +27,7 @@ class WorkerState:
     dataset_cache: dict[str, Any] = field(default_factory=dict)
     watchdog: threading.Thread | None = None
     file_prefix: str = ""  # names of this worker's shared-memory files (set by the kernel's session)
+    session_prefix: str = ""  # the session's, which this worker's extends with -w<rank>
     master: tuple[str, int] = ("127.0.0.1", 0)  # MASTER_ADDR/MASTER_PORT of the current generation
     stack_file: Any = None  # the open file SIGUSR1 writes every thread's stack to (heartbeat.py)
     # the kernel's debugger: host, port, token (worker/debugging/rank_pdb.py)
@@ -35,6 +36,9 @@ class WorkerState:
     failure: Any = None  # the nbddp.worker.debugging.postmortem.Failure kept for %ddp debug
     mesh_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)  # this generation's mesh groups (device_mesh.py)
     kept_by: dict[str, Any] = field(default_factory=dict)  # keep= name -> worker.inference.kept.KeptFit
+    fit_id: str = ""  # the fit running now (FitLaunch.fit_id): rank 0's journal names it
+    fit_results: dict[str, Any] = field(default_factory=dict)  # a detached session's last fit: its id -> this rank's
+    # FitResult (or the error), kept until a kernel takes it (worker/training/journal.py)
 
 
 STATE = WorkerState()

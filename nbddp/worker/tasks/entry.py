@@ -32,13 +32,22 @@ def _fit(parcel: shipping.Parcel, cfg: Any, launch: FitLaunch, model_parcel: shi
     from nbddp.worker.inference import kept
     from nbddp.worker.training import loop
 
-    with user_task(launch.generation, "fit"), stop_on_sigint():
-        result, ts = loop.fit(parcel, cfg, launch, model_parcel)
-    if launch.keep:
-        STATE.namespace[launch.keep] = ts.strategy.module
-        STATE.kept_by[launch.keep] = kept.record(ts.strategy, cfg.precision)  # predict(model=name) runs it
-    del ts
-    return fit_task_result(result, launch)
+    from nbddp.worker.training import journal
+
+    STATE.fit_id = launch.fit_id
+    try:
+        with user_task(launch.generation, "fit"), stop_on_sigint():
+            result, ts = loop.fit(parcel, cfg, launch, model_parcel)
+        if launch.keep:
+            STATE.namespace[launch.keep] = ts.strategy.module
+            STATE.kept_by[launch.keep] = kept.record(ts.strategy, cfg.precision)  # predict(model=name) runs it
+        del ts
+        packed = fit_task_result(result, launch)
+    except BaseException as exc:
+        journal.ended(launch.fit_id, None, exc)  # a later kernel learns how it ended
+        raise
+    journal.ended(launch.fit_id, packed, None)
+    return packed
 
 
 def fit_task_result(result: FitResult, launch: FitLaunch) -> FitResult:

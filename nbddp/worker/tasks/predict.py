@@ -150,3 +150,20 @@ def kept_kind(name: str, generation: int) -> dict[str, Any]:
 
     check_generation(generation)
     return describe(name, STATE.namespace, STATE.kept_by)
+
+
+def kept_models(generation: int) -> list[dict[str, Any]]:
+    """Every model ``dist_fit(keep=...)`` left bound on this rank: name, kind, precision, ranks per copy, and the
+    parameters this rank holds (``nbddp.kept()``); a name since rebound to something else is not listed."""
+    from nbddp.worker.engine.rank_state import check_generation
+    from nbddp.worker.inference.kept import describe
+
+    check_generation(generation)
+    out = []
+    for name in sorted(STATE.kept_by):
+        held = describe(name, STATE.namespace, STATE.kept_by)
+        fitted = STATE.kept_by[name]
+        if held["kind"] == fitted.kind:  # still the module that fit bound
+            module = STATE.namespace[name]
+            out.append({"name": name, **held, "local_params": sum(p.numel() for p in module.parameters())})
+    return out

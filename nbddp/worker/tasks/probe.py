@@ -13,6 +13,7 @@ import time
 
 from nbddp.protocol.host import address_towards, pid_alive
 from nbddp.protocol.placement import Probe
+from nbddp.protocol.session_record import detached_marker
 from nbddp.worker.engine.rank_state import STATE
 
 
@@ -39,7 +40,7 @@ def probe(engine_id: int, controller_host: str, token_path: str, token: str, ker
             if a.family == socket.AF_INET:
                 interfaces[name] = a.address
     if same and kernel_pid > 0:  # 0: an attached cluster's engines, which outlive the kernel
-        _watch_kernel(kernel_pid)
+        _watch_kernel(kernel_pid, detached_marker(file_prefix) if file_prefix else "")
     return Probe(
         engine_id=engine_id,
         host=socket.gethostname(),
@@ -53,11 +54,14 @@ def probe(engine_id: int, controller_host: str, token_path: str, token: str, ker
     )
 
 
-def _watch_kernel(kernel_pid: int, interval: float = 0.5) -> None:
-    """Exit this engine when the kernel that started it dies (no orphans).
+def _watch_kernel(kernel_pid: int, marker: str = "", interval: float = 0.5) -> None:
+    """Exit this engine when the kernel that started it dies (no orphans), unless the session was detached.
 
     Only for engines on the kernel's host, where its pid means something.
-    A daemon thread: it costs one wake-up every ``interval`` seconds.
+    A daemon thread: it costs one wake-up every ``interval`` seconds. The
+    ``marker`` file (``nbddp.start(detach=True)``, ``%ddp detach``) says the
+    session outlives the kernel: then the reaper ends the engines after the
+    session's ``keep_alive`` instead (``nbddp/cluster/idle_watch.py``).
     """
     if STATE.watchdog is not None and STATE.watchdog.is_alive():
         return
@@ -65,7 +69,7 @@ def _watch_kernel(kernel_pid: int, interval: float = 0.5) -> None:
     def _watch() -> None:
         while True:
             time.sleep(interval)
-            if not pid_alive(kernel_pid):
+            if not pid_alive(kernel_pid) and not (marker and os.path.exists(marker)):
                 os._exit(0)
 
     STATE.watchdog = threading.Thread(target=_watch, name="nbddp-kernel-watchdog", daemon=True)

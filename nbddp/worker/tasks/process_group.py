@@ -107,6 +107,7 @@ def _adopt(placement: Placement, backend: str, generation: int, file_prefix: str
     STATE.dataset_cache.clear()  # the kernel starts each generation with nothing resident
     if file_prefix and STATE.file_prefix != f"{file_prefix}-w{placement.rank}":
         STATE.file_prefix = f"{file_prefix}-w{placement.rank}"
+    STATE.session_prefix = file_prefix or STATE.session_prefix  # the session's own files (a detached one's journal)
     if STATE.file_prefix:  # SIGUSR1 -> every thread's stack, for nbddp.stacks(); removed with the session's files
         from nbddp.protocol.notes import shm_dir
         from nbddp.worker.engine.heartbeat import enable_stack_dumps

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nbddp.protocol.messages import PUBLISH_KEYS, TIMED_PHASES, FitPlanInfo, Progress, timed_phases
+from nbddp.worker.training import journal
 from nbddp.worker.engine.heartbeat import BEAT
 from nbddp.worker.memory.usage import cuda_memory
 from nbddp.worker.training.compile_watch import COMPILES
@@ -198,4 +199,5 @@ class Reporter:
         self._published = len(self.records)
         self._publish({PUBLISH_KEYS["progress"]: Progress(seq=len(self.records), window=self.records[-WINDOW:],
                                                            status=self.status, ranks=self.ranks)})
+        journal.keep(self.plan, self.records, self.status, self.ranks)  # a detached session's: for a later kernel
         self.publish_s += time.perf_counter() - now

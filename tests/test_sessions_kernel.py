@@ -1,0 +1,403 @@
+"""Detached sessions with real Jupyter kernels (issue 43, "Done when"): detach, SIGKILL the kernel, attach.
+
+Each kernel is started through ``jupyter_client`` with a private records
+folder (``NBDDP_RUNTIME_DIR``). One session is checked in order: a detached
+kernel keeps an FSDP model, defines a ``%%ddp`` name and runs a
+``block=False`` fit, then is SIGKILLed; a new kernel attaches, takes the fit
+up (History continuous, weights equal to an unbroken fit's, its CSV logger's run complete), predicts with
+the kept model and reads the name; a third kernel is refused, then takes
+the session over (``take_over=True``: the second is refused work and its
+``stop()`` only lets go); a process of another uid cannot attach; the
+third kernel's ``nbddp.stop()`` leaves nothing. A second test
+lets an abandoned session end by its ``keep_alive``. A kernel killed
+without ``detach`` is ``tests/test_orphans.py``'s (run as ever: nothing left).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+COMMON = """
+import json, os, time, torch, nbddp
+from nbddp.session.session import get_session
+torch.manual_seed(0)
+X = torch.randn(256, 8); Y = X.sum(1, keepdim=True)
+def net():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+FIT = dict(epochs=EPOCHS, batch_size=4, lr=0.01, seed=3, live=False, log_every=8)
+"""
+
+BEFORE = """
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+nbddp.dist_fit(net(), (X, Y), epochs=1, batch_size=16, strategy="fsdp", keep="fsdp_m", live=False, seed=0)
+torch.save(nbddp.predict("fsdp_m", X[:32], live=False), OUT)
+nbddp.run_cell("secret = 40 + rank")
+handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False, loggers=[nbddp.loggers.CSV(CSV_PATH)])
+while len(handle.history.steps) < 3:
+    time.sleep(0.02)
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
+                               "steps": len(handle.history.steps)}))
+"""
+
+AFTER = """
+t0 = time.perf_counter()
+nbddp.attach()
+attach_s = time.perf_counter() - t0
+handle = nbddp.running()
+was_running = not handle.done()
+at_attach = len(handle.history.steps)  # the whole curve so far, before any new record (what the view draws)
+model = net()
+history = handle.wait(into=model)
+steps = [r["step"] for r in history.steps]
+reference = net()
+unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
+weights_diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
+                                                                reference.state_dict().values()))
+kept = nbddp.kept()
+import csv
+with open(CSV_PATH) as f:
+    rows = list(csv.DictReader(f))
+csv_runs = sorted({r["run"] for r in rows})
+csv_steps = [int(r["step"]) for r in rows if r["kind"] == "step"]
+predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(OUT)).abs().max().item()
+print("NBDDP-OUT", json.dumps({"attach_s": attach_s, "was_running": was_running, "steps": steps,
+                               "at_attach": at_attach,
+                               "unbroken_steps": [r["step"] for r in unbroken.steps],
+                               "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
+                               "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
+                               "kept": kept, "predict_diff": predict_diff, "csv_runs": csv_runs,
+                               "csv_steps": csv_steps,
+                               "secret": nbddp.pull("secret", ranks=[0, 1])["secret"],
+                               "pid": os.getpid(), "id": nbddp.sessions()[0]["id"]}))
+"""
+
+REFUSED = """
+try:
+    nbddp.attach()
+except nbddp.SessionError as e:
+    print("NBDDP-OUT", json.dumps({"refused": str(e)}))
+"""
+
+
+class Kernel:
+    """A real IPython kernel through jupyter_client, shut down (and its pid known) whatever happens."""
+
+    def __init__(self, runtime: str):
+        from jupyter_client.manager import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        env = dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime)
+        self.km.start_kernel(env=env, cwd=ROOT)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def run(self, code: str, timeout: float = 240) -> dict | None:
+        """Execute ``code``; the JSON its last ``NBDDP-OUT`` line printed (None when it printed none)."""
+        out: list[str] = []
+
+        def hook(msg):
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                out.append("\n".join(msg["content"]["traceback"]))
+
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        text = "".join(out)
+        assert reply["content"]["status"] == "ok", text
+        lines = [l for l in text.splitlines() if l.startswith("NBDDP-OUT")]
+        return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in _alive(pids):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def _other_uid_attach(runtime: str, session_id: str) -> str:
+    code = ("import os, nbddp, nbddp.api, nbddp.detached.attach, nbddp.detached.listing\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            f"try:\n    nbddp.attach({session_id!r})\n"
+            "except PermissionError as e:\n    print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, NBDDP_RUNTIME_DIR=runtime, HOME="/tmp"),
+                         capture_output=True, text=True, timeout=120, cwd="/tmp")
+    return out.stdout + out.stderr
+
+
+def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
+    """The whole story in one session: three kernels, one set of workers, an FSDP fit, a fit killed in the middle
+    of and the unbroken fit it is compared with (about 35 s on 2 cores)."""
+    runtime = str(tmp_path / "runtime")
+    common = (COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
+              f"CSV_PATH = {str(tmp_path / 'metrics.csv')!r}\n")
+    first = Kernel(runtime)
+    pids: list[int] = []
+    kernels = [first]
+    try:
+        first.run(common)
+        before = first.run(BEFORE, timeout=300)
+        pids = before["pids"]
+        os.kill(first.pid, signal.SIGKILL)  # no detach() call, no clean exit: the kernel is gone at once
+        time.sleep(1.5)  # the engines' watchdogs look every 0.5 s: they would have exited by now
+        assert len(_alive(pids)) == len(pids), "a detached session's workers died with their kernel"
+
+        second = Kernel(runtime)
+        kernels.append(second)
+        second.run(common)
+        after = second.run(AFTER, timeout=300)
+        assert after["attach_s"] < 2.0, after
+        assert after["was_running"], "the fit ended before the new kernel attached: make it longer"
+        assert after["at_attach"] >= before["steps"]  # the journal replayed every record from before the kill
+        # continuous: every record the unbroken fit has, in order, with the same losses (none lost in the restart)
+        assert after["steps"] == after["unbroken_steps"] and after["steps"][-1] == 12 * 32
+        assert after["loss_diff"] <= 1e-6
+        # the loggers given at the start wrote the same run on, through the restart: every step once, in order
+        assert len(after["csv_runs"]) == 1 and after["csv_steps"] == after["steps"]
+        assert after["epochs"] == 12 and after["status"] == "completed"
+        assert after["weights_diff"] <= 1e-6
+        (kept,) = after["kept"]
+        assert kept["name"] == "fsdp_m" and kept["strategy"] == "fsdp" and kept["params"] == 8 * 16 + 16 + 16 + 1
+        assert after["predict_diff"] <= 1e-6
+        assert after["secret"] == [40, 41]
+
+        third = Kernel(runtime)
+        kernels.append(third)
+        third.run(COMMON.replace("EPOCHS", "1"))
+        refused = third.run(REFUSED)["refused"]
+        assert f"attached to another kernel (pid {second.pid})" in refused
+
+        assert "REFUSED" in _other_uid_attach(runtime, after["id"])
+
+        moved = third.run("nbddp.attach(take_over=True)\n"
+                          "print('NBDDP-OUT', json.dumps(nbddp.pull('secret', ranks=[0, 1])['secret']))")
+        assert moved == [40, 41]  # the session moved to the third kernel, the names with it
+        left = second.run("try:\n    nbddp.run(os.getpid)\nexcept nbddp.SessionError as e:\n"
+                          "    nbddp.stop()  # (lets go only: the third kernel drives the session)\n"
+                          "    print('NBDDP-OUT', json.dumps({'refused': str(e)}))")
+        assert left is not None and f"moved to the kernel with pid {third.pid}" in left["refused"]
+        assert len(_alive(pids)) == len(pids)
+
+        third.run("nbddp.stop()")
+        assert _wait_gone(pids, 15) == []
+        assert glob.glob(f"/dev/shm/{before['prefix']}*") == []
+        assert not os.path.exists(before["record"])
+    finally:
+        for kernel in kernels:
+            kernel.close()
+        _kill(pids)
+
+
+def test_an_abandoned_session_ends_at_keep_alive_leaving_nothing(tmp_path):
+    runtime = str(tmp_path / "runtime")
+    kernel = Kernel(runtime)
+    pids: list[int] = []
+    try:
+        out = kernel.run("""
+import json, psutil, nbddp
+from nbddp.session.session import get_session
+import os
+nbddp.start(2, backend="gloo", detach=True, keep_alive="3s")
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+record = json.load(open(s.record_path))
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
+                               "modes": [oct(os.stat(p).st_mode & 0o777) for p in
+                                         (s.record_path, record["cluster_file"], record["connection_file"])]}))
+""")
+        pids = out["pids"]
+        assert out["modes"] == ["0o600"] * 3  # the record, ipyparallel's cluster file, the connection file
+        os.kill(kernel.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        assert len(_alive(pids)) == len(pids), "ended before its keep_alive"
+        assert _wait_gone(pids, 20) == [], "still running 20 s after its 3 s keep_alive"
+        assert time.monotonic() - t0 >= 3.0
+        deadline = time.monotonic() + 5
+        while glob.glob(f"/dev/shm/{out['prefix']}*") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert glob.glob(f"/dev/shm/{out['prefix']}*") == []
+        assert not os.path.exists(out["record"])
+    finally:
+        kernel.close()
+        _kill(pids)
+
+
+NOTEBOOK_SHOWS = ["records so far, status 'training': now restart the kernel",  # before the restart
+                  "nbddp: attached to session", "its fit goes on: nbddp.running() is its handle",
+                  "detached session",  # (%ddp attach's table)
+                  "completed: 60 epochs, step records", "none missing: True",
+                  "rank 0 kept this before the restart", "rank 1 kept this before the restart", "workers stopped"]
+
+
+def _notebook_text(path: str) -> str:
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                     for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def _in_order(text: str, wanted: list[str]) -> list[str]:
+    """The strings of ``wanted`` not found in ``text`` in that order."""
+    at, missing = 0, []
+    for w in wanted:
+        found = text.find(w, at)
+        if found < 0:
+            missing.append(w)
+        else:
+            at = found + len(w)
+    return missing
+
+
+def test_the_restart_mid_fit_notebook_comes_from_a_real_restart(tmp_path, monkeypatch):
+    """``scripts/make_restart_mid_fit.py --run`` restarts a real kernel between its cells (nbclient cannot):
+    notebooks/restart_mid_fit.ipynb's outputs come from such a run, and one is made and checked here."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import make_restart_mid_fit
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NBDDP_RUNTIME_DIR", str(tmp_path / "runtime"))
+    path = make_restart_mid_fit.main(["--run"])
+    made = _notebook_text(path)
+    assert _in_order(made, NOTEBOOK_SHOWS) == [], made
+    assert _in_order(_notebook_text(os.path.join(ROOT, "notebooks", "restart_mid_fit.ipynb")), NOTEBOOK_SHOWS) == []
+    assert os.listdir(tmp_path / "runtime") == []  # %ddp stop ended the session: no record left
+
+
+def _python(code: str, runtime: str) -> dict | None:
+    """``code`` in a new process (a kernel of its own, without Jupyter); the JSON of its last NBDDP-OUT line."""
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("NBDDP-OUT")]
+    assert lines or done.returncode == 0, done.stderr[-3000:]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
+def test_a_worker_lost_while_no_kernel_is_attached_ends_the_session(tmp_path):
+    """Nothing replaces a lost rank while no kernel is attached (max_restarts is the kernel's): attach() says which
+    worker died, and the session is ended with nothing left."""
+    runtime = str(tmp_path / "runtime")
+    first = _python("""
+import json, os, psutil, nbddp
+from nbddp.session.session import get_session
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "rank1": s.placements[1].pid, "prefix": s.file_prefix,
+                               "record": s.record_path}))
+os._exit(0)  # a kernel that dies: no clean-up
+""", runtime)
+    assert first is not None
+    pids = first["pids"]
+    try:
+        os.kill(first["rank1"], signal.SIGKILL)
+        out = _python("""
+import json, nbddp
+try:
+    nbddp.attach()
+except nbddp.SessionError as e:
+    print("NBDDP-OUT", json.dumps({"refused": str(e)}))
+""", runtime)
+        assert out is not None, "attach() took up a session that had lost a worker"
+        assert f"(pid {first['rank1']}) died while no kernel was attached" in out["refused"]
+        assert "the session was ended, leaving nothing behind" in out["refused"]
+        assert _wait_gone(pids, 20) == []
+        assert not os.path.exists(first["record"]) and glob.glob(f"/dev/shm/{first['prefix']}*") == []
+    finally:
+        _kill(pids)
+
+
+def test_a_fit_taken_up_by_attach_stops_when_asked(tmp_path):
+    """``handle.stop()`` on a fit found running: every rank stops at the same step, the History says so; then
+    ``nbddp.restart()`` keeps the session detached."""
+    runtime = str(tmp_path / "runtime")
+    first = _python(COMMON.replace("EPOCHS", "400") + """
+import psutil
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False)
+while len(handle.history.steps) < 2:
+    time.sleep(0.02)
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids)}))
+os._exit(0)
+""", runtime)
+    assert first is not None
+    try:
+        out = _python(COMMON.replace("EPOCHS", "400") + """
+nbddp.attach()
+handle = nbddp.running()
+try:
+    handle.profile(2)
+except nbddp.NbddpError as e:
+    refused = str(e)
+history = handle.stop()
+model = net()
+handle.result(into=model)
+nbddp.restart()  # fresh workers, detached again with the same keep_alive
+(again,) = nbddp.sessions()
+print("NBDDP-OUT", json.dumps({"status": history.status, "epochs": len(history.epochs), "refused": refused,
+                               "last": history.steps[-1]["step"], "again": again}))
+nbddp.stop()
+""", runtime)
+        assert out is not None and out["status"] == "interrupted" and out["epochs"] < 400, out
+        assert "not available for a fit this kernel found running" in out["refused"]
+        assert out["again"]["this_kernel"] and out["again"]["keep_alive_s"] == 600.0
+        assert _wait_gone(first["pids"], 15) == []
+    finally:
+        _kill(first["pids"])
