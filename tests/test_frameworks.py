@@ -402,7 +402,8 @@ def test_ddp_start_takes_every_option_start_takes(monkeypatch, ipython_shell):
     finally:
         package.unload_ipython_extension(ipython_shell)
     assert seen == {"args": (2,), "kwargs": {"backend": "gloo", "profile": "p", "cluster_id": "c", "timeout": 240.0,
-                                             "threads": 1, "interface": "lo", "stall_timeout": 30.0, "slurm": None}}
+                                             "threads": 1, "interface": "lo", "stall_timeout": 30.0, "slurm": None,
+                                             "detach": False, "keep_alive": "2h"}}
 
 
 def test_frameworks_open_no_listener_beyond_loopback(workers):
