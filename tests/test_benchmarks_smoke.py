@@ -59,7 +59,8 @@ def test_quick_benchmarks_run_and_report_ratios(workers):
     for bench in ("throughput/mlp", "throughput/cnn"):
         got = [v for (b, c, m), v in ratios.items() if b == bench and c.startswith("nbddp") and m == "samples/s"]
         assert got and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in got), (bench, got)
-    latency = [v for (b, c, _), v in ratios.items() if b.startswith("latency") and c != "nbddp_warm"]
+    latency = [r.get("ratio") for r in rows  # every row that says what it is a ratio of has one
+               if r["bench"].startswith("latency") and r["competitor"] != "nbddp_warm" and r.get("ratio_of")]
     assert latency and all(isinstance(v, float) and v > 0 for v in latency), latency
     weights = results["benchmarks"]["weights"]
     assert weights["summary"], "the weights benchmark reported no sizes"

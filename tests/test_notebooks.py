@@ -117,15 +117,21 @@ def _names() -> list[str]:
 
 
 def _texts(nb: nbformat.NotebookNode) -> str:
-    out = []
+    """Every cell's text outputs; consecutive pieces of one stream joined as Jupyter shows them (a kernel may
+    flush one print() in two messages when another thread writes in between)."""
+    out: list[str] = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        stream = None
         for o in cell.outputs:
-            if o.output_type == "stream":
+            if o.output_type == "stream" and o.name == stream:
+                out[-1] += o.text
+            elif o.output_type == "stream":
                 out.append(o.text)
             elif "data" in o:
                 out.append(o.data.get("text/plain", ""))
+            stream = o.name if o.output_type == "stream" else None
     return "\n".join(out)
 
 
