@@ -16,10 +16,10 @@ from nbddp.session.start_options import check_stall_timeout
 from nbddp.execution.work import interrupts_held, wait_interruptibly
 from nbddp.live.choice import LiveChoice
 from nbddp.protocol.data_forms import DataLike
+from nbddp.inference.launch import run_inference
 from nbddp.protocol.strategy_settings import StrategySettings
 from nbddp.worker.tasks.reports import report, should_stop  # called on the ranks; each one list lookup elsewhere
 from nbddp.worker.tasks.report_loggers import accelerate_tracker, lightning_logger  # the frameworks' one line
-from nbddp.session_calls import attach, detach, kept, running, sessions  # sessions that outlive the kernel
 
 if TYPE_CHECKING:
     from ipyparallel import Cluster
@@ -101,6 +101,74 @@ def start(n: int | None = None, *, backend: str | None = None, cluster: Cluster 
 def stop() -> None:
     """Stop the workers this kernel started (an attached cluster is only left)."""
     get_session().stop()
+
+
+def detach(keep_alive: str | float = "2h") -> dict[str, Any]:
+    """Let the running workers outlive this kernel; the session's ``sessions()`` row.
+
+    The workers, the controller, a running fit, kept models, resident
+    datasets and every ``%%ddp`` name stay when the kernel exits, restarts or
+    dies; ``nbddp.attach()`` in the next kernel takes them up again. With no
+    kernel attached and no fit running for ``keep_alive`` (``"2h"``, ``"30m"``,
+    ``"90s"`` or seconds; never "forever"), the session ends by itself,
+    leaving no process, file or Slurm job behind. Called again, it sets a new
+    ``keep_alive``. See ``docs/sessions.md``.
+
+    Raises:
+        NotStartedError: no workers run here. SessionError: another kernel
+            drives the session now. ClusterError: the workers are an
+            ipcluster nbddp did not start (they already outlive the kernel).
+        TypeError, ValueError: ``keep_alive`` is not a duration above zero.
+    """
+    from nbddp.detached.detach import detach as detach_session
+    from nbddp.detached.listing import row
+
+    return row(detach_session(get_session(), keep_alive))
+
+
+def attach(id: str | None = None, *, take_over: bool = False) -> dict[str, Any]:
+    """Take a detached session up in this kernel (a new one after a restart, or another notebook); ``status()``.
+
+    ``id``: one of ``nbddp.sessions()``; default: the only one there is.
+    The workers come back as they are: their process group, kept models
+    (``nbddp.kept()``), resident datasets and ``%%ddp`` names; a fit that
+    was running comes back as ``nbddp.running()``. One kernel drives a
+    session at a time: ``take_over=True`` moves it here from a live one.
+
+    Raises:
+        SessionError: no session (the message lists ``sessions()``), the one
+            named has ended, several exist and none was named, another live
+            kernel is attached (naming its pid), or its controller is gone
+            (the record is then removed). PermissionError: the session
+            belongs to another user.
+    """
+    from nbddp.detached.attach import attach as attach_session
+
+    attach_session(get_session(), id, take_over)
+    return status()
+
+
+def sessions() -> list[dict[str, Any]]:
+    """This user's detached sessions: ``id``, ``world``, ``backend``, ``started``, ``attached`` (a kernel's pid),
+    ``running`` (the fit running there), ``kept`` (names), ``keep_alive_s``, ``slurm_jobs``."""
+    from nbddp.detached.listing import rows
+
+    return rows()
+
+
+def running() -> FitHandle | None:
+    """The handle of the fit running on this kernel's workers (also one found running by ``attach()``), or None."""
+    from nbddp.detached.resumed_fit import running_handle
+
+    return running_handle(get_session())
+
+
+def kept() -> list[dict[str, Any]]:
+    """The models ``dist_fit(keep=...)`` left on the ranks: ``name``, ``strategy`` ("module", "fsdp", "pipeline",
+    "tensor"), ``precision``, ``params``; each usable as ``predict("name", ...)`` and ``evaluate("name", ...)``."""
+    from nbddp.inference.kept_listing import kept_models
+
+    return kept_models(get_session())
 
 
 def restart() -> dict[str, Any]:
@@ -651,7 +719,7 @@ def predict(model: ModelLike | str, data: DataLike, *, batch_size: int | None = 
     """
     from nbddp.inference.checks import check_output, check_to
 
-    return _inference("nbddp.predict", model, data, batch_size, precision, live, block, output=check_output(output),
+    return run_inference("nbddp.predict", model, data, batch_size, precision, live, block, output=check_output(output),
                       to=check_to(to), step_fn=step_fn)
 
 
@@ -701,41 +769,8 @@ def evaluate(model: ModelLike | str, data: DataLike, *, metrics: Mapping[str, An
     """
     from nbddp.inference.checks import check_metrics
 
-    return _inference("nbddp.evaluate", model, data, batch_size, precision, live, block,
+    return run_inference("nbddp.evaluate", model, data, batch_size, precision, live, block,
                       metrics=check_metrics(metrics), loss_fn=loss_fn, step_fn=step_fn, target_fn=target_fn)
-
-
-def _inference(what: str, model: ModelLike | str, data: DataLike, batch_size: int | None, precision: str | None,
-               live: LiveChoice, block: bool, output: str = "tensor", to: str | None = None,
-               **callables: Any) -> Any:
-    """The one path of ``predict`` and ``evaluate``: check, ship, run on every rank, wait or hand back."""
-    from nbddp.execution.handle import check_block
-    from nbddp.inference.checks import prepare
-    from nbddp.inference.predict_run import PredictHandle, PredictRun
-    from nbddp.live.choice import live_choice, resolved
-
-    check_block(block, what)
-    view = resolved(live_choice(live, what, stacklevel=5))  # deprecated, live_choice, _inference, predict, the cell
-    s = get_session()
-    s.ensure_started()
-    kept = None
-    if isinstance(model, str):
-        from nbddp.inference.checks import check_model, kept_model
-
-        check_model(model, what)
-        kept = kept_model(s, model, what)
-    with interrupts_held() as held, s.lock:  # an interrupt while it launches stops it once launched
-        s.ensure_ready()
-        plan = prepare(s, what, model, data, batch_size, precision, output, to, kept, **callables)
-        run_ = PredictRun(s, plan, view)
-        run_.launch()
-    if not block:
-        handle: PredictHandle[Any] = PredictHandle(run_)
-        if held:
-            run_.request_stop()
-        return handle
-    wait_interruptibly(run_, already=len(held))
-    return run_.result()
 
 
 def export_checkpoint(path: str, out: str, trust_checkpoint: bool = False) -> str:
