@@ -428,3 +428,22 @@ def test_inside_dist_fit_report_does_nothing(workers, views):
     history = nbddp.dist_fit(torch.nn.Linear(2, 1), (x, x[:, :1]), max_steps=2, batch_size=8, step_fn=step_fn,
                              live=False)
     assert history.status == "completed" and not history.metrics and not views
+
+
+def test_a_report_with_no_metric_and_hooks_on_a_call_not_waited_for_are_refused():
+    """Two refusals that need no engine: report() naming no value, and run(block=False) given loggers/callbacks
+    (their records are fed while a cell waits)."""
+    from nbddp.worker.engine.report_channel import OPEN
+
+    channel = ReportChannel(0, None, None)
+    OPEN.append(channel)
+    try:
+        with pytest.raises(TypeError, match=r"nbddp.report\(\) was given no metric: name each value, e.g. "
+                                            r"report\(loss=loss\)"):
+            nbddp.report(3)
+    finally:
+        OPEN.remove(channel)
+    assert channel.records == []
+    with pytest.raises(ValueError, match=r"nbddp.run\(block=False\) takes no loggers= or callbacks= yet: .*"
+                                         r"Use block=True, or call nbddp.last_history\(\)"):
+        nbddp.run(print, block=False, callbacks=[nbddp.EarlyStopping(monitor="loss")])

@@ -19,7 +19,7 @@ import pytest
 
 import nbddp
 from nbddp.protocol import session_record
-from nbddp.protocol.errors import NotStartedError, SessionError
+from nbddp.protocol.errors import ClusterError, NotStartedError, SessionError
 from nbddp.protocol.session_record import SessionRecord, parse_keep_alive
 
 
@@ -168,6 +168,17 @@ def test_a_record_whose_controller_is_gone_is_removed(runtime, tmp_path):
     with pytest.raises(SessionError, match="connection file .*none.json is gone"):
         nbddp.attach("20261205-000000-lost01")
     assert not os.path.exists(path)
+
+
+def test_attach_in_a_kernel_that_has_workers_of_its_own_says_to_stop_them(runtime):
+    from nbddp.session.session import get_session
+
+    session_record.write(_record("20261205-000000-other0"))
+    session = get_session()  # the test's own session (the runtime fixture), made to look started
+    session.workers = object()  # type: ignore[assignment]  # (never touched: the refusal comes first)
+    with pytest.raises(ClusterError, match=r"this kernel already has workers \(0 x \); call nbddp.stop\(\) before "
+                                           r"attaching to session 20261205-000000-other0"):
+        nbddp.attach("20261205-000000-other0")
 
 
 def test_detach_without_workers_says_how_to_start_detached(runtime):

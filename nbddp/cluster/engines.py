@@ -211,13 +211,7 @@ class Workers:
             if not _running(helper):
                 return f"a process of the ipyparallel controller (its scheduler, pid {helper.pid}) has exited"
         host, port = self.controller_endpoint()
-        if port is None:
-            return None
-        try:
-            with socket.create_connection((host, port), timeout=CONTROLLER_CHECK_TIMEOUT_S):
-                return None
-        except OSError as exc:
-            return f"the ipyparallel controller at {host}:{port} does not answer ({exc.strerror or exc})"
+        return None if port is None else unanswered(host, port, "the ipyparallel controller")
 
     def job_problem(self) -> JobState | None:
         """The Slurm job of these engines that ended, or None (asked at most once a second).
@@ -411,3 +405,14 @@ def _kill_tree(pid: int, wait_s: float = 3.0) -> None:
             pass
     if wait_s > 0:
         psutil.wait_procs(procs, timeout=wait_s)
+
+
+def unanswered(host: str, port: int, who: str) -> str | None:
+    """Why ``who`` at ``host:port`` cannot be reached (it refuses or does not accept a connection within
+    ``CONTROLLER_CHECK_TIMEOUT_S``; nothing is sent), or None: the one probe of a controller's registration port,
+    for the workers of this kernel and for a detached session's record alike."""
+    try:
+        with socket.create_connection((host, port), timeout=CONTROLLER_CHECK_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"{who} at {host}:{port} does not answer ({exc.strerror or exc})"

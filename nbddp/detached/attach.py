@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
+from nbddp.cluster.engines import unanswered
 from nbddp.cluster.reattach import reattach
 from nbddp.detached import records
 from nbddp.detached.journal import note_running
@@ -24,8 +24,6 @@ from nbddp.protocol.host import pid_alive
 from nbddp.protocol.session_record import SessionRecord
 from nbddp.session import ownership
 from nbddp.session.session import Session
-
-CONTROLLER_CHECK_S = 2.0
 
 
 def find(session_id: str | None) -> tuple[str, SessionRecord]:
@@ -61,12 +59,7 @@ def controller_gone(record: SessionRecord) -> str | None:
             info = json.load(f)
     except FileNotFoundError:
         return f"its controller's connection file {record.connection_file} is gone"
-    host = str(info.get("location") or "127.0.0.1")
-    try:
-        with socket.create_connection((host, int(info["registration"])), timeout=CONTROLLER_CHECK_S):
-            return None
-    except OSError as exc:
-        return f"its controller at {host}:{info['registration']} does not answer ({exc.strerror or exc})"
+    return unanswered(str(info.get("location") or "127.0.0.1"), int(info["registration"]), "its controller")
 
 
 def attach(session: Session, session_id: str | None = None, take_over: bool = False,
