@@ -333,3 +333,25 @@ def test_a_logger_that_cannot_be_handed_on_is_said_at_the_start(runtime):
     with pytest.warns(NbddpWarning, match="loggers cannot be handed to a kernel that attaches later"):
         fit_loggers.save(session, run_with(unpicklable), entry)
     assert fit_loggers.load(session.record_path, entry) is None
+
+
+def test_a_fit_found_running_refuses_profiling_and_weights_it_did_not_bring_back(runtime):
+    """A resumed fit's handle: no profile (the ranks send traces to the kernel that launched it), and no weights to
+    load when the fit kept its model on the ranks; a rank asked twice for a fit's result says it has none."""
+    import torch.nn as nn
+
+    from nbddp.detached.resumed_fit import ResumedFit, ResumedFitHandle
+    from nbddp.live import NullView
+    from nbddp.protocol.errors import NbddpError
+    from nbddp.session.session import get_session
+    from nbddp.worker.tasks.journal import take_fit_result
+
+    run = ResumedFit(get_session(), {"fit_id": "f1", "keep": "net"}, NullView())
+    with pytest.raises(NbddpError, match=r"handle.profile\(\) is not available for a fit this kernel found running "
+                                         r"when it attached: the ranks send traces to the kernel that launched"):
+        ResumedFitHandle(run).profile()
+    with pytest.raises(NbddpError, match=r"this fit brought no weights back: it kept its model on the ranks "
+                                         r"\(dist_fit\(keep='net'\): predict with nbddp.predict\(name, ...\)\)"):
+        run.into(nn.Linear(1, 1))
+    with pytest.raises(LookupError, match="this rank keeps no result of fit f1: it was taken already"):
+        take_fit_result("f1")
