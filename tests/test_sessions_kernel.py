@@ -275,7 +275,8 @@ NOTEBOOK_SHOWS = ["records so far, status 'training': now restart the kernel",  
                   "nbddp: attached to session", "its fit goes on: nbddp.running() is its handle",
                   "detached session",  # (%ddp attach's table)
                   "completed: 60 epochs, step records", "none missing: True",
-                  "rank 0 kept this before the restart", "rank 1 kept this before the restart", "workers stopped"]
+                  # the two ranks' lines stream as each rank prints: either may come first
+                  ("rank 0 kept this before the restart", "rank 1 kept this before the restart"), "workers stopped"]
 
 
 def _notebook_text(path: str) -> str:
@@ -286,15 +287,20 @@ def _notebook_text(path: str) -> str:
                      for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
 
-def _in_order(text: str, wanted: list[str]) -> list[str]:
-    """The strings of ``wanted`` not found in ``text`` in that order."""
+def _in_order(text: str, wanted: list[str | tuple[str, ...]]) -> list[str]:
+    """The strings of ``wanted`` not found in ``text`` in that order (those of a tuple in any order among
+    themselves, all after what came before and before what comes after)."""
     at, missing = 0, []
-    for w in wanted:
-        found = text.find(w, at)
-        if found < 0:
-            missing.append(w)
-        else:
-            at = found + len(w)
+    for item in wanted:
+        group = (item,) if isinstance(item, str) else item
+        ends = []
+        for w in group:
+            found = text.find(w, at)
+            if found < 0:
+                missing.append(w)
+            else:
+                ends.append(found + len(w))
+        at = max(ends, default=at)
     return missing
 
 
