@@ -297,7 +297,8 @@ def test_the_magics_displays_flag_is_parsed_and_misuse_is_a_usage_error():
 class FakeFuture:
     """ipyparallel's ``MessageFuture``, as far as the inbox uses it."""
 
-    def __init__(self):
+    def __init__(self, msg_id="m-1"):
+        self.msg_id = msg_id
         self.iopub_callbacks: list = []
 
 
@@ -315,6 +316,35 @@ def test_the_inbox_keeps_each_output_message_once_in_order_and_never_raises():
     assert [(m.rank, m.kind) for m in inbox.drain()] == [(1, "stream"), (1, "display_data"),
                                                          (1, "update_display_data"), (1, "clear_output")]
     assert inbox.drain() == []
+    inbox.close()
+    assert future.iopub_callbacks == []
+
+
+def test_the_report_inbox_keeps_every_report_batch_of_its_rank_and_nothing_else():
+    """Each batch is taken as it arrives (ipyparallel keeps only the latest on the task), unpickled from the
+    message itself; other published data, other messages and a batch of another rank are left."""
+    from ipyparallel.serialize import serialize_object
+
+    from nbddp.protocol.messages import PUBLISH_KEYS
+    from nbddp.protocol.reports import ReportBatch
+    from nbddp.reports.inbox import ReportInbox
+
+    def data_message(data):
+        return {"header": {"msg_type": "data_message"}, "content": {"keys": list(data)},
+                "buffers": serialize_object(data)}
+
+    future, inbox = FakeFuture(), ReportInbox()
+    inbox.attach(1, future)
+    hook = future.iopub_callbacks[0]
+    key = PUBLISH_KEYS["report"]
+    first, second = (ReportBatch(1, n, [(n - 1, (n, 0.5, {"loss": 1.0}, {"loss": "mean"}))]) for n in (1, 2))
+    hook(data_message({key: first}))
+    hook(data_message({PUBLISH_KEYS["beat"]: "a heartbeat"}))  # other data: not a report
+    hook({"header": {"msg_type": "stream"}, "content": {"name": "stdout", "text": "x"}})
+    hook(data_message({key: ReportBatch(0, 1, [])}))  # another rank's: not this task's
+    hook(data_message({key: second}))
+    hook({"header": {"msg_type": "data_message"}, "content": {"keys": [key]}, "buffers": [b"not a pickle"]})
+    assert [(b.rank, b.seq, b.window) for b in inbox.drain()] == [(1, 1, first.window), (1, 2, second.window)]
     inbox.close()
     assert future.iopub_callbacks == []
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 from nbddp.cells.rank_displays import publish
 from nbddp.cells.rank_output import output_of, write
 from nbddp.cells.reported_call import watch_reports
+from nbddp.reports.inbox import ReportInbox
 from nbddp.execution.calls import RankCall, call_on_ranks
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.handle import WorkHandle
@@ -50,10 +51,12 @@ class CallHandle(WorkHandle[list[Any]]):
     ``KeyboardInterrupt`` as in a blocking cell and the call returns nothing.
     """
 
-    def __init__(self, call: RankCall, cleanup: Callable[[], None] | None = None,
+    def __init__(self, call: RankCall, reports: ReportInbox, cleanup: Callable[[], None] | None = None,
                  shown: Collection[int] | None = ()):
+        """``reports``: the call's report batches, listened to since before its tasks were sent."""
         super().__init__(call, call.what)
         self._call = call
+        self._reports = reports
         self._cleanup = cleanup
         self.history: History | None = None  # what the call reported (nbddp.report), once it ended
         self._shown = None if shown is None else set(shown)  # whose rich output display_outputs() shows
@@ -64,8 +67,8 @@ class CallHandle(WorkHandle[list[Any]]):
     def _finish(self) -> list[Any]:
         try:
             # what the call reports (nbddp.report) is kept as .history, with no view: this cell has moved on
-            results, self.history = watch_reports(cast("Session", self._call.session), self._call, None, False,
-                                                  None)
+            results, self.history = watch_reports(cast("Session", self._call.session), self._call, self._reports,
+                                                  None, False, None)
         finally:
             if self._cleanup is not None:
                 self._cleanup()
@@ -119,10 +122,12 @@ def start_call(session: SessionLike, what: str, fn: Callable[..., Any],
     """Launch ``fn(*args_for(p))`` on ``ranks`` (each must return a ``Parcel`` or None) and hand back its handle;
     ``cleanup()`` runs once the call ended (or failed to launch); ``shown``: whose rich output
     ``display_outputs()`` publishes (None: every rank's)."""
+    reports = ReportInbox()
     try:
-        call = call_on_ranks(session, what, fn, args_for, ranks)
+        call = call_on_ranks(session, what, fn, args_for, ranks, listen=reports.attach)
     except BaseException:
+        reports.close()
         if cleanup is not None:
             cleanup()
         raise
-    return CallHandle(call, cleanup, shown)
+    return CallHandle(call, reports, cleanup, shown)

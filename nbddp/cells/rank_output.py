@@ -14,6 +14,7 @@ drained while a cell, call or script waits:
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Collection
@@ -23,6 +24,7 @@ from nbddp.cells.line_buffer import LineBuffer
 from nbddp.cells.live_lines import Drawing, LiveLines, drawing_here
 from nbddp.cells.rank_displays import Displays, RankDisplays, shown_ranks
 from nbddp.cells.rank_messages import RankInbox
+from nbddp.execution.listening import Listener
 from nbddp.execution.calls import RankCall, Targets, call_on_ranks, chosen_ranks
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.rank_tasks import RankTasks
@@ -158,15 +160,27 @@ def run_on_ranks(session: SessionLike, what: str, fn: Callable[..., Any],
 def call_with_output(session: SessionLike, what: str, fn: Callable[..., Any],
                      args_for: Callable[[Placement], tuple[Any, ...]], ranks: Targets = None,
                      output: bool | None = None, shown: Collection[int] | None = (),
-                     drawing: Drawing | None = None) -> tuple[RankCall, RankOutput | None]:
+                     drawing: Drawing | None = None,
+                     also: Listener[Any] | None = None) -> tuple[RankCall, RankOutput | None]:
     """Launch the call with its output listened to from before it is sent (``output`` None: no printer); the
-    caller waits, ticking the printer, and finishes it (``run_on_ranks``, ``cells/reported_call.py``)."""
-    if output is None:
-        return call_on_ranks(session, what, fn, args_for, ranks), None
-    inbox = RankInbox()
+    caller waits, ticking the printer, and finishes it (``run_on_ranks``, ``cells/reported_call.py``).
+
+    ``also``: another listener attached to each task before it is sent (the call's report batches).
+    """
+    inbox = RankInbox() if output is not None else None
+    listeners = [each for each in (inbox, also) if each is not None]
     try:
-        call = call_on_ranks(session, what, fn, args_for, ranks, listen=inbox.attach)
+        call = call_on_ranks(session, what, fn, args_for, ranks,
+                             listen=functools.partial(_attach, listeners) if listeners else None)
     except BaseException:
-        inbox.close()
+        for each in listeners:
+            each.close()
         raise
-    return call, RankOutput(call.tasks.ars, inbox, live=output, shown=shown, drawing=drawing)
+    if inbox is None:
+        return call, None
+    return call, RankOutput(call.tasks.ars, inbox, live=bool(output), shown=shown, drawing=drawing)
+
+
+def _attach(listeners: list[Listener[Any]], rank: int, future: Any) -> None:
+    for each in listeners:
+        each.attach(rank, future)

@@ -35,11 +35,12 @@ from nbddp.live.choice import LiveChoice
 from nbddp.live.state import LiveState
 from nbddp.protocol.fit_options import FitConfig
 from nbddp.profiling.time_split import split_ranks
-from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo, published
+from nbddp.protocol.messages import TIMED_PHASES, FitPlanInfo, RankInfo
 from nbddp.protocol.notes import write_note
 from nbddp.protocol.notices import notify, report
-from nbddp.protocol.reports import ReportBatch, stop_note
+from nbddp.protocol.reports import stop_note
 from nbddp.reports.collector import ReportCollector
+from nbddp.reports.inbox import ReportInbox
 from nbddp.session.session import Session
 
 PHASE_PREFIX = "time_"  # report(time_forward=s, ...): seconds of a phase, for History.time_split()
@@ -60,8 +61,9 @@ def output_done(ar: Any, timeout: float) -> bool:
 class ReportedRun:
     """One call's reports (see the module docstring); what a view reads of it (``live.state.ViewedFit``)."""
 
-    def __init__(self, session: Session, call: RankCall, live: LiveChoice, hooks: FitHooks | None):
-        self.session, self.call, self.live = session, call, live
+    def __init__(self, session: Session, call: RankCall, reports: ReportInbox, live: LiveChoice,
+                 hooks: FitHooks | None):
+        self.session, self.call, self.reports, self.live = session, call, reports, live
         self.hooks = hooks if hooks else None
         self.collector = ReportCollector(sorted(call.tasks.ars))
         self.history = History(world_size=len(call.tasks.ars))
@@ -78,7 +80,6 @@ class ReportedRun:
         self.stop_sent_at: float | None = None
         self.notes: list[str] = []
         self.requests: Any = None  # no profile requests: the view hides its Profile button
-        self._seen: dict[int, ReportBatch] = {}
         self._spent: dict[int, dict[str, float]] = {}  # rank -> phase -> seconds reported (time_<phase>=s)
         self._seq = 0
         self._ended = False
@@ -135,16 +136,16 @@ class ReportedRun:
 
     # ---- every tick of the call's wait -----------------------------------------------
     def tick(self) -> None:
-        for rank, ar in self.call.tasks.ars.items():
-            # a task's result can come before the last data it published (another socket): a rank is done
-            # reporting once its output is complete too (that idle message follows all its data)
-            ended = (rank in self.call.tasks.results or rank in self.call.tasks.failures) and output_done(ar, 0)
-            batch = published(ar, "report")
-            if isinstance(batch, ReportBatch) and batch is not self._seen.get(rank):
-                self._seen[rank] = batch
-                self.collector.take(batch)
-            if ended:
-                self.collector.ended(rank)
+        # a task's result can come before the last data it published (another socket): a rank is done
+        # reporting once its output is complete too (that idle message follows all its data), so whether it
+        # ended is read before its batches are drained
+        tasks = self.call.tasks
+        ended = [rank for rank, ar in tasks.ars.items()
+                 if (rank in tasks.results or rank in tasks.failures) and output_done(ar, 0)]
+        for batch in self.reports.drain():
+            self.collector.take(batch)
+        for rank in ended:
+            self.collector.ended(rank)
         self._take(*self.collector.ready())
         if self.stop_sent_at is not None and time.monotonic() - self.stop_sent_at > STOP_GRACE_S:
             self.stop_sent_at = None
@@ -218,6 +219,7 @@ class ReportedRun:
                 self.collector.ended(rank)
             self.tick()
         finally:
+            self.reports.close()
             for path in self.notes:
                 try:
                     os.unlink(path)
@@ -250,11 +252,11 @@ class ReportedRun:
                    f"STOP_LEAD_S={STOP_LEAD_S} s of lead", stacklevel=2)
 
 
-def watch_reports(session: Session, call: RankCall, printer: RankOutput | None, live: LiveChoice,
-                  hooks: FitHooks | None) -> tuple[dict[int, Any], History | None]:
+def watch_reports(session: Session, call: RankCall, reports: ReportInbox, printer: RankOutput | None,
+                  live: LiveChoice, hooks: FitHooks | None) -> tuple[dict[int, Any], History | None]:
     """Wait for ``call`` (its output shown by ``printer``, as ``run_on_ranks`` does; None: not shown); its results
-    and the History it reported."""
-    run = ReportedRun(session, call, live, hooks)
+    and the History it reported (``reports``: listening to its tasks since before they were sent)."""
+    run = ReportedRun(session, call, reports, live, hooks)
 
     broken: list[str] = []
 
@@ -308,8 +310,9 @@ def run_reporting(session: Session, what: str, fn: Any, args_for: Any, ranks: An
                   live: LiveChoice = None, hooks: FitHooks | None = None, shown: Collection[int] | None = (),
                   drawing: Drawing | None = None) -> tuple[dict[int, Any], History | None]:
     """``run_on_ranks`` (``cells/rank_output.py``) that also shows what the ranks report: results, History."""
-    call, printer = call_with_output(session, what, fn, args_for, ranks, output, shown, drawing)
-    return watch_reports(session, call, printer, live, hooks)
+    reports = ReportInbox()
+    call, printer = call_with_output(session, what, fn, args_for, ranks, output, shown, drawing, also=reports)
+    return watch_reports(session, call, reports, printer, live, hooks)
 
 
 def hooks_for(loggers: Any, callbacks: Any) -> FitHooks | None:

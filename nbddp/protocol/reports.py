@@ -12,30 +12,40 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from nbddp.protocol.notes import shm_dir
 
 REDUCES = ("mean", "sum", "max", "min", None)  # None: rank 0's value (the others are kept per rank)
 SAMPLES = "samples"  # report(samples=n): summed over the ranks, and samples/s derived from it
-WINDOW = 256  # records a batch carries besides the final one (which carries all)
 
 
-@dataclass
-class ReportRecord:
-    """What one rank reported at one step (several ``report`` calls at one step are one record)."""
+class ReportRecord(NamedTuple):
+    """What one rank reported at one step (several ``report`` calls at one step are one record).
+
+    A tuple, and sent as a plain one (``tuple(record)``): a batch of plain
+    tuples pickles about 6x faster than one of dataclasses (10 against 60 us
+    for 70 records), and both the rank's publisher and the kernel's IO thread
+    take that time from training on a machine whose cores the ranks fill.
+    Never changed once made (a later report at the same step makes a new one),
+    so the publisher thread reads it without a lock.
+    """
 
     step: int
     time: float  # time.time() on the rank at the step's last report
     values: dict[str, Any]  # name -> float (or a device tensor until the rank's publisher reads it)
-    reduce: dict[str, str | None] = field(default_factory=dict)  # name -> how it is reduced over the ranks
+    reduce: dict[str, str | None] = {}  # name -> how it is reduced over the ranks (never mutated: shared)
 
 
 @dataclass
 class ReportBatch:
-    """A rank's stream of records: ``seq`` records so far, the last ``WINDOW`` of them (all when ``final``).
+    """A rank's records since its last batch: ``seq`` records so far; ``window`` the new and changed ones.
 
+    The kernel listens to every batch as it arrives (``nbddp/reports/inbox.py``),
+    so a batch carries only what the last did not (a record that a later
+    report at its step changed, again); the ``final`` one carries them all.
+    Each is ``(seq, (step, time, values, reduce))``, a plain tuple.
     ``checks_stop``: the rank's code asked ``should_stop()`` (so a stop can
     be agreed through the reports instead of an interrupt); ``stopped_at``:
     the step at which ``should_stop()`` first answered True; ``position``:
@@ -44,7 +54,7 @@ class ReportBatch:
 
     rank: int
     seq: int
-    window: list[tuple[int, ReportRecord]]
+    window: list[tuple[int, tuple[Any, ...]]]
     final: bool = False
     checks_stop: bool = False
     stopped_at: int | None = None
@@ -69,7 +79,7 @@ def metric_value(name: str, value: object) -> Any:
             shape = tuple(value.shape)  # type: ignore[attr-defined]
             raise ValueError(f"nbddp.report({name}=...): a tensor of shape {shape} ({n} elements); a metric is one "
                              f"number. Reduce it first, e.g. report({name}=t.mean()), or report each element by name")
-        if value.device.type == "cpu":  # type: ignore[attr-defined]
+        if value.is_cpu:  # type: ignore[attr-defined]  # (a sixth of .device.type's cost: this runs every step)
             return float(value.item())  # type: ignore[attr-defined]
         return value.detach().reshape(()).clone()  # type: ignore[attr-defined]
     if isinstance(value, numbers.Real):  # numpy scalars too; True/False count as 1/0

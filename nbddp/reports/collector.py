@@ -54,9 +54,9 @@ class ReportCollector:
         if self.first_seen is None and batch.window:
             self.first_seen = self.clock()
         mine, floor = self.records[batch.rank], self.floor[batch.rank]
-        for seq, record in batch.window:
+        for seq, raw in batch.window:
             if seq >= floor:
-                mine[seq] = record
+                record = mine[seq] = ReportRecord._make(raw)
                 self.last_step[batch.rank] = max(record.step, self.last_step.get(batch.rank, record.step))
         if batch.final:
             self.final.add(batch.rank)
@@ -107,30 +107,36 @@ class ReportCollector:
         return reduced, per_rank
 
     def _reduce(self, step: int, at: dict[int, ReportRecord]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One step over the ranks: the reduced row and each rank's own. It runs for every step of every call
+        in the kernel's thread, beside ranks that fill the machine's cores: the usual case, every rank
+        reporting the same names, is one pass."""
         ranks = sorted(at)
-        self._check_names(step, at)
+        recs = [at[r] for r in ranks]
+        first = recs[0]
+        same = all(rec.values.keys() == first.values.keys() for rec in recs[1:])
+        if not same:
+            self._check_names(step, at)
         if self.t0 is None:
-            self.t0 = min(rec.time for rec in at.values())
-        names = list(dict.fromkeys(k for r in ranks for k in at[r].values))
+            self.t0 = min(rec.time for rec in recs)
         row: dict[str, Any] = {"step": step}
+        names = first.values if same else dict.fromkeys(k for rec in recs for k in rec.values)
         for name in names:
-            having = [r for r in ranks if name in at[r].values]
-            how = "sum" if name == SAMPLES else at[having[0]].reduce.get(name, "mean")
-            row[name] = reduce_values([float(at[r].values[name]) for r in having], how)
+            having = recs if same else [rec for rec in recs if name in rec.values]
+            how = "sum" if name == SAMPLES else having[0].reduce.get(name, "mean")
+            row[name] = reduce_values([float(rec.values[name]) for rec in having], how)
         rows = []
-        speeds = []
-        for r in ranks:
-            rec = at[r]
-            own: dict[str, Any] = {"step": step, "rank": r, **{k: float(v) for k, v in rec.values.items()}}
+        speed = 0.0
+        for r, rec in zip(ranks, recs):
+            own: dict[str, Any] = {"step": step, "rank": r, **rec.values}
             before = self.last_time.get(r)
             if SAMPLES in rec.values and before is not None and rec.time > before:
                 own["samples_per_s"] = float(rec.values[SAMPLES]) / (rec.time - before)
-                speeds.append(own["samples_per_s"])
+                speed += own["samples_per_s"]
             self.last_time[r] = rec.time
             rows.append(own)
-        if speeds:
-            row["samples_per_s"] = sum(speeds)
-        row["time"] = max(rec.time for rec in at.values()) - self.t0
+        if speed:
+            row["samples_per_s"] = speed
+        row["time"] = max(rec.time for rec in recs) - self.t0
         return row, rows
 
     def _check_names(self, step: int, at: dict[int, ReportRecord]) -> None:

@@ -49,7 +49,7 @@ def trainer_callback() -> type:
                 if values:
                     channel = OPEN[-1]
                     # never before this rank's last step (a second train() counts from 0 again: it joins the last)
-                    step = max(int(state.global_step), channel.records[-1].step if channel.records else 0)
+                    step = max(int(state.global_step), channel.last_step or 0)
                     channel.report(step, "mean", values)
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -37,8 +37,8 @@ def report_numbers(values: dict[str, Any], step: int | None, reduce: str | None)
     if not numbers_only:
         return
     channel = OPEN[-1]
-    if step is not None and channel.records:
-        step = max(int(step), channel.records[-1].step)
+    if step is not None and channel.last_step is not None:
+        step = max(int(step), channel.last_step)
     channel.report(step, reduce, numbers_only)
 
 
