@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(OUT)).a
 print("NBDDP-OUT", json.dumps({"attach_s": attach_s, "was_running": was_running, "steps": steps,
                                "at_attach": at_attach,
                                "unbroken_steps": [r["step"] for r in unbroken.steps],
-                               "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
+                               "epoch_losses": [e["loss"] for e in history.epochs], "unbroken_losses": [e["loss"] for e in unbroken.epochs],
                                "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
                                "kept": kept, "predict_diff": predict_diff, "csv_runs": csv_runs,
                                "csv_steps": csv_steps,
@@ -243,6 +244,7 @@ def test_an_abandoned_session_ends_at_keep_alive_leaving_nothing(tmp_path):
 import json, psutil, nbddp
 from nbddp.session.session import get_session
 import os
+import re
 nbddp.start(2, backend="gloo", detach=True, keep_alive="3s")
 s = get_session()
 pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
@@ -407,3 +409,198 @@ nbddp.stop()
         assert _wait_gone(first["pids"], 15) == []
     finally:
         _kill(first["pids"])
+
+
+# ---------------------------------------------------------------- an elastic fit while no kernel is attached
+
+CARED = """
+import json, os, time, torch, nbddp, psutil
+from nbddp.session.session import get_session
+torch.manual_seed(0)
+X = torch.randn(256, 8); Y = X.sum(1, keepdim=True)
+class SlowNet(torch.nn.Module):
+    # slow while the test's marker exists, so the fit outlasts the kills; the reference fit runs at full speed
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    def forward(self, x):
+        if os.path.exists(MARK):
+            time.sleep(0.25)
+        return self.body(x)
+class Answered(nbddp.callbacks.Callback):
+    def on_epoch_end(self, record):  # a synchronous point: rank 0 waits for this kernel's answer
+        return None
+FIT = dict(epochs=4, batch_size=4, lr=0.01, seed=3, live=False, log_every=8)
+ELASTIC = dict(max_restarts=1, snapshot_every=4)
+"""
+
+CARED_START = """
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+handle = nbddp.dist_fit(SlowNet(), (X, Y), **FIT, **ELASTIC, callbacks=[Answered()], block=False)
+while handle.history.last_step < 8:
+    time.sleep(0.02)
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
+                               "ranks": [p.pid for p in s.placements], "fit_id": s.running.plan.launch.fit_id}))
+"""
+
+
+def _driving(record: str, timeout: float = 90) -> int:
+    """The caretaker's pid, once it drives the fit (its log says so)."""
+    log = record[:-len(".json")] + "-caretaker.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(log) and "nbddp caretaker: driving fit" in open(log).read():
+            return json.load(open(record))["caretaker_pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"no caretaker drove the fit within {timeout} s: "
+                         f"{open(log).read() if os.path.exists(log) else 'no log'}")
+
+
+def _ledger(record: str, fit_id: str, until, timeout: float = 150):
+    """The fit's restarts ledger once ``until(ledger)`` holds (the caretaker writes it as it relaunches)."""
+    from nbddp.detached.care_spec import load_ledger
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ledger = load_ledger(record, fit_id)
+        except Exception:  # noqa: BLE001 - mid-replace
+            ledger = None
+        if ledger is not None and until(ledger):
+            return ledger
+        time.sleep(0.05)
+    log = record[:-len(".json")] + "-caretaker.log"
+    raise AssertionError(f"the ledger never got there: {open(log).read() if os.path.exists(log) else 'no log'}")
+
+
+def _left_behind(pids: list[int], prefix: str, record: str) -> tuple[list[int], list[str], bool]:
+    alive = _wait_gone(pids, 20)
+    deadline = time.monotonic() + 5
+    while glob.glob(f"/dev/shm/{prefix}*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive, glob.glob(f"/dev/shm/{prefix}*"), os.path.exists(record)
+
+
+CARED_ATTACH = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    nbddp.attach()
+    handle = nbddp.running()
+    model = SlowNet()
+    t0 = time.monotonic()
+    history = handle.wait(into=model)
+    waited = time.monotonic() - t0
+reference = SlowNet()
+unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
+s = get_session()
+pids = set(s.workers.all_pids())
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({
+    "steps": [r["step"] for r in history.steps], "unbroken_steps": [r["step"] for r in unbroken.steps],
+    "epoch_losses": [e["loss"] for e in history.epochs], "unbroken_losses": [e["loss"] for e in unbroken.epochs],
+    "weights_diff": max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
+                                                                   reference.state_dict().values())),
+    "status": history.status, "restarts": history.restarts, "timings": history.timings, "waited": waited,
+    "notices": [str(w.message) for w in caught], "pids": sorted(pids)}))
+nbddp.stop()
+"""
+
+
+@pytest.mark.slow
+def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_kernels_callbacks(tmp_path):
+    """A kernel through jupyter_client runs an elastic fit with a synchronous callback, detached, and is SIGKILLed;
+    then a rank's engine is SIGKILLed with no kernel attached: the caretaker has it replaced and the fit relaunched
+    from its snapshot; the callback points are skipped, not waited for; a new kernel attaches and gets the whole fit
+    with an unbroken fit's weights. Slow: a kernel start, a fit that must outlast a caretaker's start and a heal
+    (an engine started and importing torch on 2 loaded cores), and the reference fit: about 70-100 s."""
+    runtime = str(tmp_path / "runtime")
+    mark = str(tmp_path / "slow")
+    open(mark, "w").close()
+    common = CARED.replace("MARK)", f"{mark!r})")
+    first = Kernel(runtime)
+    pids: list[int] = []
+    try:
+        first.run(common)
+        before = first.run(CARED_START, timeout=300)
+        pids = before["pids"]
+        os.kill(first.pid, signal.SIGKILL)
+        caretaker = _driving(before["record"])
+        pids.append(caretaker)
+        killed_at = time.monotonic()
+        os.kill(before["ranks"][1], signal.SIGKILL)  # with no kernel attached
+        ledger = _ledger(before["record"], before["fit_id"], lambda l: len(l.restarts) == 1 and not l.pending)
+        relaunched_s = time.monotonic() - killed_at
+        assert pid_running(caretaker), "the caretaker left before the fit ended, with no kernel attached"
+        (event,) = ledger.restarts
+        assert event["rank"] == 1 and event["step_resumed_from"] >= 4 and event["step_resumed_from"] % 4 == 0
+        os.unlink(mark)  # full speed from here: the fit ends
+        after = _python(common + CARED_ATTACH, runtime)
+        assert after is not None
+        pids += after["pids"]
+        # continuous: every step once, in order (the replayed steps took the place of those after the snapshot),
+        # to the last; every epoch's loss that of the unbroken fit
+        steps = after["steps"]
+        assert after["status"] == "completed" and steps == sorted(set(steps)) and steps[-1] == 4 * 32, after
+        assert steps[0] == 1 and len(after["epoch_losses"]) == 4
+        assert after["epoch_losses"] == pytest.approx(after["unbroken_losses"], abs=1e-6)
+        assert after["weights_diff"] == 0.0  # a resume from a snapshot is exact, as in a kernel-driven restart
+        (seen,) = after["restarts"]
+        assert seen["rank"] == 1 and seen["step_resumed_from"] == event["step_resumed_from"] and seen["seconds"] > 0
+        # the callback points after the kernel died were skipped at once (each would have waited 600 s), and said
+        assert after["timings"]["callback_points_skipped"] >= 1 and after["waited"] < 120
+        assert any("synchronous callback point(s)" in n and "were skipped" in n for n in after["notices"]), after
+        print(f"relaunched {relaunched_s:.1f} s after the kill")
+        assert _left_behind(pids, before["prefix"], before["record"]) == ([], [], False)
+    finally:
+        first.close()
+        _kill(pids)
+
+
+def pid_running(pid: int) -> bool:
+    return bool(_alive([pid]))
+
+
+@pytest.mark.slow
+def test_past_max_restarts_with_no_kernel_the_fit_ends_naming_the_loss_and_attach_says_so(tmp_path):
+    """Two ranks lost with no kernel attached, ``max_restarts=1``: the first is relaunched, the second ends the
+    fit; the next kernel's handle raises the loss with the reason. Slow: two heals with no kernel (about 60-90 s)."""
+    runtime = str(tmp_path / "runtime")
+    mark = str(tmp_path / "slow")
+    open(mark, "w").close()
+    common = CARED.replace("MARK)", f"{mark!r})")
+    first = _python(common + CARED_START.replace(", callbacks=[Answered()]", "") + "\nos._exit(0)\n", runtime)
+    assert first is not None
+    pids = first["pids"]
+    try:
+        pids.append(_driving(first["record"]))
+        os.kill(first["ranks"][1], signal.SIGKILL)
+        _ledger(first["record"], first["fit_id"], lambda l: len(l.restarts) == 1 and not l.pending)
+        os.kill(first["ranks"][0], signal.SIGKILL)  # the second loss: max_restarts=1 is used up
+        failed = _ledger(first["record"], first["fit_id"], lambda l: bool(l.failed))
+        assert "max_restarts=1 were all used" in failed.failed
+        out = _python(common + """
+nbddp.attach()
+try:
+    nbddp.running().wait()
+except nbddp.WorkerError as e:
+    error = str(e)
+s = get_session()
+pids = set(s.workers.all_pids())
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"error": error, "running": nbddp.running() is not None, "pids": sorted(pids)}))
+nbddp.stop()
+""", runtime)
+        assert out is not None
+        pids += out["pids"]
+        assert re.search(r"rank [01]", out["error"]) and "max_restarts=1 were all used" in out["error"], out
+        assert _left_behind(pids, first["prefix"], first["record"]) == ([], [], False)
+    finally:
+        _kill(pids)

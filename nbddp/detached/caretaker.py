@@ -62,7 +62,11 @@ def main(path: str) -> int:
 
     signal.signal(signal.SIGTERM, let_go)
     run.launch()
+    print(f"nbddp caretaker: driving fit {run.fit_id} of session {record.id}", file=sys.stderr, flush=True)
     run.done_event.wait()
+    print(f"nbddp caretaker: fit {run.fit_id} " + ("ended: " + repr(run.error) if run.error is not None else
+                                                    "handed over" if run.letting_go else "ended"),
+          file=sys.stderr, flush=True)
     if run.error is not None:  # past max_restarts (or not retried): the fit ended; the ledger says how
         write_note(fit_note_path(session.file_prefix), {"fit_id": run.fit_id, "status": "ended",
                                                         "ended": f"failed: {run.error}"})
