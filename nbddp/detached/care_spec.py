@@ -117,11 +117,23 @@ def load(record_path: str, fit_id: str) -> RelaunchSpec | None:
 
 
 def save_ledger(record_path: str, fit_id: str, ledger: Ledger) -> None:
+    if ledger.error is not None and not _travels(ledger.error):  # it still travels as its text (``failed``)
+        ledger = dataclasses.replace(ledger, error=None)
+    _write(_path(record_path, fit_id, "ledger"), shipping.dumps(ledger, what="the fit's restarts",
+                                                                label="History.restarts"))
+
+
+def _travels(error: BaseException) -> bool:
+    """Whether ``error`` comes back from a pickle (an exception whose ``__init__`` takes other arguments does not)."""
+    import pickle
+
+    import cloudpickle
+
     try:
-        blob = shipping.dumps(ledger, what="the fit's restarts", label="History.restarts")
-    except Exception:  # noqa: BLE001 - an error that cannot be pickled still travels as its text
-        blob = shipping.dumps(dataclasses.replace(ledger, error=None), what="the fit's restarts", label="restarts")
-    _write(_path(record_path, fit_id, "ledger"), blob)
+        pickle.loads(cloudpickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure means: send the text
+        return False
+    return True
 
 
 def load_ledger(record_path: str, fit_id: str) -> Ledger:
