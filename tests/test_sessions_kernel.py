@@ -432,7 +432,7 @@ class Answered(nbddp.callbacks.Callback):
     def on_epoch_end(self, record):  # a synchronous point: rank 0 waits for this kernel's answer
         return None
 FIT = dict(epochs=4, batch_size=4, lr=0.01, seed=3, live=False, log_every=8)
-ELASTIC = dict(max_restarts=1, snapshot_every=4)
+ELASTIC = dict(max_restarts=2, snapshot_every=4)
 """
 
 CARED_START = """
@@ -492,6 +492,10 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     nbddp.attach()
     handle = nbddp.running()
+    os.kill(get_session().placements[1].pid, 9)  # attached now: this kernel replaces the rank and relaunches
+    while len(handle.history.restarts) < 2 or handle.history.restarts[-1]["step_resumed_from"] is None:
+        time.sleep(0.05)
+    os.unlink(MARK)  # full speed from here: the fit ends
     model = SlowNet()
     t0 = time.monotonic()
     history = handle.wait(into=model)
@@ -501,7 +505,10 @@ unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
 s = get_session()
 pids = set(s.workers.all_pids())
 for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    try:  # (a killed engine's launcher is listed until the next heal forgets it)
+        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        pass
 print("NBDDP-OUT", json.dumps({
     "steps": [r["step"] for r in history.steps], "unbroken_steps": [r["step"] for r in unbroken.steps],
     "epoch_losses": [e["loss"] for e in history.epochs], "unbroken_losses": [e["loss"] for e in unbroken.epochs],
@@ -517,13 +524,14 @@ nbddp.stop()
 def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_kernels_callbacks(tmp_path):
     """A kernel through jupyter_client runs an elastic fit with a synchronous callback, detached, and is SIGKILLed;
     then a rank's engine is SIGKILLed with no kernel attached: the caretaker has it replaced and the fit relaunched
-    from its snapshot; the callback points are skipped, not waited for; a new kernel attaches and gets the whole fit
-    with an unbroken fit's weights. Slow: a kernel start, a fit that must outlast a caretaker's start and a heal
-    (an engine started and importing torch on 2 loaded cores), and the reference fit: about 70-100 s."""
+    from its snapshot; the callback points are skipped, not waited for; a new kernel attaches (taking the fit from
+    the caretaker), loses a rank again and relaunches the fit itself, and gets the whole fit with an unbroken fit's
+    weights. Slow: a kernel start, a fit that must outlast a caretaker's start and two heals (the second an engine
+    started and importing torch on 2 loaded cores), and the reference fit: about 50-90 s."""
     runtime = str(tmp_path / "runtime")
     mark = str(tmp_path / "slow")
     open(mark, "w").close()
-    common = CARED.replace("MARK)", f"{mark!r})")
+    common = f"MARK = {mark!r}" + CARED
     first = Kernel(runtime)
     pids: list[int] = []
     try:
@@ -540,7 +548,6 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
         assert pid_running(caretaker), "the caretaker left before the fit ended, with no kernel attached"
         (event,) = ledger.restarts
         assert event["rank"] == 1 and event["step_resumed_from"] >= 4 and event["step_resumed_from"] % 4 == 0
-        os.unlink(mark)  # full speed from here: the fit ends
         after = _python(common + CARED_ATTACH, runtime)
         assert after is not None
         pids += after["pids"]
@@ -551,8 +558,9 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
         assert steps[0] == 1 and len(after["epoch_losses"]) == 4
         assert after["epoch_losses"] == pytest.approx(after["unbroken_losses"], abs=1e-6)
         assert after["weights_diff"] == 0.0  # a resume from a snapshot is exact, as in a kernel-driven restart
-        (seen,) = after["restarts"]
+        seen, again = after["restarts"]  # the caretaker's restart, then the attached kernel's
         assert seen["rank"] == 1 and seen["step_resumed_from"] == event["step_resumed_from"] and seen["seconds"] > 0
+        assert again["rank"] == 1 and again["step_resumed_from"] >= seen["step_resumed_from"]
         # the callback points after the kernel died were skipped at once (each would have waited 600 s), and said
         assert after["timings"]["callback_points_skipped"] >= 1 and after["waited"] < 120
         assert any("synchronous callback point(s)" in n and "were skipped" in n for n in after["notices"]), after
@@ -583,7 +591,7 @@ def test_past_max_restarts_with_no_kernel_the_fit_ends_naming_the_loss_and_attac
     runtime = str(tmp_path / "runtime")
     mark = str(tmp_path / "slow")
     open(mark, "w").close()
-    common = CARED.replace("MARK)", f"{mark!r})")
+    common = f"MARK = {mark!r}" + CARED
     first = _python(common + CARED_START.replace(", callbacks=[Answered()]", "") + "\nos._exit(0)\n", runtime)
     assert first is not None
     pids = first["pids"]
@@ -603,7 +611,10 @@ except nbddp.WorkerError as e:
 s = get_session()
 pids = set(s.workers.all_pids())
 for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    try:  # (a killed engine's launcher is listed until the next heal forgets it)
+        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        pass
 print("NBDDP-OUT", json.dumps({"error": error, "running": nbddp.running() is not None, "pids": sorted(pids)}))
 nbddp.stop()
 """, runtime)
