@@ -255,8 +255,8 @@ class ResumedFit(Work):
 
     @property
     def config(self) -> FitConfig:
-        assert self.spec is not None, "only a fit with a relaunch spec is retried"
-        return self.spec.cfg
+        """The fit's configuration: its relaunch spec's (elastic), else the one handed over with its loggers."""
+        return self.spec.cfg if self.spec is not None else self.logged_cfg
 
     def reconfigure(self, cfg: FitConfig, world_size: int) -> None:
         assert self.spec is not None, "only a fit with a relaunch spec is retried"
