@@ -9,7 +9,11 @@ the kept model and reads the name; a third kernel is refused, then takes
 the session over (``take_over=True``: the second is refused work and its
 ``stop()`` only lets go); a process of another uid cannot attach; the
 third kernel's ``nbddp.stop()`` leaves nothing. A second test
-lets an abandoned session end by its ``keep_alive``. A kernel killed
+lets an abandoned session end by its ``keep_alive``. The last two keep an
+elastic fit's ``max_restarts`` with no kernel attached (the caretaker,
+``nbddp/detached/caretaker.py``): a rank lost then is replaced and the fit
+relaunched, a dead kernel's callback points are skipped, and a fit past
+``max_restarts`` ends with the loss named to the next kernel. A kernel killed
 without ``detach`` is ``tests/test_orphans.py``'s (run as ever: nothing left).
 """
 
@@ -519,14 +523,13 @@ nbddp.stop()
 """
 
 
-@pytest.mark.slow
 def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_kernels_callbacks(tmp_path):
     """A kernel through jupyter_client runs an elastic fit with a synchronous callback, detached, and is SIGKILLed;
     then a rank's engine is SIGKILLed with no kernel attached: the caretaker has it replaced and the fit relaunched
     from its snapshot; the callback points are skipped, not waited for; a new kernel attaches (taking the fit from
     the caretaker), loses a rank again and relaunches the fit itself, and gets the whole fit with an unbroken fit's
-    weights. Slow: a kernel start, a fit that must outlast a caretaker's start and two heals (the second an engine
-    started and importing torch on 2 loaded cores), and the reference fit: about 50-90 s."""
+    weights. A kernel start, a fit that outlasts a caretaker's start and two heals, the reference fit: about 48 s
+    here."""
     runtime = str(tmp_path / "runtime")
     mark = str(tmp_path / "slow")
     open(mark, "w").close()
@@ -583,10 +586,9 @@ def _end(record: str, pids: list[int]) -> None:
     _kill(pids)
 
 
-@pytest.mark.slow
 def test_past_max_restarts_with_no_kernel_the_fit_ends_naming_the_loss_and_attach_says_so(tmp_path):
     """Two ranks lost with no kernel attached, ``max_restarts=1``: the first is relaunched, the second ends the
-    fit; the next kernel's handle raises the loss with the reason. Slow: two heals with no kernel (about 60-90 s)."""
+    fit; the next kernel's handle raises the loss with the reason. Two heals with no kernel: about 40 s here."""
     runtime = str(tmp_path / "runtime")
     mark = str(tmp_path / "slow")
     open(mark, "w").close()
