@@ -158,7 +158,7 @@ def sessions() -> list[dict[str, Any]]:
 
 def running() -> FitHandle | None:
     """The handle of the fit running on this kernel's workers (also one found running by ``attach()``), or None."""
-    from nbddp.detached.resumed_fit import running_handle
+    from nbddp.detached.resumed_handle import running_handle
 
     return running_handle(get_session())
 

@@ -340,7 +340,8 @@ def test_a_fit_found_running_refuses_profiling_and_weights_it_did_not_bring_back
     load when the fit kept its model on the ranks; a rank asked twice for a fit's result says it has none."""
     import torch.nn as nn
 
-    from nbddp.detached.resumed_fit import ResumedFit, ResumedFitHandle
+    from nbddp.detached.resumed_fit import ResumedFit
+    from nbddp.detached.resumed_handle import ResumedFitHandle
     from nbddp.live import NullView
     from nbddp.protocol.errors import NbddpError
     from nbddp.session.session import get_session

@@ -9,7 +9,11 @@ the kept model and reads the name; a third kernel is refused, then takes
 the session over (``take_over=True``: the second is refused work and its
 ``stop()`` only lets go); a process of another uid cannot attach; the
 third kernel's ``nbddp.stop()`` leaves nothing. A second test
-lets an abandoned session end by its ``keep_alive``. A kernel killed
+lets an abandoned session end by its ``keep_alive``. The last two keep an
+elastic fit's ``max_restarts`` with no kernel attached (the caretaker,
+``nbddp/detached/caretaker.py``): a rank lost then is replaced and the fit
+relaunched, a dead kernel's callback points are skipped, and a fit past
+``max_restarts`` ends with the loss named to the next kernel. A kernel killed
 without ``detach`` is ``tests/test_orphans.py``'s (run as ever: nothing left).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -407,3 +412,218 @@ nbddp.stop()
         assert _wait_gone(first["pids"], 15) == []
     finally:
         _kill(first["pids"])
+
+
+# ---------------------------------------------------------------- an elastic fit while no kernel is attached
+
+CARED = """
+import json, os, time, torch, nbddp, psutil
+from nbddp.session.session import get_session
+torch.manual_seed(0)
+X = torch.randn(256, 8); Y = X.sum(1, keepdim=True)
+class SlowNet(torch.nn.Module):
+    # slow while the test's marker exists, so the fit outlasts the kills; the reference fit runs at full speed
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    def forward(self, x):
+        if os.path.exists(MARK):
+            time.sleep(0.25)
+        return self.body(x)
+class Answered(nbddp.callbacks.Callback):
+    def on_epoch_end(self, record):  # a synchronous point: rank 0 waits for this kernel's answer
+        return None
+FIT = dict(epochs=4, batch_size=4, lr=0.01, seed=3, live=False, log_every=8)
+ELASTIC = dict(max_restarts=2, snapshot_every=4)
+"""
+
+CARED_START = """
+nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
+handle = nbddp.dist_fit(SlowNet(), (X, Y), **FIT, **ELASTIC, callbacks=[Answered()], block=False)
+while handle.history.last_step < 8:
+    time.sleep(0.02)
+s = get_session()
+pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
+for pid in list(pids):
+    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
+                               "ranks": [p.pid for p in s.placements], "fit_id": s.running.plan.launch.fit_id}))
+"""
+
+
+def _driving(record: str, timeout: float = 90) -> int:
+    """The caretaker's pid, once it drives the fit (its log says so)."""
+    log = record[:-len(".json")] + "-caretaker.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(log) and "nbddp caretaker: driving fit" in open(log).read():
+            return json.load(open(record))["caretaker_pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"no caretaker drove the fit within {timeout} s: "
+                         f"{open(log).read() if os.path.exists(log) else 'no log'}")
+
+
+def _ledger(record: str, fit_id: str, until, timeout: float = 150):
+    """The fit's restarts ledger once ``until(ledger)`` holds (the caretaker writes it as it relaunches)."""
+    from nbddp.detached.care_spec import load_ledger
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ledger = load_ledger(record, fit_id)
+        except Exception:  # noqa: BLE001 - mid-replace
+            ledger = None
+        if ledger is not None and until(ledger):
+            return ledger
+        time.sleep(0.05)
+    log = record[:-len(".json")] + "-caretaker.log"
+    raise AssertionError(f"the ledger never got there: {open(log).read() if os.path.exists(log) else 'no log'}")
+
+
+def _left_behind(pids: list[int], prefix: str, record: str) -> tuple[list[int], list[str], bool]:
+    alive = _wait_gone(pids, 20)
+    deadline = time.monotonic() + 5
+    while glob.glob(f"/dev/shm/{prefix}*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive, glob.glob(f"/dev/shm/{prefix}*"), os.path.exists(record)
+
+
+CARED_ATTACH = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    nbddp.attach()
+    handle = nbddp.running()
+    os.kill(get_session().placements[1].pid, 9)  # attached now: this kernel replaces the rank and relaunches
+    while len(handle.history.restarts) < 2 or handle.history.restarts[-1]["step_resumed_from"] is None:
+        time.sleep(0.05)
+    os.unlink(MARK)  # full speed from here: the fit ends
+    model = SlowNet()
+    t0 = time.monotonic()
+    history = handle.wait(into=model)
+    waited = time.monotonic() - t0
+reference = SlowNet()
+unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
+s = get_session()
+pids = set(s.workers.all_pids())
+for pid in list(pids):
+    try:  # (a killed engine's launcher is listed until the next heal forgets it)
+        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        pass
+print("NBDDP-OUT", json.dumps({
+    "steps": [r["step"] for r in history.steps], "unbroken_steps": [r["step"] for r in unbroken.steps],
+    "epoch_losses": [e["loss"] for e in history.epochs], "unbroken_losses": [e["loss"] for e in unbroken.epochs],
+    "weights_diff": max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
+                                                                   reference.state_dict().values())),
+    "status": history.status, "restarts": history.restarts, "timings": history.timings, "waited": waited,
+    "notices": [str(w.message) for w in caught], "pids": sorted(pids)}))
+nbddp.stop()
+"""
+
+
+def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_kernels_callbacks(tmp_path):
+    """A kernel through jupyter_client runs an elastic fit with a synchronous callback, detached, and is SIGKILLed;
+    then a rank's engine is SIGKILLed with no kernel attached: the caretaker has it replaced and the fit relaunched
+    from its snapshot; the callback points are skipped, not waited for; a new kernel attaches (taking the fit from
+    the caretaker), loses a rank again and relaunches the fit itself, and gets the whole fit with an unbroken fit's
+    weights. A kernel start, a fit that outlasts a caretaker's start and two heals, the reference fit: about 48 s
+    here."""
+    runtime = str(tmp_path / "runtime")
+    mark = str(tmp_path / "slow")
+    open(mark, "w").close()
+    common = f"MARK = {mark!r}" + CARED
+    first = Kernel(runtime)
+    pids: list[int] = []
+    try:
+        first.run(common)
+        before = first.run(CARED_START, timeout=300)
+        pids = before["pids"]
+        os.kill(first.pid, signal.SIGKILL)
+        caretaker = _driving(before["record"])
+        pids.append(caretaker)
+        killed_at = time.monotonic()
+        os.kill(before["ranks"][1], signal.SIGKILL)  # with no kernel attached
+        ledger = _ledger(before["record"], before["fit_id"], lambda l: len(l.restarts) == 1 and not l.pending)
+        relaunched_s = time.monotonic() - killed_at
+        assert pid_running(caretaker), "the caretaker left before the fit ended, with no kernel attached"
+        (event,) = ledger.restarts
+        assert event["rank"] == 1 and event["step_resumed_from"] >= 4 and event["step_resumed_from"] % 4 == 0
+        after = _python(common + CARED_ATTACH, runtime)
+        assert after is not None
+        pids += after["pids"]
+        # continuous: every step once, in order (the replayed steps took the place of those after the snapshot),
+        # to the last; every epoch's loss that of the unbroken fit
+        steps = after["steps"]
+        assert after["status"] == "completed" and steps == sorted(set(steps)) and steps[-1] == 4 * 32, after
+        assert steps[0] == 1 and len(after["epoch_losses"]) == 4
+        assert after["epoch_losses"] == pytest.approx(after["unbroken_losses"], abs=1e-6)
+        assert after["weights_diff"] == 0.0  # a resume from a snapshot is exact, as in a kernel-driven restart
+        seen, again = after["restarts"]  # the caretaker's restart, then the attached kernel's
+        assert seen["rank"] == 1 and seen["step_resumed_from"] == event["step_resumed_from"] and seen["seconds"] > 0
+        assert again["rank"] == 1 and again["step_resumed_from"] >= seen["step_resumed_from"]
+        # the callback points after the kernel died were skipped at once (each would have waited 600 s), and said
+        assert after["timings"]["callback_points_skipped"] >= 1 and after["waited"] < 120
+        assert any("synchronous callback point(s)" in n and "were skipped" in n for n in after["notices"]), after
+        print(f"relaunched {relaunched_s:.1f} s after the kill")
+        assert _left_behind(pids, before["prefix"], before["record"]) == ([], [], False)
+    finally:
+        first.close()
+        _end(before["record"] if "before" in locals() and before else "", pids)
+
+
+def pid_running(pid: int) -> bool:
+    return bool(_alive([pid]))
+
+
+def _end(record: str, pids: list[int]) -> None:
+    """A failed test's clean-up: the record removed, the reaper ends the session (the engines a heal started
+    included), then whatever is left of ``pids`` is killed."""
+    if record and os.path.exists(record):
+        os.unlink(record)
+        _wait_gone(pids, 20)
+    _kill(pids)
+
+
+def test_past_max_restarts_with_no_kernel_the_fit_ends_naming_the_loss_and_attach_says_so(tmp_path):
+    """Two ranks lost with no kernel attached, ``max_restarts=1``: the first is relaunched, the second ends the
+    fit; the next kernel's handle raises the loss with the reason. Two heals with no kernel: about 40 s here."""
+    runtime = str(tmp_path / "runtime")
+    mark = str(tmp_path / "slow")
+    open(mark, "w").close()
+    common = f"MARK = {mark!r}" + CARED
+    start = CARED_START.replace(", callbacks=[Answered()]", "").replace("**ELASTIC", "max_restarts=1, snapshot_every=4")
+    first = _python(common + start + "\nos._exit(0)\n", runtime)
+    assert first is not None
+    pids = first["pids"]
+    try:
+        pids.append(_driving(first["record"]))
+        os.kill(first["ranks"][1], signal.SIGKILL)
+        _ledger(first["record"], first["fit_id"], lambda l: len(l.restarts) == 1 and not l.pending)
+        os.kill(first["ranks"][0], signal.SIGKILL)  # the second loss: max_restarts=1 is used up
+        failed = _ledger(first["record"], first["fit_id"], lambda l: bool(l.failed))
+        assert "max_restarts=1 were all used" in failed.failed
+        out = _python(common + """
+nbddp.attach()
+try:
+    nbddp.running().wait()
+except nbddp.WorkerError as e:
+    error = str(e)
+s = get_session()
+pids = set(s.workers.all_pids())
+for pid in list(pids):
+    try:  # (a killed engine's launcher is listed until the next heal forgets it)
+        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        pass
+print("NBDDP-OUT", json.dumps({"error": error, "running": nbddp.running() is not None, "pids": sorted(pids)}))
+nbddp.stop()
+""", runtime)
+        assert out is not None
+        pids += out["pids"]
+        assert re.search(r"rank [01] \(pid \d+ on .*\): WorkerDied", out["error"]), out
+        assert "max_restarts=1 were all used" in out["error"]
+        assert _left_behind(pids, first["prefix"], first["record"]) == ([], [], False)
+    finally:
+        _end(first["record"], pids)

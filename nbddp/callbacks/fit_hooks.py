@@ -28,6 +28,7 @@ or at once when it is not handed over (a replay after a restart, a gap).
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import traceback
@@ -147,7 +148,8 @@ class FitHooks:
         if kinds and session is not None:
             if link is None or link.reachable:
                 self.answers = Answers(f"{session.file_prefix}-w0", kinds, link)
-                launch = dataclasses.replace(launch, answers=kinds)
+                # answers_pid: once this kernel died (a detached session), the ranks skip the points, never waiting
+                launch = dataclasses.replace(launch, answers=kinds, answers_pid=os.getpid())
             else:
                 notify(f"nbddp: rank 0 runs on {session.placements[0].host}, and the callbacks' answers could not "
                        f"reach it: {link.reason}. on_epoch_end/on_validation_end run asynchronously in this fit (the "

@@ -23,6 +23,7 @@ from nbddp.cluster.reaper import Reaper
 from nbddp.cluster.unregister import unregister
 from nbddp.cluster.attach import attach_files
 from nbddp.protocol.errors import ClusterError
+from nbddp.protocol.host import pid_alive
 from nbddp.cluster.engine_exits import describe_exit, exit_code, read_tail
 from nbddp.cluster.iopub_guard import harden
 from nbddp.cluster.slurm.queue import JobState
@@ -62,6 +63,9 @@ class Workers:
         self.reaper = Reaper()
         self._launched: dict[int, BaseLauncher] = {}  # pid -> launcher, kept after ipyparallel forgets a dead one
         self.controller_helpers: list[psutil.Process] = []  # the controller's schedulers (owned clusters)
+        # a detached session's processes another process started (a spare, a caretaker's replacement), as its
+        # reaper lists them: this process's launchers do not know them, and stop() must end them all the same
+        self.inherited_pids: list[int] = []
         self._endpoint: tuple[str, int] | None = None  # read from the connection file once it could be read
         self.jobs: SlurmJobs | None = None  # the Slurm jobs holding the engines (engines="slurm" clusters)
         # an elastic fit's warm spare engine (nbddp/elastic/spare.py) is registered but no rank until a heal takes
@@ -366,6 +370,7 @@ class Workers:
         if controller is not None and getattr(controller, "pid", None):
             pids.append(controller.pid)
         pids += [h.pid for h in self.controller_helpers if _running(h)]  # orphaned if the controller was killed
+        pids += [p for p in self.inherited_pids if p not in pids and pid_alive(p)]
         return pids
 
 

@@ -9,19 +9,66 @@ has been unused for the record's ``keep_alive_s``, the reaper ends it as the
 kernel's death would have: every process, the Slurm job, the /dev/shm files,
 and the record itself. A Slurm job that ended by itself (its time limit,
 ``scancel``) ends the session at once: its workers are gone with it.
+
+While no kernel is attached and an elastic fit (``max_restarts``) runs, the
+reaper also keeps a caretaker running (``Caretakers``): the process that
+replaces a lost rank and relaunches that fit (``nbddp/detached/caretaker.py``).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 from nbddp.protocol.host import pid_alive
 from nbddp.protocol.notes import read_note
-from nbddp.protocol.session_record import fit_note_path, read
+from nbddp.protocol.session_record import SessionRecord, fit_note_path, read
 
 RECORD_PREFIX = "record:"  # a PIDFILE line naming the session record (the session is detached)
 JOB_CHECK_TICKS = 20  # a detached session's Slurm job is asked after every this many ticks (10 s: squeue costs)
+CARETAKER_AGAIN_S = 10.0  # a caretaker that exited while its fit still runs is started again after this long
+
+
+def wants_caretaker(record: SessionRecord | None) -> bool:
+    """Whether the fit the record names needs a caretaker now: it is elastic, and no kernel nor other caretaker
+    drives it (the one asking is never counted: a caretaker asks whether it should go on)."""
+    if record is None or not (record.running or {}).get("care"):
+        return False
+    others = [pid for pid in (record.kernel_pid, record.caretaker_pid) if pid and pid != os.getpid()]
+    return not any(pid_alive(pid) for pid in others)
+
+
+class Caretakers:
+    """The reaper's side: start the caretaker of a detached elastic fit while no kernel is attached, end it last."""
+
+    def __init__(self, record_path: str, file_prefix: str):
+        self.record_path, self.file_prefix = record_path, file_prefix
+        self.process: subprocess.Popen | None = None
+        self.started_at = -CARETAKER_AGAIN_S
+
+    def tick(self, record: SessionRecord) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        if not wants_caretaker(record) or not fit_running(self.file_prefix):
+            return
+        if time.monotonic() - self.started_at < CARETAKER_AGAIN_S:
+            return
+        self.started_at = time.monotonic()
+        log = f"{self.record_path[:-len('.json')]}-caretaker.log"  # (beside the record: it goes with the session)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "nbddp.detached.caretaker", self.record_path],
+                                            stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
+        finally:
+            os.close(fd)
+
+    def end(self) -> None:
+        """The session ends: a caretaker still running goes first (it would heal what is being ended)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def record_line(pidfile: str) -> str | None:
@@ -58,6 +105,14 @@ def wait_unused(pidfile: str, record_path: str, file_prefix: str, interval: floa
     Returns False on a clean stop (the pid file removed by an attached
     kernel's ``nbddp.stop()``), True when the session must end now.
     """
+    caretakers = Caretakers(record_path, file_prefix)
+    try:
+        return _wait_unused(pidfile, record_path, file_prefix, interval, caretakers)
+    finally:
+        caretakers.end()
+
+
+def _wait_unused(pidfile: str, record_path: str, file_prefix: str, interval: float, caretakers: Caretakers) -> bool:
     idle_since, ticks = time.monotonic(), 0
     while os.path.exists(pidfile):
         try:
@@ -69,6 +124,7 @@ def wait_unused(pidfile: str, record_path: str, file_prefix: str, interval: floa
         now, ticks = time.monotonic(), ticks + 1
         if ticks % JOB_CHECK_TICKS == 0 and jobs_ended(record.slurm_job_ids):
             return True
+        caretakers.tick(record)
         if (record.kernel_pid and pid_alive(record.kernel_pid)) or fit_running(file_prefix):
             idle_since = now
         elif now - idle_since >= record.keep_alive_s:

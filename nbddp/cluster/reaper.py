@@ -113,7 +113,7 @@ class Reaper:
             self.adopted_pid = None
 
 
-def _pids(pidfile: str) -> tuple[list[int], list[str]] | None:
+def pids_listed(pidfile: str) -> tuple[list[int], list[str]] | None:
     """(pids, Slurm job ids) listed in ``pidfile``; None once it is gone."""
     try:
         with open(pidfile) as f:
@@ -130,7 +130,7 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
     last: list[int] = []
     jobs: list[str] = []
     while True:
-        listed = _pids(pidfile)
+        listed = pids_listed(pidfile)
         if listed is None:  # a clean stop; the probe's token file goes too, should a kill have interrupted a probe
             if file_prefix:
                 with contextlib.suppress(OSError):
@@ -143,7 +143,7 @@ def main(kernel_pid: int, pidfile: str, file_prefix: str = "", interval: float =
                 break
             if not wait_unused(pidfile, record, file_prefix, interval):
                 return 0  # an attached kernel stopped the session cleanly
-            listed = _pids(pidfile)  # (an attached kernel may have replaced engines meanwhile)
+            listed = pids_listed(pidfile)  # (an attached kernel may have replaced engines meanwhile)
             last, jobs = listed if listed is not None and (listed[0] or listed[1]) else (last, jobs)
             remove_session(record)  # the record and what was kept beside it
             break

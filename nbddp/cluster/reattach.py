@@ -14,7 +14,7 @@ import logging
 import time
 
 from nbddp.cluster.engines import Workers, running_children
-from nbddp.cluster.reaper import Reaper
+from nbddp.cluster.reaper import Reaper, pids_listed
 from nbddp.cluster.slurm.watch import SlurmJobs
 from nbddp.protocol.errors import ClusterError
 from nbddp.protocol.host import pid_alive
@@ -45,6 +45,8 @@ def reattach(cluster_file: str, connection_file: str, engine_pids: dict[int, int
     workers.pids = dict(engine_pids)
     workers.jobs = SlurmJobs.of(cluster)
     workers.reaper = Reaper.adopt(*reaper)
+    listed = pids_listed(reaper[1])  # what another process started for the session (a spare, a replacement)
+    workers.inherited_pids = sorted(set(listed[0] if listed else []) - set(workers.all_pids()))
     workers.controller_helpers = running_children(getattr(cluster.controller, "process", None))
     deadline = time.monotonic() + CONNECT_WITHIN_S
     while time.monotonic() < deadline:  # the client learns the registered engines moments after connecting

@@ -15,9 +15,10 @@ import os
 from nbddp.cluster.engines import unanswered
 from nbddp.cluster.reattach import reattach
 from nbddp.detached import records
+from nbddp.detached.hand_over import hand_over
 from nbddp.detached.journal import note_running
 from nbddp.detached.listing import describe_all
-from nbddp.detached.resumed_fit import resume
+from nbddp.detached.resumed_handle import resume
 from nbddp.protocol import session_record
 from nbddp.protocol.errors import ClusterError, SessionError
 from nbddp.protocol.host import pid_alive
@@ -62,6 +63,29 @@ def controller_gone(record: SessionRecord) -> str | None:
     return unanswered(str(info.get("location") or "127.0.0.1"), int(info["registration"]), "its controller")
 
 
+def take_up(session: Session, path: str, record: SessionRecord, end_broken: bool = False) -> None:
+    """This process drives the session of ``record`` from now on: its engines, group and datasets as they are.
+
+    Raises:
+        SessionError: one of its workers died while no kernel was attached; ``end_broken``: the session is ended.
+    """
+    try:
+        workers = reattach(record.cluster_file, record.connection_file,
+                           {p["engine_id"]: p["pid"] for p in record.group["placements"]},
+                           (record.reaper_pid, record.reaper_pidfile, path), record.options.get("engine_env", {}))
+    except ClusterError as exc:  # a worker died while no kernel was attached: its group and what it held are lost
+        if end_broken:
+            session_record.remove(path)  # the reaper sees it gone and ends the rest of the session
+        raise SessionError(f"session {record.id} cannot be attached: {exc}. Its process group is broken, and a fit "
+                           "that was running cannot go on (while no kernel is attached only a fit's own lost rank, "
+                           "with max_restarts, is replaced); the session was ended, "
+                           "leaving nothing behind. Start new workers with nbddp.start(detach=True)") from exc
+    ownership.take_over(session, workers, records.group_from_json(record.group),
+                        records.options_from_json(record.options), record.token, record.file_prefix, record.resident,
+                        record.started, busy=bool(record.running))
+    session.record_path = path
+
+
 def attach(session: Session, session_id: str | None = None, take_over: bool = False,
            live: object = None) -> SessionRecord:
     """Take the detached session over in this kernel; its record, now naming this kernel. See ``nbddp.api.attach``."""
@@ -84,19 +108,8 @@ def attach(session: Session, session_id: str | None = None, take_over: bool = Fa
         raise SessionError(f"session {record.id} cannot be reached: {gone}. Its workers are lost (the machine "
                            "restarted, or the controller was killed); its record was removed and whatever was left "
                            "of it is ended. Start new workers with nbddp.start(detach=True).")
-    try:
-        workers = reattach(record.cluster_file, record.connection_file,
-                           {p["engine_id"]: p["pid"] for p in record.group["placements"]},
-                           (record.reaper_pid, record.reaper_pidfile, path), record.options.get("engine_env", {}))
-    except ClusterError as exc:  # a worker died while no kernel was attached: its group and what it held are lost
-        session_record.remove(path)  # the reaper sees it gone and ends the rest of the session
-        raise SessionError(f"session {record.id} cannot be attached: {exc}. Its process group is broken, and a fit "
-                           "that was running cannot go on (a lost rank is replaced by an attached kernel only); "
-                           "the session was ended, "
-                           "leaving nothing behind. Start new workers with nbddp.start(detach=True)") from exc
-    ownership.take_over(session, workers, records.group_from_json(record.group), records.options_from_json(record.options),
-                      record.token, record.file_prefix, record.resident, record.started, busy=bool(record.running))
-    session.record_path = path
+    record = hand_over(path, record)  # a caretaker drove its fit meanwhile: it lets go first
+    take_up(session, path, record, end_broken=True)
     record.kernel_pid = os.getpid()
     session_record.write(record, os.path.dirname(path))
     if record.running:  # a fit that ran on while no kernel was attached (or ended meanwhile): its handle

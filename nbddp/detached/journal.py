@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbddp.detached import fit_loggers, records
+from nbddp.detached import care_spec, fit_loggers, records
 from nbddp.session.session import Session
 
 
@@ -34,6 +34,8 @@ def note_launch(run: Any) -> None:
     """``Session.on_launch``: a fit launched in a detached session is named in its record."""
     entry = sketch(run)
     if entry is not None:
+        # max_restarts: a lost rank is replaced and the fit relaunched also while no kernel is attached
+        entry["care"] = care_spec.save(run.session, run, entry)
         records.refresh(run.session, running=entry)
         fit_loggers.save(run.session, run, entry)  # (before the watcher starts: no logger has opened its run yet)
         # this kernel took the result itself: a kernel attaching later has nothing to take up
@@ -44,6 +46,7 @@ def fit_ended(session: Session, entry: dict[str, Any], succeeded: bool) -> None:
     """The record no longer names the fit as running; the name it kept on the ranks is listed."""
     record = records.refresh(session, running=None)
     fit_loggers.forget(session.record_path, entry)
+    care_spec.forget(session.record_path, session.file_prefix, str(entry["fit_id"]))
     keep = entry.get("keep")
     if record is not None and succeeded and keep and keep not in record.kept:
         records.refresh(session, kept=[*record.kept, keep])

@@ -64,8 +64,11 @@ def build(session: Session, session_id: str, keep_alive_s: float, started: float
         options=options_to_json(options, workers.engine_env), resident=session.resident.keys())
 
 
-def refresh(session: Session, **changes: Any) -> SessionRecord | None:
-    """Write this kernel's session's record again (its group, resident datasets, jobs may have changed)."""
+def refresh(session: Session, keep_owner: bool = False, **changes: Any) -> SessionRecord | None:
+    """Write this kernel's session's record again (its group, resident datasets, jobs may have changed).
+
+    ``keep_owner``: the kernel the record names stays (the caretaker writes it: ``nbddp/detached/caretaker.py``).
+    """
     path = session.record_path
     if path is None or session.workers is None or session.group is None:
         return None
@@ -73,7 +76,9 @@ def refresh(session: Session, **changes: Any) -> SessionRecord | None:
     if old is None:
         return None
     record = build(session, old.id, old.keep_alive_s, old.started)
-    record.running, record.kept = old.running, old.kept
+    record.running, record.kept, record.caretaker_pid = old.running, old.kept, old.caretaker_pid
+    if keep_owner:
+        record.kernel_pid = old.kernel_pid
     for name, value in changes.items():
         setattr(record, name, value)
     session_record.write(record, os.path.dirname(path))

@@ -176,6 +176,10 @@ class WorkerError(NbddpError, RemoteError):
     def __repr__(self) -> str:
         return BaseException.__repr__(self)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with what ``__init__`` takes: a detached fit's caretaker hands the error to the next kernel."""
+        return type(self), (self.failure, self.others, self.note)
+
     def render_traceback(self, excid: int | None = None) -> list[str]:
         """ipyparallel's name for the lines ``_render_traceback_`` gives IPython."""
         return self._render_traceback_()
@@ -223,6 +227,9 @@ class WorkerDied(WorkerError):
         self.log_tail = log_tail
         super().__init__(failure, others, note)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.failure, self.how, self.log_tail, self.others, self.note)
+
     def _summary(self) -> str:
         text = super()._summary()
         tail = [line for line in self.log_tail.splitlines() if line.strip()][-5:]
@@ -252,6 +259,9 @@ class WorkerStalled(WorkerError):
         self.ranks = list(ranks)
         self.stacks = dict(stacks)
         super().__init__(failure, others, note)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.failure, self.ranks, self.stacks, self.others, self.note)
 
     def _summary(self) -> str:
         text = super()._summary()

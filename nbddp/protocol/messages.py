@@ -73,6 +73,7 @@ class FitLaunch:
     answers: tuple[str, ...] = ()  # record kinds after which the ranks wait for the kernel's callbacks (epoch_answer)
     channel: str = ""  # a group across hosts: the fit's token in the store keys of answers/requests (store_channel)
     fit_id: str = ""  # names the fit in rank 0's journal and the ranks' kept results (a kernel that attaches later)
+    answers_pid: int = 0  # the kernel that answers ``answers``: once it died, the ranks skip them (epoch_answer)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class SessionRecord:
     resident: list[str] = field(default_factory=list)  # the dataset keys the ranks hold
     kept: list[str] = field(default_factory=list)  # names dist_fit(keep=...) bound, as the last kernel knew them
     running: dict[str, Any] | None = None  # the fit running when the kernel left (its id, returns, keep ...)
+    caretaker_pid: int = 0  # the process driving that fit while no kernel is attached (nbddp/detached/caretaker.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

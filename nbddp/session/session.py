@@ -55,7 +55,7 @@ class Session:
         self.stopped_explicitly = False
         self.running: Any = None  # the FitRun, cell or call that holds the workers now
         self.last_history: Any = None  # the last fit's History (nbddp.last_history()), interrupted ones too
-        self.resumed: Any = None  # the handle of a fit nbddp.attach() found running (nbddp/detached/resumed_fit.py)
+        self.resumed: Any = None  # the handle of a fit nbddp.attach() found running (nbddp/detached/resumed_handle.py)
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.supervisor = Supervisor(self)

@@ -130,6 +130,8 @@ def fit(parcel: Parcel, cfg: FitConfig, launch: FitLaunch, model_parcel: Parcel 
     timings.update(ts.snapshots.timings() if ts.snapshots is not None else {})  # of train_s: elastic snapshots
     if ts.answers.waited:  # of train_s: waiting for the kernel's synchronous callbacks
         timings.update(answer_wait_s=ts.answers.wait_s, answer_points=ts.answers.waited)
+    if ts.answers.skipped:  # the kernel that answers them died (a detached session): skipped, not waited for
+        timings.update(callback_points_skipped=ts.answers.skipped)
     result = finish(ts, launch, timings)
     result.phase_s, result.profile = phase_s, trace
     return result, ts
@@ -150,7 +152,8 @@ def attach_watchers(ts: TrainState, launch: FitLaunch, plan: FitPlanInfo, base_m
     ts.profiler = StepProfiler(cfg.profile, device, agreed_us) if cfg.profile is not None else None
     ts.asked = AskedProfiles(ts.rank, device, agreed_us, STATE.file_prefix, launch.channel)
     ts.answers = KernelAnswers(ts.rank, launch.answers, STATE.file_prefix, group,  # synchronous callbacks
-                               channel=launch.channel, generation=launch.generation)
+                               channel=launch.channel, generation=launch.generation,
+                               kernel_pid=launch.answers_pid)
     ts.snapshots = SnapshotClock(cfg, device, ts.strategy.group, ts.strategy) if cfg.snapshot_dir else None
 
 
@@ -374,7 +377,7 @@ def finish(ts: TrainState, launch: FitLaunch, timings: dict[str, float]) -> FitR
     rep.publish(force=True)
     timings["publish_s"] = rep.publish_s
     result = FitResult(rank=ts.rank, step=ts.step, status=ts.status, timings=timings, stop_reason=ts.stop_reason,
-                       notices=nan_policy.notices(ts) + ts.answers.notices,
+                       notices=nan_policy.notices(ts) + ts.answers.notices + ts.answers.gone_notice(),
                        compile=COMPILES.report() if ts.cfg.compile is not None else None)
     if ts.best is not None:  # every rank: putting the best weights back may be collective
         result.restored = ts.best.restore(ts)
