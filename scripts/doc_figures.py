@@ -32,7 +32,7 @@ Two markups, both HTML comments (invisible on GitHub and in the API site):
   (the table is generated from the file; an edit by hand fails).
 
 ``tests/test_doc_figures.py`` runs ``check`` and ``unsourced`` on README.md and docs/performance.md, and
-``check`` on docs/sessions.md.
+``check`` on docs/sessions.md and docs/report.md.
 """
 
 from __future__ import annotations

@@ -142,17 +142,20 @@ class ReportedRun:
         tasks = self.call.tasks
         ended = [rank for rank, ar in tasks.ars.items()
                  if (rank in tasks.results or rank in tasks.failures) and output_done(ar, 0)]
-        for batch in self.reports.drain():
+        batches = self.reports.drain()
+        for batch in batches:
             self.collector.take(batch)
         for rank in ended:
             self.collector.ended(rank)
-        self._take(*self.collector.ready())
+        reduced, per_rank = self.collector.ready()
+        self._take(reduced, per_rank)
         if self.stop_sent_at is not None and time.monotonic() - self.stop_sent_at > STOP_GRACE_S:
             self.stop_sent_at = None
             self.call.soft_stop = None
             self.call.request_stop()  # the ranks did not end at the agreed step: interrupt them
         if self.view is not None:
-            self.live_state.ranks = self._rank_figures()
+            if reduced:  # the ranks' figures change only with new steps (most ticks bring none)
+                self.live_state.ranks = self._rank_figures()
             self.view.update(self)
 
     def _take(self, reduced: list[dict[str, Any]], per_rank: list[dict[str, Any]]) -> None:

@@ -35,7 +35,21 @@ class ReportRecord(NamedTuple):
     step: int
     time: float  # time.time() on the rank at the step's last report
     values: dict[str, Any]  # name -> float (or a device tensor until the rank's publisher reads it)
-    reduce: dict[str, str | None] = {}  # name -> how it is reduced over the ranks (never mutated: shared)
+    # how its values are reduced over the ranks: one of REDUCES for all of them (what one report() call makes),
+    # or name -> one of REDUCES (several calls at one step that asked differently); see reduce_of
+    reduce: str | None | dict[str, str | None] = "mean"
+
+
+def reduce_of(record: tuple[Any, ...]) -> dict[str, str | None]:
+    """``record``'s reduction of each of its values, as a dict (a record holds one for all of them or a dict)."""
+    how = record[3]
+    return dict(how) if isinstance(how, dict) else dict.fromkeys(record[2], how)
+
+
+def how_reduced(record: ReportRecord, name: str) -> str | None:
+    """How ``record``'s value ``name`` is reduced over the ranks."""
+    how = record.reduce
+    return how.get(name, "mean") if isinstance(how, dict) else how
 
 
 @dataclass

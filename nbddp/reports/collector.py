@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from nbddp.protocol.notices import notify
-from nbddp.protocol.reports import SAMPLES, ReportBatch, ReportRecord, reduce_values
+from nbddp.protocol.reports import SAMPLES, ReportBatch, ReportRecord, how_reduced, reduce_values
 
 SILENT_S = 2.0
 
@@ -122,7 +122,7 @@ class ReportCollector:
         names = first.values if same else dict.fromkeys(k for rec in recs for k in rec.values)
         for name in names:
             having = recs if same else [rec for rec in recs if name in rec.values]
-            how = "sum" if name == SAMPLES else having[0].reduce.get(name, "mean")
+            how = "sum" if name == SAMPLES else how_reduced(having[0], name)
             row[name] = reduce_values([float(rec.values[name]) for rec in having], how)
         rows = []
         speed = 0.0

@@ -36,11 +36,11 @@ from typing import Any, Callable, Iterator
 from nbddp.protocol.messages import PUBLISH_KEYS
 from nbddp.protocol.notes import read_note
 from nbddp.worker.engine.heartbeat import engine_publisher
-from nbddp.protocol.reports import ReportBatch, check_reduce, check_step, is_tensor, metric_value
+from nbddp.protocol.reports import ReportBatch, check_reduce, check_step, is_tensor, metric_value, reduce_of
 
 PUBLISH_S = 0.25  # how often new records go to the kernel: each message costs the kernel's IO thread about
 # 0.2 ms beside ranks that fill the cores; the live view's latency is about half this plus its poll (goal 250 ms)
-Record = tuple[int, float, dict[str, Any], dict[str, Any]]  # (step, time, values, reduce): a ReportRecord's fields
+Record = tuple[int, float, dict[str, Any], Any]  # (step, time, values, reduce): a ReportRecord's fields
 
 
 class ReportChannel:
@@ -62,7 +62,6 @@ class ReportChannel:
         self._revised: deque[int] = deque()  # indices of published records a later report replaced
         self._device = False  # a record holds a device tensor: the publisher reads it into a float
         self._tensor: type | None = None  # torch.Tensor, once one was reported (torch is not imported here)
-        self._reduces: dict[tuple[Any, ...], dict[str, Any]] = {}  # one shared reduce dict per (names, how)
         self._dirty = False
         self._done = threading.Event()
         self._thread: threading.Thread | None = None  # started by the first report or should_stop
@@ -95,26 +94,21 @@ class ReportChannel:
                 except (RuntimeError, TypeError, ValueError):
                     values[name] = metric_value(name, value)  # raises, naming the metric
             else:
-                values[name] = metric_value(name, value)
+                read = values[name] = metric_value(name, value)
                 if is_tensor(value):
                     self._tensor = kind  # torch.Tensor: the fast path above from now on
+                    self._device = self._device or type(read) is not float  # kept on its device: read later
         records = self.records
         last = records[-1] if records else None
         if step is None:
             step = last[0] + 1 if last is not None else 1
         elif type(step) is not int or step < 0 or (last is not None and step < last[0]):
             step = check_step(step, last[0] if last is not None else None, list(metrics))
-        if not self._device and any(is_tensor(v) for v in values.values()):
-            self._device = True
         if last is not None and last[0] == step:  # another report at the same step: a new record in its place
-            records[-1] = (step, time.time(), {**last[2], **values}, {**last[3], **dict.fromkeys(values, how)})
+            records[-1] = (step, time.time(), {**last[2], **values}, {**reduce_of(last), **dict.fromkeys(values, how)})
             self._revised.append(len(records) - 1)
-        else:
-            key = (*values, how)
-            shared = self._reduces.get(key)
-            if shared is None:
-                shared = self._reduces[key] = dict.fromkeys(values, how)
-            records.append((step, time.time(), values, shared))
+        else:  # one reduction for all its values: the record holds it as is, not a dict (see ReportRecord)
+            records.append((step, time.time(), values, how))
         self._dirty = True
 
     def should_stop(self, step: int | None = None) -> bool:
