@@ -362,3 +362,11 @@ def test_a_tasks_future_is_seen_before_the_task_is_sent():
         client.create_message_futures("a")
     client.create_message_futures("b")  # after: not seen, the class's method again
     assert seen == ["future of a"] and "create_message_futures" not in vars(client)
+
+
+def test_a_listener_must_say_what_it_picks():
+    """The base ``Listener`` picks nothing itself: a subclass that forgot ``pick`` fails loudly, not silently."""
+    from nbddp.execution.listening import Listener
+
+    with pytest.raises(NotImplementedError):
+        Listener().pick(0, "m-1", {"header": {"msg_type": "stream"}, "content": {}})
