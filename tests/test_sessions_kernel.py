@@ -28,12 +28,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from kernel_cells import ROOT, Kernel, alive, kill, wait_gone
 
 COMMON = """
 import json, os, time, torch, nbddp
@@ -102,70 +101,6 @@ except nbddp.SessionError as e:
 """
 
 
-class Kernel:
-    """A real IPython kernel through jupyter_client, shut down (and its pid known) whatever happens."""
-
-    def __init__(self, runtime: str):
-        from jupyter_client.manager import KernelManager
-
-        self.km = KernelManager(kernel_name="python3")
-        env = dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime)
-        self.km.start_kernel(env=env, cwd=ROOT)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    @property
-    def pid(self) -> int:
-        return self.km.provisioner.process.pid
-
-    def run(self, code: str, timeout: float = 240) -> dict | None:
-        """Execute ``code``; the JSON its last ``NBDDP-OUT`` line printed (None when it printed none)."""
-        out: list[str] = []
-
-        def hook(msg):
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(msg["content"]["traceback"]))
-
-        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-        text = "".join(out)
-        assert reply["content"]["status"] == "ok", text
-        lines = [l for l in text.splitlines() if l.startswith("NBDDP-OUT")]
-        return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.Error:
-            pass
-    return alive
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _alive(pids)
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in _alive(pids):
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-
-
 def _other_uid_attach(runtime: str, session_id: str) -> str:
     code = ("import os, nbddp, nbddp.api, nbddp.detached.attach, nbddp.detached.listing\n"
             "os.setgid(65534); os.setuid(65534)\n"
@@ -182,7 +117,7 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
     runtime = str(tmp_path / "runtime")
     common = (COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
               f"CSV_PATH = {str(tmp_path / 'metrics.csv')!r}\n")
-    first = Kernel(runtime)
+    first = Kernel(NBDDP_RUNTIME_DIR=runtime)
     pids: list[int] = []
     kernels = [first]
     try:
@@ -191,9 +126,9 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         pids = before["pids"]
         os.kill(first.pid, signal.SIGKILL)  # no detach() call, no clean exit: the kernel is gone at once
         time.sleep(1.5)  # the engines' watchdogs look every 0.5 s: they would have exited by now
-        assert len(_alive(pids)) == len(pids), "a detached session's workers died with their kernel"
+        assert len(alive(pids)) == len(pids), "a detached session's workers died with their kernel"
 
-        second = Kernel(runtime)
+        second = Kernel(NBDDP_RUNTIME_DIR=runtime)
         kernels.append(second)
         second.run(common)
         after = second.run(AFTER, timeout=300)
@@ -212,7 +147,7 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         assert after["predict_diff"] <= 1e-6
         assert after["secret"] == [40, 41]
 
-        third = Kernel(runtime)
+        third = Kernel(NBDDP_RUNTIME_DIR=runtime)
         kernels.append(third)
         third.run(COMMON.replace("EPOCHS", "1"))
         refused = third.run(REFUSED)["refused"]
@@ -227,21 +162,21 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
                           "    nbddp.stop()  # (lets go only: the third kernel drives the session)\n"
                           "    print('NBDDP-OUT', json.dumps({'refused': str(e)}))")
         assert left is not None and f"moved to the kernel with pid {third.pid}" in left["refused"]
-        assert len(_alive(pids)) == len(pids)
+        assert len(alive(pids)) == len(pids)
 
         third.run("nbddp.stop()")
-        assert _wait_gone(pids, 15) == []
+        assert wait_gone(pids, 15) == []
         assert glob.glob(f"/dev/shm/{before['prefix']}*") == []
         assert not os.path.exists(before["record"])
     finally:
         for kernel in kernels:
             kernel.close()
-        _kill(pids)
+        kill(pids)
 
 
 def test_an_abandoned_session_ends_at_keep_alive_leaving_nothing(tmp_path):
     runtime = str(tmp_path / "runtime")
-    kernel = Kernel(runtime)
+    kernel = Kernel(NBDDP_RUNTIME_DIR=runtime)
     pids: list[int] = []
     try:
         out = kernel.run("""
@@ -263,8 +198,8 @@ print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "r
         os.kill(kernel.pid, signal.SIGKILL)
         t0 = time.monotonic()
         time.sleep(1.5)
-        assert len(_alive(pids)) == len(pids), "ended before its keep_alive"
-        assert _wait_gone(pids, 20) == [], "still running 20 s after its 3 s keep_alive"
+        assert len(alive(pids)) == len(pids), "ended before its keep_alive"
+        assert wait_gone(pids, 20) == [], "still running 20 s after its 3 s keep_alive"
         assert time.monotonic() - t0 >= 3.0
         deadline = time.monotonic() + 5
         while glob.glob(f"/dev/shm/{out['prefix']}*") and time.monotonic() < deadline:
@@ -273,7 +208,7 @@ print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "r
         assert not os.path.exists(out["record"])
     finally:
         kernel.close()
-        _kill(pids)
+        kill(pids)
 
 
 NOTEBOOK_SHOWS = ["records so far, status 'training': now restart the kernel",  # before the restart
@@ -365,10 +300,10 @@ except nbddp.SessionError as e:
         assert out is not None, "attach() took up a session that had lost a worker"
         assert f"(pid {first['rank1']}) died while no kernel was attached" in out["refused"]
         assert "the session was ended, leaving nothing behind" in out["refused"]
-        assert _wait_gone(pids, 20) == []
+        assert wait_gone(pids, 20) == []
         assert not os.path.exists(first["record"]) and glob.glob(f"/dev/shm/{first['prefix']}*") == []
     finally:
-        _kill(pids)
+        kill(pids)
 
 
 def test_a_fit_taken_up_by_attach_stops_when_asked(tmp_path):
@@ -409,9 +344,9 @@ nbddp.stop()
         assert out is not None and out["status"] == "interrupted" and out["epochs"] < 400, out
         assert "not available for a fit this kernel found running" in out["refused"]
         assert out["again"]["this_kernel"] and out["again"]["keep_alive_s"] == 600.0
-        assert _wait_gone(first["pids"], 15) == []
+        assert wait_gone(first["pids"], 15) == []
     finally:
-        _kill(first["pids"])
+        kill(first["pids"])
 
 
 # ---------------------------------------------------------------- an elastic fit while no kernel is attached
@@ -482,11 +417,11 @@ def _ledger(record: str, fit_id: str, until, timeout: float = 150):
 
 
 def _left_behind(pids: list[int], prefix: str, record: str) -> tuple[list[int], list[str], bool]:
-    alive = _wait_gone(pids, 20)
+    running = wait_gone(pids, 20)
     deadline = time.monotonic() + 5
     while glob.glob(f"/dev/shm/{prefix}*") and time.monotonic() < deadline:
         time.sleep(0.1)
-    return alive, glob.glob(f"/dev/shm/{prefix}*"), os.path.exists(record)
+    return running, glob.glob(f"/dev/shm/{prefix}*"), os.path.exists(record)
 
 
 CARED_ATTACH = """
@@ -534,7 +469,7 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
     mark = str(tmp_path / "slow")
     open(mark, "w").close()
     common = f"MARK = {mark!r}" + CARED
-    first = Kernel(runtime)
+    first = Kernel(NBDDP_RUNTIME_DIR=runtime)
     pids: list[int] = []
     try:
         first.run(common)
@@ -574,7 +509,7 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
 
 
 def pid_running(pid: int) -> bool:
-    return bool(_alive([pid]))
+    return bool(alive([pid]))
 
 
 def _end(record: str, pids: list[int]) -> None:
@@ -582,8 +517,8 @@ def _end(record: str, pids: list[int]) -> None:
     included), then whatever is left of ``pids`` is killed."""
     if record and os.path.exists(record):
         os.unlink(record)
-        _wait_gone(pids, 20)
-    _kill(pids)
+        wait_gone(pids, 20)
+    kill(pids)
 
 
 def test_past_max_restarts_with_no_kernel_the_fit_ends_naming_the_loss_and_attach_says_so(tmp_path):
