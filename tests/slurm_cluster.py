@@ -33,7 +33,6 @@ munge`` packages (``scripts/test.sh`` installs them as root);
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -46,9 +45,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel_cells import Kernel
 from netns_hosts import FakeCluster, FakeHost, fake_network, host_command, netns_available
 
-__all__ = ["LoginKernel", "PrivateSlurm", "Reply", "private_slurm", "slurm_available"]
+__all__ = ["LoginKernel", "PrivateSlurm", "private_slurm", "slurm_available"]
 
 PACKAGES = "slurmctld slurmd slurm-client munge"
 _BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged", "mungekey")
@@ -248,88 +248,24 @@ PartitionName={slurm.urgent} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 
 """
 
 
-@dataclass
-class Reply:
-    """What one cell did: its status, its text (streams and errors), every version of its displays, its error."""
-
-    status: str
-    text: str
-    displays: list[str]
-    ename: str = ""
-    evalue: str = ""
-    seconds: float = 0.0
-
-
-class LoginKernel:
+class LoginKernel(Kernel):
     """A real ipykernel on the login node: the notebook of these tests.
 
     Its environment has ``SLURM_CONF`` and a private ``IPYTHONDIR`` (so the
     controller's files, and the engines', live in the private folder), and
     not the test run's marker: what it starts belongs to it, not to the
-    pytest process, and is checked by the tests themselves.
+    pytest process, and is checked by the tests themselves. It speaks over
+    unix sockets: the test process has no route into the namespace.
     """
 
-    def __init__(self, slurm: PrivateSlurm, run_marker: str = "NBDDP_TEST_RUN"):
-        from jupyter_client.kernelspec import KernelSpecManager
-        from jupyter_client.manager import KernelManager
-
+    def __init__(self, slurm: PrivateSlurm, **extra: str):
         where = slurm.root / "jupyter"
-        spec = where / "kernels" / "nbddp-login"
-        spec.mkdir(parents=True)
         tests = Path(__file__).resolve().parent
-        env = {**{k: v for k, v in os.environ.items() if k != run_marker}, **slurm.env,
-               "IPYTHONDIR": str(slurm.root / "ipython"), "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
-        argv = slurm.command([sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"])
-        (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "login node", "language": "python"}))
-        self.km = KernelManager(kernel_name="nbddp-login", kernel_spec_manager=KernelSpecManager(
-            kernel_dirs=[str(where / "kernels")]), transport="ipc")
-        self.km.ip = str(where / "ipc")  # unix sockets: the test process has no route into the namespace
-        self.km.start_kernel(env=env, cwd=str(slurm.root))
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
-
-    @property
-    def pid(self) -> int:
-        return self.km.provisioner.process.pid
-
-    def alive(self) -> bool:
-        return self.km.is_alive()
-
-    def run(self, code: str, timeout: float = 240.0, on_output=None) -> Reply:
-        """Run a cell and wait for it; ``on_output(reply_so_far)`` is called after each output message."""
-        reply = Reply("", "", [])
-        t0 = time.monotonic()
-
-        def hook(msg) -> None:
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                reply.text += content["text"]
-            elif kind == "error":
-                reply.text += "\n".join(content["traceback"]) + "\n"
-            elif kind in ("display_data", "update_display_data", "execute_result"):
-                reply.displays.append(content["data"].get("text/plain", ""))
-            if on_output is not None:
-                on_output(reply)
-
-        done = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, allow_stdin=False)
-        reply.seconds = time.monotonic() - t0
-        reply.status = done["content"]["status"]
-        reply.ename, reply.evalue = done["content"].get("ename", ""), done["content"].get("evalue", "")
-        return reply
-
-    def interrupt(self) -> None:
-        """Kernel > Interrupt."""
-        self.km.interrupt_kernel()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-
-    def shutdown(self) -> None:
-        self.kc.stop_channels()
-        with contextlib.suppress(Exception):
-            self.km.shutdown_kernel(now=True)
+        env = {**os.environ, **slurm.env, "IPYTHONDIR": str(slurm.root / "ipython"),
+               "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+        super().__init__(env=env, cwd=slurm.root, marked=False, spec_dir=where, ipc_dir=where / "ipc",
+                         argv=slurm.command([sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]),
+                         **extra)
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -14,19 +14,15 @@ written there (``docs/debugging.md`` shows them).
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import queue
 import re
 import time
 
-import psutil
 import pytest
 
+from kernel_cells import SESSION, Kernel, Reply, none_left
+
 pytestmark = [pytest.mark.notebook, pytest.mark.fresh_workers, pytest.mark.timeout(300)]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 SETUP = '''
 %load_ext nbddp
@@ -73,113 +69,45 @@ def fit(at, epochs=1):
 '''
 
 
-class Kernel:
-    """A kernel client that runs a cell and answers its input requests from a list."""
+class Debugged(Kernel):
+    """A kernel whose cells' prompts are answered from a list, as a person at the debugger would."""
 
-    def __init__(self, km, kc):
-        self.km, self.kc = km, kc
+    def transcript(self, code: str, answers=(), on_prompt=None, stdin: bool = True,
+                   timeout: float = 180) -> tuple[str, str]:
+        """(everything the cell showed, as one text in order, with prompts and answers; the reply status).
 
-    def run(self, code, answers=(), allow_stdin=True, on_prompt=None, timeout=180):
-        """(everything the cell showed, as one text in order, with prompts and answers; the reply status)."""
-        log, pending = [], list(answers)
+        Each prompt gets the next of ``answers``, then ``c``; ``on_prompt(prompt, reply)`` may take it instead
+        (it returns True). ``stdin=False``: no input can be asked, as when nbclient runs a notebook.
+        """
+        pending = list(answers)
 
-        def take(msg):
-            kind, content = msg["header"]["msg_type"], msg["content"]
-            if kind == "stream":
-                log.append(content["text"])
-            elif kind == "error":
-                log.append(ANSI.sub("", "\n".join(content["traceback"])) + "\n")
-            elif kind in ("execute_result", "display_data"):
-                log.append(content["data"].get("text/plain", "") + "\n")
+        def answer(prompt: str, reply: Reply) -> str | None:
+            if on_prompt is not None and on_prompt(prompt, reply):
+                return None
+            return pending.pop(0) if pending else "c"
 
-        def answer(msg):
-            drain(take)  # what the cell printed before asking comes first
-            prompt = msg["content"]["prompt"]
-            if on_prompt is not None and on_prompt(prompt, log):
-                return
-            line = pending.pop(0) if pending else "c"
-            log.append(f"{prompt}{line}\n")
-            self.kc.input(line)
-
-        def drain(hook):
-            while True:
-                try:
-                    hook(self.kc.iopub_channel.get_msg(timeout=0.3))
-                except queue.Empty:
-                    return
-
-        reply = self.kc.execute_interactive(code, allow_stdin=allow_stdin, output_hook=take, stdin_hook=answer,
-                                            timeout=timeout)
-        return "".join(log), reply["content"]["status"]
-
-
-PIDS = """
-import json, psutil
-from nbddp.session.session import get_session
-s = get_session()
-pids = set(s.workers.all_pids()) | {p.pid for p in s.placements} | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-PIDS", json.dumps([s.file_prefix, sorted(pids)]))
-"""
+        reply = self.execute(code, timeout, answer=answer if stdin else None)
+        return reply.text, reply.status
 
 
 @pytest.fixture(scope="module")
 def kernel():
     """One kernel and its workers for every scenario; at the end, none of its processes may be left.
 
-    The kernel does not carry the suite's run marker (conftest.RUN_MARKER): its workers live across
-    this module's tests, which the per-test leak check would take for leaks; this fixture checks them.
+    The kernel does not carry the suite's run marker (``marked=False``): its workers live across this module's
+    tests, which the per-test leak check would take for leaks; this fixture checks them.
     """
-    from conftest import RUN_MARKER
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name="python3")
-    env = {k: v for k, v in os.environ.items() if k != RUN_MARKER}
-    km.start_kernel(env=dict(env, PYTHONPATH=ROOT), cwd=ROOT)
-    kc = km.client()
-    kc.start_channels()
-    k, prefix, pids = Kernel(km, kc), None, []
+    k = Debugged(marked=False)
+    prefix, pids = None, []
     try:
-        kc.wait_for_ready(timeout=120)
         for code in (SETUP, MODEL, STEP):  # three cells, as a notebook would have them
-            text, status = k.run(code)
+            text, status = k.transcript(code)
             assert status == "ok", text
-        text, _ = k.run(PIDS)
-        prefix, pids = json.loads(text.split("NBDDP-PIDS", 1)[1])
+        prefix, pids = k.run(SESSION)
         yield k  # no nbddp.stop(): the kernel's end takes its workers and files with it (the reaper), checked below
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-        _none_left(pids, prefix)
-
-
-def _none_left(pids: list[int], prefix: str | None, timeout: float = 20.0) -> None:
-    """No process of the kernel's workers, and no shared-memory file of its session, outlives it."""
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    deadline = time.monotonic() + timeout
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if running(pid)]
-        time.sleep(0.1)
-    for pid in alive:
-        try:
-            psutil.Process(pid).kill()
-        except psutil.Error:
-            pass
-    assert not alive, f"the kernel's worker processes outlived it: {alive}"
-    files = glob.glob(f"/dev/shm/{prefix}*") if prefix else []
-    while files and time.monotonic() < deadline + 5:
-        time.sleep(0.1)
-        files = glob.glob(f"/dev/shm/{prefix}*")
-    for path in files:
-        os.unlink(path)
-    assert not files, f"the kernel's shared-memory files outlived it: {files}"
+        k.close()
+        none_left(pids, prefix)
 
 
 def _keep(name, text):
@@ -190,25 +118,25 @@ def _keep(name, text):
 
 
 def test_post_mortem_on_rank_1_prints_a_local(kernel):
-    text, status = kernel.run("nbddp.dist_fit(Boom(), (x, y), batch_size=8, live=False)")
+    text, status = kernel.transcript("nbddp.dist_fit(Boom(), (x, y), batch_size=8, live=False)")
     assert status == "error" and "h = h @ torch.ones(5, 2)" in text, text
     assert re.search(r"Cell In\[\d+\], line \d+, in Boom.forward", text), "the remote frame names the cell"
     _keep("traceback", text)
-    text, status = kernel.run("%ddp debug", answers=["p h.shape", "p x.shape", "ll", "q"])
+    text, status = kernel.transcript("%ddp debug", answers=["p h.shape", "p x.shape", "ll", "q"])
     _keep("post-mortem", text)
     assert status == "ok", text
     assert "nbddp: rank 1 (pid" in text and "failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in text
     assert "[rank 1] (Pdb) p h.shape\ntorch.Size([8, 3])\n" in text, text
     assert re.search(r"\d+  ->\t            h = h @ torch.ones\(5, 2\)", text), text
-    text, status = kernel.run("print(nbddp.debug(commands=['p h.sum() > -1e9']))")
+    text, status = kernel.transcript("print(nbddp.debug(commands=['p h.sum() > -1e9']))")
     assert status == "ok" and "[rank 1] (Pdb) p h.sum() > -1e9\ntensor(True)\n" in text, text
 
 
 def test_breakpoint_in_step_fn_during_a_blocking_fit_then_the_same_weights(kernel):
-    text, status = kernel.run("reference, _ = fit(0); print('reference', _.status)")
+    text, status = kernel.transcript("reference, _ = fit(0); print('reference', _.status)")
     assert status == "ok" and "reference completed" in text, text
     t0 = time.monotonic()
-    text, status = kernel.run("model, history = fit(3); print('fit', history.status)",
+    text, status = kernel.transcript("model, history = fit(3); print('fit', history.status)",
                               answers=["p self.n", "p loss", "w", "c"])
     _keep("breakpoint", text)
     assert status == "ok", text
@@ -216,14 +144,14 @@ def test_breakpoint_in_step_fn_during_a_blocking_fit_then_the_same_weights(kerne
     assert "-> return loss" in text and "[rank 1] (Pdb) p self.n\n3\n" in text and "tensor(" in text, text
     assert "nbddp: rank 1: continued" in text and "fit completed" in text, text
     assert time.monotonic() - t0 < 60
-    text, _ = kernel.run("print('same', all(torch.equal(a, b) for a, b in "
+    text, _ = kernel.transcript("print('same', all(torch.equal(a, b) for a, b in "
                          "zip(model.state_dict().values(), reference.state_dict().values())))")
     assert "same True" in text, text
 
 
 def test_breakpoint_in_a_ddp_cell_on_both_ranks_lists_them_then_cast_and_continue_all(kernel):
     cell = "%%ddp\nvalue = (rank + 1) * 10\nbreakpoint()\nprint('after', value + 1)"
-    text, status = kernel.run(cell, answers=["cast ranks(0,1) p value", "continue all"])
+    text, status = kernel.transcript(cell, answers=["cast ranks(0,1) p value", "continue all"])
     _keep("ddp-cell", text)
     assert status == "ok", text
     assert "ranks in the debugger (attach R to talk to one):\n  rank 0" in text, text
@@ -235,29 +163,29 @@ def test_block_false_says_where_the_rank_paused_and_ddp_debug_attaches_from_anot
              "block=False)\nimport time\nt0 = time.time()\n"
              "while not handle._run.live_state.paused and time.time() - t0 < 60:\n    time.sleep(0.05)\n"
              "time.sleep(1.5)  # a progress line while it is paused\n")
-    text, status = kernel.run(start)
+    text, status = kernel.transcript(start)
     assert status == "ok" and re.search(r"rank 1 paused at Cell In\[\d+\], line \d+ \(__call__\), `%ddp debug 1` to "
                                         r"attach", text), text
-    text, status = kernel.run("%ddp debug 1", answers=["p self.n", "c"])
+    text, status = kernel.transcript("%ddp debug 1", answers=["p self.n", "c"])
     _keep("block-false", text)
     assert status == "ok" and "[rank 1] (Pdb) p self.n\n2\n" in text and "rank 1: continued" in text, text
-    text, status = kernel.run("print('fit', handle.wait().status)")
+    text, status = kernel.transcript("print('fit', handle.wait().status)")
     assert status == "ok" and "fit completed" in text, text
 
 
 def test_interrupt_at_the_prompt_stops_the_fit_and_no_stdin_means_no_wait(kernel):
-    def interrupt(prompt, log):
-        kernel.km.interrupt_kernel()
-        log.append(f"{prompt}<Kernel > Interrupt>\n")
+    def interrupt(prompt, reply):
+        kernel.interrupt()
+        reply.text += f"{prompt}<Kernel > Interrupt>\n"
         return True
 
     # long enough that the stop lands before the end (4 steps an epoch)
-    text, status = kernel.run("model, history = fit(2, epochs=100)", on_prompt=interrupt)
+    text, status = kernel.transcript("model, history = fit(2, epochs=100)", on_prompt=interrupt)
     # the clean stop lands the weights, then KeyboardInterrupt stops Run All (issue 37); the History stays reachable
     assert status == "error" and "FitInterrupted" in text, text
-    text, status = kernel.run("print('fit', nbddp.last_history().status, len(nbddp.last_history().steps))")
+    text, status = kernel.transcript("print('fit', nbddp.last_history().status, len(nbddp.last_history().steps))")
     assert status == "ok" and "fit interrupted" in text, text
-    text, status = kernel.run("model, history = fit(2); print('fit', history.status)", allow_stdin=False)
+    text, status = kernel.transcript("model, history = fit(2); print('fit', history.status)", stdin=False)
     _keep("headless", text)
     assert status == "ok" and "fit completed" in text, text
     assert re.search(r"rank 1 stopped at breakpoint\(\) at Cell In\[\d+\], line \d+ in __call__, but no prompt can "

@@ -7,33 +7,23 @@ kernel watchdog and the reaper process at work.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import time
 
 import pytest
 
-from kernel_cells import Kernel, described, kill, wait_gone
+from kernel_cells import HELPERS, Kernel, described, kill, wait_gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
 
-START = """
-import json, psutil, nbddp
-from nbddp.session.session import get_session
+START = HELPERS + """
+import nbddp
 nbddp.start(n=2, backend="gloo")
-s = get_session()
-pids = set(s.workers.all_pids()) | {p.pid for p in s.placements} | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-PIDS", json.dumps(sorted(pids)))
+out(session_pids())
 """
 
 
 def _start_workers_in(kernel: Kernel) -> list[int]:
-    text = kernel.cell(START, timeout=180)
-    line = next(l for l in text.splitlines() if l.startswith("NBDDP-PIDS"))
-    pids = json.loads(line.split(" ", 1)[1])
+    pids = kernel.run(START, timeout=180)
     assert len(pids) >= 4, pids  # 2 engines, a controller, the reaper (and nannies)
     return pids
 
@@ -49,7 +39,7 @@ def test_workers_do_not_outlive_their_kernel(how):
         assert kernel.pid not in pids
         t0 = time.monotonic()
         if how == "SIGKILL":
-            os.kill(kernel.pid, signal.SIGKILL)
+            kernel.kill()
         else:
             kernel.km.restart_kernel(now=False)  # what Kernel > Restart does: ask, then kill if needed
         left = wait_gone(pids, timeout=15 + (time.monotonic() - t0))

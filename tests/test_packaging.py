@@ -19,6 +19,8 @@ import zipfile
 
 import pytest
 
+from kernel_cells import HELPERS, Kernel
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: an import name -> the distribution that provides it, where the two differ
@@ -92,13 +94,13 @@ def test_the_package_says_it_is_typed_and_licensed():
 
 
 KERNEL_CELLS = [
-    "%load_ext nbddp\n%ddp start -n 2",
+    HELPERS + "%load_ext nbddp\n%ddp start -n 2",
     "import torch, torch.nn as nn, torch.nn.functional as F\n"
     "x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))\n"
     "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))\n"
     "history = dist_fit(model, (x, y), epochs=1, batch_size=8, loss_fn=F.cross_entropy, live=False)\n"
     "import nbddp, sys\n"
-    "print('FIT', history.status, len(history.epochs), nbddp.__file__.startswith(sys.prefix))",
+    "out([history.status, len(history.epochs), nbddp.__file__.startswith(sys.prefix)])",
     "%ddp stop",
 ]
 
@@ -137,33 +139,14 @@ def _fresh_venv(where: pathlib.Path, wheel: pathlib.Path) -> pathlib.Path:
     return python
 
 
-def _run_in_kernel(python: pathlib.Path, cwd: pathlib.Path) -> list[str]:
-    """The cells in a Jupyter kernel of ``python`` (a kernelspec of its own); what each printed."""
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupyter_client.manager import KernelManager
-
-    specs = cwd / "kernels" / "fresh"
-    specs.mkdir(parents=True)
-    (specs / "kernel.json").write_text(json.dumps({"argv": [str(python), "-m", "ipykernel_launcher", "-f",
-                                                            "{connection_file}"], "display_name": "fresh venv",
-                                                   "language": "python"}))
-    km = KernelManager(kernel_name="fresh", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(cwd / "kernels")]))
-    km.start_kernel(env=_clean_env(), cwd=str(cwd))  # nothing of the suite's
-    kc = km.client()
-    kc.start_channels()
-    printed: list[str] = []
+def _run_in_kernel(python: pathlib.Path, cwd: pathlib.Path) -> list:
+    """The cells in a Jupyter kernel of ``python`` (a kernelspec of its own): what the fit cell handed back."""
+    kernel = Kernel(env=_clean_env(), cwd=cwd, argv=[str(python), "-m", "ipykernel_launcher", "-f",
+                                                     "{connection_file}"], spec_dir=cwd)  # nothing of the suite's
     try:
-        kc.wait_for_ready(timeout=120)
-        for code in KERNEL_CELLS:
-            out: list[str] = []
-            reply = kc.execute_interactive(code, timeout=300, output_hook=lambda msg: out.append(
-                msg["content"].get("text", "") + "".join(msg["content"].get("traceback", []))))
-            assert reply["content"]["status"] == "ok", "".join(out)
-            printed.append("".join(out))
+        return [kernel.run(code, timeout=300) for code in KERNEL_CELLS][1]
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-    return printed
+        kernel.close()
 
 
 @pytest.mark.slow
@@ -179,5 +162,4 @@ def test_the_wheel_installs_with_no_extras_and_trains_from_a_kernel(tmp_path):
     installed = {p["name"].lower() for p in json.loads(listed)}
     assert {"nbddp", "torch", "ipyparallel", "ipykernel", "pandas", "pyzmq", "traitlets"} <= installed
     assert not {"optuna", "wandb", "mlflow-skinny", "datasets", "pytest"} & installed  # no extras came along
-    printed = _run_in_kernel(python, tmp_path)
-    assert "FIT completed 1 True" in printed[1], printed
+    assert _run_in_kernel(python, tmp_path) == ["completed", 1, True]  # trained, with the venv's nbddp

@@ -32,9 +32,9 @@ import pytest
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
 
-from kernel_cells import ROOT, Kernel, alive, kill, wait_gone
+from kernel_cells import HELPERS, ROOT, Kernel, alive, kill, wait_gone
 
-COMMON = """
+COMMON = HELPERS + """
 import json, os, time, torch, nbddp
 from nbddp.session.session import get_session
 torch.manual_seed(0)
@@ -48,17 +48,14 @@ FIT = dict(epochs=EPOCHS, batch_size=4, lr=0.01, seed=3, live=False, log_every=8
 BEFORE = """
 nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
 nbddp.dist_fit(net(), (X, Y), epochs=1, batch_size=16, strategy="fsdp", keep="fsdp_m", live=False, seed=0)
-torch.save(nbddp.predict("fsdp_m", X[:32], live=False), OUT)
+torch.save(nbddp.predict("fsdp_m", X[:32], live=False), PREDICTED)
 nbddp.run_cell("secret = 40 + rank")
 handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False, loggers=[nbddp.loggers.CSV(CSV_PATH)])
 while len(handle.history.steps) < 3:
     time.sleep(0.02)
 s = get_session()
-pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
-                               "steps": len(handle.history.steps)}))
+out({"pids": session_pids(), "prefix": s.file_prefix, "record": s.record_path,
+    "steps": len(handle.history.steps)})
 """
 
 AFTER = """
@@ -81,23 +78,23 @@ with open(CSV_PATH) as f:
     rows = list(csv.DictReader(f))
 csv_runs = sorted({r["run"] for r in rows})
 csv_steps = [int(r["step"]) for r in rows if r["kind"] == "step"]
-predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(OUT)).abs().max().item()
-print("NBDDP-OUT", json.dumps({"attach_s": attach_s, "was_running": was_running, "steps": steps,
-                               "at_attach": at_attach,
-                               "unbroken_steps": [r["step"] for r in unbroken.steps],
-                               "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
-                               "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
-                               "kept": kept, "predict_diff": predict_diff, "csv_runs": csv_runs,
-                               "csv_steps": csv_steps,
-                               "secret": nbddp.pull("secret", ranks=[0, 1])["secret"],
-                               "pid": os.getpid(), "id": nbddp.sessions()[0]["id"]}))
+predict_diff = (nbddp.predict("fsdp_m", X[:32], live=False) - torch.load(PREDICTED)).abs().max().item()
+out({"attach_s": attach_s, "was_running": was_running, "steps": steps,
+    "at_attach": at_attach,
+    "unbroken_steps": [r["step"] for r in unbroken.steps],
+    "loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(history.steps, unbroken.steps)),
+    "epochs": len(history.epochs), "status": history.status, "weights_diff": weights_diff,
+    "kept": kept, "predict_diff": predict_diff, "csv_runs": csv_runs,
+    "csv_steps": csv_steps,
+    "secret": nbddp.pull("secret", ranks=[0, 1])["secret"],
+    "pid": os.getpid(), "id": nbddp.sessions()[0]["id"]})
 """
 
 REFUSED = """
 try:
     nbddp.attach()
 except nbddp.SessionError as e:
-    print("NBDDP-OUT", json.dumps({"refused": str(e)}))
+    out({"refused": str(e)})
 """
 
 
@@ -115,7 +112,7 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
     """The whole story in one session: three kernels, one set of workers, an FSDP fit, a fit killed in the middle
     of and the unbroken fit it is compared with (about 35 s on 2 cores)."""
     runtime = str(tmp_path / "runtime")
-    common = (COMMON.replace("EPOCHS", "12") + f"OUT = {str(tmp_path / 'out.pt')!r}\nimport psutil\n"
+    common = (COMMON.replace("EPOCHS", "12") + f"PREDICTED = {str(tmp_path / 'predicted.pt')!r}\n"
               f"CSV_PATH = {str(tmp_path / 'metrics.csv')!r}\n")
     first = Kernel(NBDDP_RUNTIME_DIR=runtime)
     pids: list[int] = []
@@ -124,7 +121,7 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         first.run(common)
         before = first.run(BEFORE, timeout=300)
         pids = before["pids"]
-        os.kill(first.pid, signal.SIGKILL)  # no detach() call, no clean exit: the kernel is gone at once
+        first.kill()  # no detach() call, no clean exit: the kernel is gone at once
         time.sleep(1.5)  # the engines' watchdogs look every 0.5 s: they would have exited by now
         assert len(alive(pids)) == len(pids), "a detached session's workers died with their kernel"
 
@@ -156,11 +153,11 @@ def test_a_fit_kept_models_and_names_outlive_a_killed_kernel(tmp_path):
         assert "REFUSED" in _other_uid_attach(runtime, after["id"])
 
         moved = third.run("nbddp.attach(take_over=True)\n"
-                          "print('NBDDP-OUT', json.dumps(nbddp.pull('secret', ranks=[0, 1])['secret']))")
+                          "out(nbddp.pull('secret', ranks=[0, 1])['secret'])")
         assert moved == [40, 41]  # the session moved to the third kernel, the names with it
         left = second.run("try:\n    nbddp.run(os.getpid)\nexcept nbddp.SessionError as e:\n"
                           "    nbddp.stop()  # (lets go only: the third kernel drives the session)\n"
-                          "    print('NBDDP-OUT', json.dumps({'refused': str(e)}))")
+                          "    out({'refused': str(e)})")
         assert left is not None and f"moved to the kernel with pid {third.pid}" in left["refused"]
         assert len(alive(pids)) == len(pids)
 
@@ -179,23 +176,20 @@ def test_an_abandoned_session_ends_at_keep_alive_leaving_nothing(tmp_path):
     kernel = Kernel(NBDDP_RUNTIME_DIR=runtime)
     pids: list[int] = []
     try:
-        out = kernel.run("""
-import json, psutil, nbddp
+        out = kernel.run(HELPERS + """
+import json, nbddp
 from nbddp.session.session import get_session
 import os
 nbddp.start(2, backend="gloo", detach=True, keep_alive="3s")
 s = get_session()
-pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
 record = json.load(open(s.record_path))
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
-                               "modes": [oct(os.stat(p).st_mode & 0o777) for p in
-                                         (s.record_path, record["cluster_file"], record["connection_file"])]}))
+out({"pids": session_pids(), "prefix": s.file_prefix, "record": s.record_path,
+    "modes": [oct(os.stat(p).st_mode & 0o777) for p in
+              (s.record_path, record["cluster_file"], record["connection_file"])]})
 """)
         pids = out["pids"]
         assert out["modes"] == ["0o600"] * 3  # the record, ipyparallel's cluster file, the connection file
-        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.kill()
         t0 = time.monotonic()
         time.sleep(1.5)
         assert len(alive(pids)) == len(pids), "ended before its keep_alive"
@@ -262,8 +256,8 @@ def test_the_restart_mid_fit_notebook_comes_from_a_real_restart(tmp_path, monkey
 
 
 def _python(code: str, runtime: str) -> dict | None:
-    """``code`` in a new process (a kernel of its own, without Jupyter); the JSON of its last NBDDP-OUT line."""
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime),
+    """``code`` in a new process (a kernel of its own, without Jupyter, with ``HELPERS``); what it gave ``out()``."""
+    done = subprocess.run([sys.executable, "-c", HELPERS + code], env=dict(os.environ, PYTHONPATH=ROOT, NBDDP_RUNTIME_DIR=runtime),
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     lines = [l for l in done.stdout.splitlines() if l.startswith("NBDDP-OUT")]
     assert lines or done.returncode == 0, done.stderr[-3000:]
@@ -275,15 +269,12 @@ def test_a_worker_lost_while_no_kernel_is_attached_ends_the_session(tmp_path):
     worker died, and the session is ended with nothing left."""
     runtime = str(tmp_path / "runtime")
     first = _python("""
-import json, os, psutil, nbddp
+import os, nbddp
 from nbddp.session.session import get_session
 nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
 s = get_session()
-pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "rank1": s.placements[1].pid, "prefix": s.file_prefix,
-                               "record": s.record_path}))
+out({"pids": session_pids(), "rank1": s.placements[1].pid, "prefix": s.file_prefix,
+    "record": s.record_path})
 os._exit(0)  # a kernel that dies: no clean-up
 """, runtime)
     assert first is not None
@@ -295,7 +286,7 @@ import json, nbddp
 try:
     nbddp.attach()
 except nbddp.SessionError as e:
-    print("NBDDP-OUT", json.dumps({"refused": str(e)}))
+    out({"refused": str(e)})
 """, runtime)
         assert out is not None, "attach() took up a session that had lost a worker"
         assert f"(pid {first['rank1']}) died while no kernel was attached" in out["refused"]
@@ -311,16 +302,12 @@ def test_a_fit_taken_up_by_attach_stops_when_asked(tmp_path):
     ``nbddp.restart()`` keeps the session detached."""
     runtime = str(tmp_path / "runtime")
     first = _python(COMMON.replace("EPOCHS", "400") + """
-import psutil
 nbddp.start(2, backend="gloo", detach=True, keep_alive="10m")
 handle = nbddp.dist_fit(net(), (X, Y), **FIT, block=False)
 while len(handle.history.steps) < 2:
     time.sleep(0.02)
 s = get_session()
-pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids)}))
+out({"pids": session_pids()})
 os._exit(0)
 """, runtime)
     assert first is not None
@@ -337,8 +324,8 @@ model = net()
 handle.result(into=model)
 nbddp.restart()  # fresh workers, detached again with the same keep_alive
 (again,) = nbddp.sessions()
-print("NBDDP-OUT", json.dumps({"status": history.status, "epochs": len(history.epochs), "refused": refused,
-                               "last": history.steps[-1]["step"], "again": again}))
+out({"status": history.status, "epochs": len(history.epochs), "refused": refused,
+    "last": history.steps[-1]["step"], "again": again})
 nbddp.stop()
 """, runtime)
         assert out is not None and out["status"] == "interrupted" and out["epochs"] < 400, out
@@ -351,8 +338,8 @@ nbddp.stop()
 
 # ---------------------------------------------------------------- an elastic fit while no kernel is attached
 
-CARED = """
-import json, os, time, torch, nbddp, psutil
+CARED = HELPERS + """
+import json, os, time, torch, nbddp
 from nbddp.session.session import get_session
 torch.manual_seed(0)
 X = torch.randn(256, 8); Y = X.sum(1, keepdim=True)
@@ -379,11 +366,8 @@ handle = nbddp.dist_fit(SlowNet(), (X, Y), **FIT, **ELASTIC, callbacks=[Answered
 while handle.history.last_step < 8:
     time.sleep(0.02)
 s = get_session()
-pids = set(s.workers.all_pids()) | {s.workers.reaper.pid}
-for pid in list(pids):
-    pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-print("NBDDP-OUT", json.dumps({"pids": sorted(pids), "prefix": s.file_prefix, "record": s.record_path,
-                               "ranks": [p.pid for p in s.placements], "fit_id": s.running.plan.launch.fit_id}))
+out({"pids": session_pids(), "prefix": s.file_prefix, "record": s.record_path,
+    "ranks": [p.pid for p in s.placements], "fit_id": s.running.plan.launch.fit_id})
 """
 
 
@@ -441,19 +425,13 @@ with warnings.catch_warnings(record=True) as caught:
 reference = SlowNet()
 unbroken = nbddp.dist_fit(reference, (X, Y), **FIT)
 s = get_session()
-pids = set(s.workers.all_pids())
-for pid in list(pids):
-    try:  # (a killed engine's launcher is listed until the next heal forgets it)
-        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        pass
-print("NBDDP-OUT", json.dumps({
+out({
     "steps": [r["step"] for r in history.steps], "unbroken_steps": [r["step"] for r in unbroken.steps],
     "epoch_losses": [e["loss"] for e in history.epochs], "unbroken_losses": [e["loss"] for e in unbroken.epochs],
     "weights_diff": max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
                                                                    reference.state_dict().values())),
     "status": history.status, "restarts": history.restarts, "timings": history.timings, "waited": waited,
-    "notices": [str(w.message) for w in caught], "pids": sorted(pids)}))
+    "notices": [str(w.message) for w in caught], "pids": session_pids()})
 nbddp.stop()
 """
 
@@ -475,7 +453,7 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
         first.run(common)
         before = first.run(CARED_START, timeout=300)
         pids = before["pids"]
-        os.kill(first.pid, signal.SIGKILL)
+        first.kill()
         caretaker = _driving(before["record"])
         pids.append(caretaker)
         killed_at = time.monotonic()
@@ -546,13 +524,7 @@ try:
 except nbddp.WorkerError as e:
     error = str(e)
 s = get_session()
-pids = set(s.workers.all_pids())
-for pid in list(pids):
-    try:  # (a killed engine's launcher is listed until the next heal forgets it)
-        pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        pass
-print("NBDDP-OUT", json.dumps({"error": error, "running": nbddp.running() is not None, "pids": sorted(pids)}))
+out({"error": error, "running": nbddp.running() is not None, "pids": session_pids()})
 nbddp.stop()
 """, runtime)
         assert out is not None

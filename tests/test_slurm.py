@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from kernel_cells import HELPERS
 from slurm_cluster import LoginKernel, private_slurm, slurm_available
 
 _OK, _WHY = slurm_available()
@@ -62,13 +63,13 @@ def kernel(slurm):
     t0 = time.monotonic()
     k = LoginKernel(slurm)
     try:
-        _ok(k.run("%load_ext nbddp\nimport json, os, time, nbddp\n" + BUILD))
+        _ok(k.execute(HELPERS + "%load_ext nbddp\nimport json, os, time, nbddp\n" + BUILD))
         TIMES["kernel start"] = time.monotonic() - t0
         yield k
-        if k.alive():
-            k.run("nbddp.stop()")
+        if k.is_alive():
+            k.execute("nbddp.stop()")
     finally:
-        k.shutdown()
+        k.close()
 
 
 def _ok(reply):
@@ -82,24 +83,22 @@ def _nbddp_jobs(slurm, all_states=False):
 
 def _running_job(kernel) -> str:
     """Start the workers in the kernel unless they run (restart them if their job ended); the id of their job."""
-    reply = _ok(kernel.run("print('JOB', json.dumps(nbddp.status().get('slurm')))"))
-    jobs = json.loads(reply.text.split("JOB ", 1)[1])
+    jobs = _ok(kernel.execute("out(nbddp.status().get('slurm'))")).value
     if not jobs or jobs[-1]["state"] != "RUNNING":
         t0 = time.monotonic()
-        _ok(kernel.run(START if not jobs else "%ddp restart"))
+        _ok(kernel.execute(START if not jobs else "%ddp restart"))
         TIMES.setdefault("job start (submit to group formed)", time.monotonic() - t0)
-        reply = _ok(kernel.run("print('JOB', json.dumps(nbddp.status().get('slurm')))"))
-        jobs = json.loads(reply.text.split("JOB ", 1)[1])
+        jobs = _ok(kernel.execute("out(nbddp.status().get('slurm'))")).value
     return jobs[-1]["job"]
 
 
 def test_requests_slurm_refuses_get_slurms_own_message_at_once(slurm, kernel):
-    reply = kernel.run("%ddp start -n 2 --slurm --partition nope")
+    reply = kernel.execute("%ddp start -n 2 --slurm --partition nope")
     assert reply.ename == "SlurmError", reply.text[-3000:]
     assert "Slurm refused the job: sbatch: error: invalid partition specified: nope" in reply.evalue
-    reply = kernel.run('%ddp start -n 2 --slurm --sbatch "--constraint=nope --comment=extra"')  # on sbatch's line
+    reply = kernel.execute('%ddp start -n 2 --slurm --sbatch "--constraint=nope --comment=extra"')  # on sbatch's line
     assert reply.ename == "SlurmError" and "Invalid feature specification" in reply.evalue, reply.text[-3000:]
-    reply = kernel.run("%ddp start -n 3 --slurm --nodes 3")  # the partition has 2 nodes
+    reply = kernel.execute("%ddp start -n 3 --slurm --nodes 3")  # the partition has 2 nodes
     assert reply.ename == "SlurmError", reply.text[-3000:]
     assert "PENDING (PartitionNodeLimit): Slurm can never start this job as asked, so nbddp cancelled it" in reply.evalue
     assert reply.seconds < 15, reply.seconds
@@ -114,33 +113,33 @@ def test_a_pending_job_is_shown_and_interrupt_cancels_it(slurm, kernel):
         slurm.wait_for(lambda: [j for j in slurm.jobs() if j["id"] == blocker and j["state"] == "RUNNING"], 30,
                        "the blocking job to run")
         # queue_timeout: cancelled, named, with Slurm's reason
-        reply = kernel.run(START + " --queue-timeout 2")
+        reply = kernel.execute(START + " --queue-timeout 2")
         assert reply.ename == "SlurmError", reply.text[-3000:]
         assert "PENDING (Resources) for 0:0" in reply.evalue and "longer than queue_timeout=2 s" in reply.evalue
 
         sent = []
 
-        def interrupt_when_shown(so_far) -> None:  # like tests/interrupts.py: only while the cell runs, once
-            last = so_far.displays[-1] if so_far.displays else ""
+        def interrupt_when_shown(msg, so_far) -> None:  # like tests/interrupts.py: only while the cell runs, once
+            last = so_far.shown[-1] if so_far.shown else ""
             if not sent and "PENDING (Resources), " in last and _clock(last) >= 3:
                 sent.append(time.monotonic())
                 kernel.interrupt()
 
-        reply = kernel.run(START, timeout=120, on_output=interrupt_when_shown)
-        assert sent, reply.displays
+        reply = kernel.execute(START, timeout=120, on_output=interrupt_when_shown)
+        assert sent, reply.shown
         assert reply.ename == "KeyboardInterrupt", reply.text[-3000:]
         assert time.monotonic() - sent[0] < 10
-        shown = [d for d in reply.displays if "PENDING" in d]
+        shown = [d for d in reply.shown if "PENDING" in d]
         job = shown[0].split()[2].rstrip(":")
         assert shown[0].startswith(f"Slurm job {job}: PENDING (Resources), 0:0"), shown
         assert len({_clock(d) for d in shown}) >= 2, shown  # one line, kept current: 0:01, 0:02, 0:03...
-        assert reply.displays[-1].startswith(f"Slurm job {job}: cancelled (interrupted while PENDING (Resources))")
+        assert reply.shown[-1].startswith(f"Slurm job {job}: cancelled (interrupted while PENDING (Resources))")
         states = {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}
         assert states[job] == "CANCELLED" and [j["id"] for j in slurm.jobs()] == [blocker]
         TIMES["pending shown, then interrupted"] = reply.seconds
     finally:
         slurm.run("scancel", blocker)
-    _ok(kernel.run("assert not nbddp.status()['running']"))
+    _ok(kernel.execute("assert not nbddp.status()['running']"))
 
 
 def test_start_and_a_fit_equal_to_one_machine(slurm, kernel):
@@ -162,24 +161,23 @@ def test_start_and_a_fit_equal_to_one_machine(slurm, kernel):
     local = model.state_dict()
 
     job = _running_job(kernel)
-    status = _ok(kernel.run("%ddp status")).displays[-1]
+    status = _ok(kernel.execute("%ddp status")).shown[-1]
     assert f"Slurm job {job}: RUNNING on n[1-2], elapsed " in status and " of 15:00" in status, status
     weights = slurm.root / "slurm-weights.pt"
     t0 = time.monotonic()
-    reply = _ok(kernel.run(f"""
+    reply = _ok(kernel.execute(f"""
 def where():
     import os, socket
     return socket.gethostname(), os.environ["SLURM_JOB_ID"], os.environ["SLURMD_NODENAME"]
-print("WHERE", json.dumps(nbddp.run(where)))
+ran_on = nbddp.run(where)
 st = nbddp.status()
-print("HOSTS", json.dumps([st["hosts"], st["master"], st["slurm"]]))
 model, data = build()
 nbddp.dist_fit(model, data, **FIT)
 torch.save(model.state_dict(), {str(weights)!r})
+out([ran_on, st["hosts"], st["master"], st["slurm"]])
 """))
     TIMES["fit on the Slurm job"] = time.monotonic() - t0
-    where = json.loads(reply.text.split("WHERE ", 1)[1].splitlines()[0])
-    hosts, master, jobs = json.loads(reply.text.split("HOSTS ", 1)[1].splitlines()[0])
+    where, hosts, master, jobs = reply.value
     assert sorted(n for _, _, n in where) == ["n1", "n2"] and {j for _, j, _ in where} == {job}
     assert len(set(hosts)) == 2 and sorted(hosts) == sorted(h for h, _, _ in where)
     assert master.startswith("tcp://10.213.") and jobs[0]["nodes"] == "n[1-2]"
@@ -191,7 +189,7 @@ torch.save(model.state_dict(), {str(weights)!r})
 
 def test_stop_leaves_no_job_in_squeue(slurm, kernel):
     job = _running_job(kernel)
-    reply = _ok(kernel.run("%ddp stop"))
+    reply = _ok(kernel.execute("%ddp stop"))
     assert [j for j in slurm.jobs() if j["id"] == job] == []  # not even COMPLETING
     assert {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}[job] == "CANCELLED"
     TIMES["stop"] = reply.seconds
@@ -203,14 +201,14 @@ def test_scancel_mid_fit_is_a_clear_error_then_restart_submits_a_new_job(slurm, 
     assert f"Slurm job {job} was cancelled" in message and "nbddp.restart()" in message
     TIMES["scancel to error"] = took
     # the next call says so too, until restart submits a new job
-    reply = kernel.run("nbddp.run(len, [])")
+    reply = kernel.execute("nbddp.run(len, [])")
     assert reply.ename == "SlurmError" and f"Slurm job {job} was cancelled" in reply.evalue
     t0 = time.monotonic()
-    _ok(kernel.run("%ddp restart"))
+    _ok(kernel.execute("%ddp restart"))
     TIMES["restart (a new job)"] = time.monotonic() - t0
     new = _running_job(kernel)
     assert new != job and [j["id"] for j in _nbddp_jobs(slurm)] == [new]
-    _ok(kernel.run("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
+    _ok(kernel.execute("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
 
 
 @pytest.mark.slow
@@ -229,10 +227,10 @@ def test_the_time_limit_mid_fit_names_timeout(slurm, kernel):
         ends_later=f"Time limit exhausted for JobId={job}")
     assert f"Slurm job {job} reached its time limit: TIMEOUT" in message, message
     TIMES["time limit to error"] = took
-    _ok(kernel.run("%ddp restart"))  # and a new job trains
+    _ok(kernel.execute("%ddp restart"))  # and a new job trains
     new = _running_job(kernel)
     assert new != job and [j["id"] for j in _nbddp_jobs(slurm)] == [new]
-    _ok(kernel.run("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
+    _ok(kernel.execute("model, data = build()\nh = nbddp.dist_fit(model, data, **FIT)\nassert h.status == 'completed'"))
 
 
 def test_a_node_going_down_mid_fit_names_node_fail(slurm, kernel):
@@ -269,7 +267,8 @@ def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: s
     going down. The urgent job ends, or n2 comes back, once the new job shows PENDING in the live view.
     ``wipe``: by then these nodes have also lost their memory (``_reboot_memory``), as nodes that rebooted have.
 
-    Returns (the cell's reply, the lost job's id).
+    Returns (the cell's reply, the lost job's id). Its value: ``restarts`` (the fit's) or ``failed`` (the
+    SlurmError's job, state and message), and ``left``, each node's snapshot files after it.
     """
     release = slurm.root / f"release-{name}"
     release.unlink(missing_ok=True)
@@ -282,7 +281,7 @@ def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: s
     mark.unlink(missing_ok=True)
     events: dict[str, float] = {}
 
-    def drive(so_far) -> None:
+    def drive(msg, so_far) -> None:
         if "lost" not in events and ready(mark):
             events["lost"] = time.monotonic()
             if fault is not None:
@@ -303,16 +302,16 @@ def _lose_the_job_mid_fit(slurm, kernel, name: str, fit_args: str, ready, job: s
                 slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME", check=False)  # (it may be back already)
 
     try:
-        reply = kernel.run(f"MARK = {str(mark)!r}\n" + LOSS_STEP + f"""
+        reply = kernel.execute(f"MARK = {str(mark)!r}\n" + LOSS_STEP + f"""
 model, data = build()
 try:
     h = nbddp.dist_fit(model, data, **{{**FIT, "epochs": 8, "live": "text"}}, step_fn=slow_step, max_restarts=1,
                        {fit_args})
     torch.save(model.state_dict(), MARK + ".pt")
-    print("RESTARTS", json.dumps(h.restarts))
+    ended = dict(restarts=h.restarts)
 except nbddp.SlurmError as e:
-    print("FAILED", json.dumps([e.job_id, e.state, str(e)]))
-print("LEFT", json.dumps(nbddp.run(left_on_nodes)))
+    ended = dict(failed=[e.job_id, e.state, str(e)])
+out(dict(ended, left=nbddp.run(left_on_nodes)))
 """, timeout=360, on_output=drive)
     finally:
         if preempt:
@@ -365,8 +364,8 @@ def test_a_lost_job_is_resubmitted_and_the_fit_goes_on_from_the_snapshot_one_nod
     reply, job = _lose_the_job_mid_fit(slurm, kernel, "lost-job", "snapshot_every=2",
                                        lambda mark: mark.exists() and len(mark.read_text().split()) >= 8,
                                        wipe=("n2",))
-    assert "RESTARTS " in reply.text, reply.text[-3000:]
-    (event,) = json.loads(reply.text.split("RESTARTS ", 1)[1].splitlines()[0])
+    assert "restarts" in reply.value, reply.text[-3000:]
+    (event,) = reply.value["restarts"]
     assert (event["job"], event["cause"], event["resumed_from"]) == (job, "NODE_FAIL", "snapshot in /dev/shm"), event
     assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
     assert event["step_resumed_from"] % 2 == 0 and event["step_lost_at"] >= event["step_resumed_from"], event
@@ -377,7 +376,7 @@ def test_a_lost_job_is_resubmitted_and_the_fit_goes_on_from_the_snapshot_one_nod
     remote, local = torch.load(str(slurm.root / "fit-lost-job.pt")), _unbroken_weights(8)
     for key in local:
         torch.testing.assert_close(remote[key], local[key], rtol=1e-5, atol=1e-6, msg=f"parameter {key}")
-    left = json.loads(reply.text.split("LEFT ", 1)[1].splitlines()[0])
+    left = reply.value["left"]
     assert sorted(h for h, _ in left) == sorted(n.hostname for n in slurm.nodes.values()), left
     assert all(not files for _, files in left), left
     assert [j["id"] for j in _nbddp_jobs(slurm)] == [event["new_job"]]
@@ -393,8 +392,8 @@ def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, ke
     reply, job = _lose_the_job_mid_fit(slurm, kernel, "nothing-left", "snapshot_every=2",
                                        lambda mark: mark.exists() and len(mark.read_text().split()) >= 8,
                                        wipe=("n1", "n2"), preempt=True)
-    assert "FAILED " in reply.text, reply.text[-3000:]
-    job_id, state, message = json.loads(reply.text.split("FAILED ", 1)[1].splitlines()[0])
+    assert "failed" in reply.value, reply.text[-3000:]
+    job_id, state, message = reply.value["failed"]
     assert (job_id, state) == (job, "PREEMPTED"), message
     assert f"Slurm job {job} was lost at step" in message and "(PREEMPTED)" in message, message
     assert "none of the fit's state survived where every rank of the new job can read it" in message, message
@@ -403,7 +402,7 @@ def test_a_lost_job_with_nothing_surviving_says_so_and_what_would_have(slurm, ke
     assert "the fit has no checkpoint_dir" in message, message
     assert "dist_fit(checkpoint_dir=...) on a file system every node mounts" in message, message
     assert "this elastic fit runs in a Slurm job over 2 nodes without checkpoint_dir" in reply.text  # said at launch
-    left = json.loads(reply.text.split("LEFT ", 1)[1].splitlines()[0])  # the new job's workers work, and clean up
+    left = reply.value["left"]  # the new job's workers work, and clean up
     assert sorted(h for h, _ in left) == sorted(n.hostname for n in slurm.nodes.values()), left
     assert all(not files for _, files in left), left
     (new,) = [j["id"] for j in _nbddp_jobs(slurm)]
@@ -430,23 +429,23 @@ def test_a_requeued_job_is_cancelled_and_the_fit_goes_on_in_a_new_one(slurm, ker
     started."""
     import torch
 
-    _ok(kernel.run("nbddp.stop()"))
-    start = _ok(kernel.run(f"""
+    _ok(kernel.execute("nbddp.stop()"))
+    start = _ok(kernel.execute(f"""
 import ipyparallel as ipp
 from traitlets.config import Config
 c = Config()
 c.SlurmEngineSetLauncher.batch_template = {REQUEUE_TEMPLATE!r}
 nbddp.start(cluster=ipp.Cluster(engines="slurm", n=2, controller_ip={slurm.login.address!r}, config=c))
-print("JOB", json.dumps(nbddp.status()["slurm"][-1]["job"]))
+out(nbddp.status()["slurm"][-1]["job"])
 """))
-    job = json.loads(start.text.split("JOB ", 1)[1].splitlines()[0])
+    job = start.value
     ckpt = slurm.root / "ckpt-requeued"
     try:
         reply, _ = _lose_the_job_mid_fit(slurm, kernel, "requeued", f"checkpoint_dir={str(ckpt)!r}, checkpoint_every=2",
                                          lambda mark: list(ckpt.glob("step-*.pt")), job=job,
                                          fault=lambda j: slurm.run("scontrol", "requeue", j))
-        assert "RESTARTS " in reply.text, reply.text[-3000:]
-        (event,) = json.loads(reply.text.split("RESTARTS ", 1)[1].splitlines()[0])
+        assert "restarts" in reply.value, reply.text[-3000:]
+        (event,) = reply.value["restarts"]
         assert (event["job"], event["cause"], event["resumed_from"]) == (job, "REQUEUED", "checkpoint_dir"), event
         assert event["new_job"] not in (None, job) and event["step_resumed_from"] >= 2, event
         remote, local = torch.load(str(slurm.root / "fit-requeued.pt")), _unbroken_weights(8)
@@ -455,7 +454,7 @@ print("JOB", json.dumps(nbddp.status()["slurm"][-1]["job"]))
         states = {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}
         assert states[job] == "CANCELLED" and [j["id"] for j in _nbddp_jobs(slurm)] == [event["new_job"]], states
     finally:
-        _ok(kernel.run("nbddp.stop()"))
+        _ok(kernel.execute("nbddp.stop()"))
     assert _nbddp_jobs(slurm) == []
 
 
@@ -473,7 +472,7 @@ def _fail_a_fit(slurm, kernel: LoginKernel, name: str, fault, expect: tuple[str,
     # each step mostly sleeps: the fit only has to be running when the job ends (up to 90 s later for the time
     # limit), not to keep both engines busy meanwhile (at 0.05 s a step the time-limit test cost 69 CPU-seconds,
     # at 0.5 s 36)
-    msg_id = kernel.kc.execute(f"""
+    msg_id = kernel.send(f"""
 def slow_step(model, batch):
     import time
     open({str(mark)!r}, "a").close()
@@ -484,7 +483,7 @@ model, data = build()
 try:
     nbddp.dist_fit(model, data, epochs=500, batch_size=8, step_fn=slow_step, live=False)
 except nbddp.SlurmError as e:
-    print("FAILED", json.dumps([e.job_id, e.state, str(e)]))
+    out([e.job_id, e.state, str(e)])
 """)
     slurm.wait_for(mark.exists, 120, "the fit to start")
     t0 = time.monotonic()
@@ -496,10 +495,10 @@ except nbddp.SlurmError as e:
         slurm.wait_for(lambda: {j["id"]: j["state"] for j in slurm.jobs()}.get(expect[0]) != "RUNNING", 30,
                        f"Slurm to end job {expect[0]}", interval=0.1)
         t0 = time.monotonic()
-    reply = _wait_reply(kernel, msg_id, 60)
+    reply = _ok(kernel.finish(msg_id, 60))
     took = time.monotonic() - t0
-    assert "FAILED " in reply, reply[-3000:]
-    job_id, state, message = json.loads(reply.split("FAILED ", 1)[1].splitlines()[0])
+    assert reply.value is not None, reply.text[-3000:]
+    job_id, state, message = reply.value
     assert took < 10, (took, message)
     assert (job_id, state) == expect, message
     return message, took
@@ -525,21 +524,36 @@ def _clock(line: str) -> int:
     return int(minutes) * 60 + int(seconds) if minutes.isdigit() and seconds.isdigit() else -1
 
 
-def _wait_reply(kernel: LoginKernel, msg_id: str, timeout: float) -> str:
-    """The output of the cell sent as ``msg_id`` (``kc.execute``), once the kernel is idle after it."""
-    text, deadline = "", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            msg = kernel.kc.get_iopub_msg(timeout=0.2)
-        except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            text += content["text"]
-        elif kind == "error":
-            text += "\n".join(content["traceback"])
-        elif kind == "status" and content["execution_state"] == "idle":
-            return text
-    raise AssertionError(f"the cell did not finish within {timeout} s; so far: {text[-3000:]}")
+def test_a_detached_sessions_job_outlives_its_kernel_until_keep_alive(slurm):
+    """Issue 43 on Slurm: a detached session keeps its job when its kernel is SIGKILLed, ``nbddp.sessions()``
+    lists the job, and once no kernel and no fit has used the session for ``keep_alive`` the reaper cancels the
+    job and ends everything, the record included. A kernel of its own (the module's is killed above), a job to
+    start: about 20 s."""
+    from kernel_cells import kill, wait_gone
+
+    runtime = slurm.root / "runtime-detached"
+    kernel = LoginKernel(slurm, NBDDP_RUNTIME_DIR=str(runtime))
+    pids: list[int] = []
+    try:
+        job, listed, pids = _ok(kernel.execute(
+            HELPERS + f"%load_ext nbddp\nimport nbddp\n{START} --detach --keep-alive 6s\n"
+            "out([nbddp.status()['slurm'][-1]['job'], nbddp.sessions()[0]['slurm_jobs'], session_pids()])")).value
+        assert listed == [job]
+        kernel.kill()
+        t0 = time.monotonic()
+        time.sleep(3)  # well within keep_alive: what is checked is that nothing happens yet
+        assert {j["id"]: j["state"] for j in slurm.jobs()}.get(job) == "RUNNING", "the job ended with its kernel"
+        slurm.wait_for(lambda: job not in {j["id"] for j in slurm.jobs()}, 40,
+                       "the reaper to cancel the idle session's job", interval=0.2)
+        took = time.monotonic() - t0
+        assert took >= 5.5, f"cancelled {took:.1f} s after the kernel died, before its 6 s keep_alive"
+        assert {j["id"]: j["state"] for j in slurm.jobs(all_states=True)}[job] == "CANCELLED"
+        assert wait_gone(pids, 20) == []
+        assert list(runtime.rglob("session-*.json")) == []
+        TIMES["detached: kernel killed to job cancelled (keep_alive 6 s)"] = took
+    finally:
+        kernel.close()
+        kill(pids)
+        for left in slurm.jobs():
+            if left["name"].startswith("nbddp-"):
+                slurm.run("scancel", left["id"], check=False)
