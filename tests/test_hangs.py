@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -321,16 +322,14 @@ def napping(folder: str, release: str) -> int:
     return rank()
 
 
-@pytest.mark.faults
-@pytest.mark.parametrize("how", ["run", "script"])
-def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
-    """Both ranks are inside the call (each wrote its file) when the stacks are taken; then the call ends."""
+def _stacks_taken_meanwhile(folder, release: str) -> tuple[dict, threading.Thread]:
+    """A thread that takes ``nbddp.stacks()`` once both ranks are in the call (each wrote its file), then lets the
+    call end; what it found (``stacks``, ``stacks_s``) once joined."""
     found: dict = {}
-    release = str(tmp_path / "release")
 
     def take_stacks() -> None:
         try:
-            _wait_for(lambda: len(list(tmp_path.glob("started-*"))) == 2, what="both ranks in the call")
+            _wait_for(lambda: len(list(folder.glob("started-*"))) == 2, what="both ranks in the call")
             t0 = time.monotonic()
             found["stacks"] = nbddp.stacks()
             found["stacks_s"] = time.monotonic() - t0
@@ -339,6 +338,15 @@ def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
 
     thread = threading.Thread(target=take_stacks, daemon=True)
     thread.start()
+    return found, thread
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("how", ["run", "script"])
+def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
+    """Both ranks are inside the call (each wrote its file) when the stacks are taken; then the call ends."""
+    release = str(tmp_path / "release")
+    found, thread = _stacks_taken_meanwhile(tmp_path, release)
     if how == "run":
         assert nbddp.run(napping, str(tmp_path), release) == [0, 1]
     else:
@@ -352,6 +360,63 @@ def test_stacks_see_into_nbddp_run_and_scripts(workers, tmp_path, how):
         assert entry.state == "busy" and "in napping" in entry.text, entry
     if how == "script":
         assert "time.sleep(0.02)" in stacks[0].text, "a script's own lines (its file is on this machine)"
+
+
+def sigusr1_to_default() -> None:
+    """What Lightning's Trainer does as it ends: every signal set back to what ``signal.getsignal`` said before it
+    started, SIG_DFL for SIGUSR1 (faulthandler's handler is invisible to Python). SIG_DFL ends a process."""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def napping_after_reset(folder: str, release: str) -> int:
+    sigusr1_to_default()
+    return napping(folder, release)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("where", ["in the call", "in an earlier call"])
+def test_stacks_never_end_a_rank_whose_code_set_sigusr1_back_to_its_default(workers, tmp_path, where):
+    """nbddp.stacks() signals a busy rank with SIGUSR1. After the person's code set SIGUSR1 back to its default
+    (Lightning's Trainer does, as it ends), the rank gets its handler back (at the next task, or from its monitor
+    within a beat) before the kernel signals it: both ranks answer with their stacks and none is replaced."""
+    before = [p.pid for p in workers.placements]
+    release = str(tmp_path / "release")
+    if where == "in an earlier call":
+        nbddp.run(sigusr1_to_default)
+    found, thread = _stacks_taken_meanwhile(tmp_path, release)
+    call = napping_after_reset if where == "in the call" else napping
+    assert nbddp.run(call, str(tmp_path), release) == [0, 1]
+    thread.join(30)
+    for entry in found["stacks"]:
+        assert entry.state == "busy" and "in napping" in entry.text, entry
+    assert [p.pid for p in workers.placements] == before  # no rank ended (and was replaced)
+    assert nbddp.run(rank) == [0, 1]
+
+
+def test_catches_signal_reads_whether_a_handler_is_installed_now():
+    """The kernel's check before SIGUSR1 (no engine): a process with faulthandler's handler catches it, one whose
+    handler was set back to the default does not, and a process that is gone gives no answer."""
+    from nbddp.protocol.host import catches_signal
+
+    code = ("import faulthandler, signal, sys\nfaulthandler.register(signal.SIGUSR1)\nprint('set', flush=True)\n"
+            "sys.stdin.readline()\nsignal.signal(signal.SIGUSR1, signal.SIG_DFL)\nprint('reset', flush=True)\n"
+            "sys.stdin.readline()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "set\n"
+        assert catches_signal(child.pid, signal.SIGUSR1) is True
+        assert catches_signal(child.pid, signal.SIGUSR2) is False
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "reset\n"
+        assert catches_signal(child.pid, signal.SIGUSR1) is False
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(10)
+        assert catches_signal(child.pid, signal.SIGUSR1) is None
+    finally:
+        child.kill()
+        child.wait()
 
 
 # --------------------------------------------------------------------------- a dead controller

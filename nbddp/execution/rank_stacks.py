@@ -8,7 +8,9 @@ gloo/NCCL collective or runs C code. On the kernel's host the kernel reads
 the file itself and picks the main thread (named on the file's first line);
 for a rank on another host the signal goes through its nanny and the rank's
 monitor thread publishes the stack (``messages.StackDump``). A rank with no
-task running is asked with an ordinary task and reports ``idle``.
+task running is asked with an ordinary task and reports ``idle``. A rank on
+this host whose code set SIGUSR1 back to its default (which ends a process)
+is not signalled until its monitor has put the handler back.
 
 ``nbddp.stacks()`` (``nbddp/monitor/stacks.py``) shows them; a stalled
 fit's error carries them (``nbddp/execution/stalls.py``).
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbddp.execution.contracts import SessionLike
 from nbddp.execution.send import to_ranks
+from nbddp.protocol.host import catches_signal
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, STACK_SIGNAL, published
 from nbddp.protocol.placement import Placement
 from nbddp.protocol.notes import shm_dir
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 
 IDLE_ASK_S = 1.5  # an engine believed idle that does not answer a task this fast is busy after all
 SETTLE_S = 0.1  # a dump is complete when the file stopped growing for this long
+HANDLER_WAIT_S = 2.5  # a rank's monitor puts a lost SIGUSR1 handler back within a beat (heartbeat.BEAT_S, 1 s)
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
@@ -113,8 +117,11 @@ def _signal(session: SessionLike, placements: list[Placement], busy: dict[int, A
     """SIGUSR1 to each engine; what to wait for: (file, offset) locally, (AsyncResult, last seq) remotely."""
     waits: dict[Placement, Wait] = {}
     remote = []
+    patience = time.monotonic() + HANDLER_WAIT_S
     for p in placements:
         if p.local:
+            if not _catches(p.pid, patience):
+                continue  # SIGUSR1 would end it: "no answer" rather than a dead rank
             path = stack_path(session, p.rank)
             waits[p] = ("file", path, _size(path))
             try:
@@ -131,6 +138,22 @@ def _signal(session: SessionLike, placements: list[Placement], busy: dict[int, A
         except Exception:  # noqa: BLE001 - unreachable: they count as "no answer"
             pass
     return waits
+
+
+def _catches(pid: int, until: float) -> bool:
+    """Whether the rank ``pid`` catches SIGUSR1, waiting until ``until`` for its monitor to put the handler back.
+
+    The person's code may have set SIGUSR1 to its default, which ends the process (the worker's
+    ``heartbeat.keep_stack_dumps`` says how); the rank's monitor registers it again within a beat. Where /proc
+    cannot say (not Linux), the rank is signalled as before.
+    """
+    while True:
+        caught = catches_signal(pid, STACK_SIGNAL)
+        if caught is not False:
+            return True
+        if time.monotonic() >= until:
+            return False
+        time.sleep(0.02)
 
 
 def _answer(p: Placement, wait: Wait) -> RankStack | None:

@@ -2,7 +2,7 @@
 
 The kernel uses them locally (a Slurm request, a rendezvous on one host) and
 sends ``free_port`` to a rank (a rendezvous across hosts); the workers use
-them in their probe, the reaper ``pid_alive``. No dependencies.
+them in their probe, the reaper ``pid_alive``; both ``catches_signal``. No dependencies.
 """
 
 from __future__ import annotations
@@ -24,6 +24,22 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def catches_signal(pid: int, signum: int) -> bool | None:
+    """Whether process ``pid`` has a handler for ``signum`` now (Linux's ``SigCgt`` in ``/proc``); None if unknown.
+
+    A signal a process does not catch may end it (SIGUSR1's default action is
+    to terminate), so a sender that only means to ask something checks first.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def address_towards(host: str) -> str:

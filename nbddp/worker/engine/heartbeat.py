@@ -17,6 +17,15 @@ in C, even when the main thread holds the GIL in C code: it writes every
 thread's stack to this rank's stack file, whose first line names the main
 thread. The monitor notices the file grow and publishes the main thread's
 stack as well, for ranks on other hosts (whose file the kernel cannot read).
+
+The person's code can take that handler away without meaning to: code that
+saves "the previous" handlers with ``signal.getsignal`` and puts them back
+(Lightning's ``Trainer`` does it for every signal as it ends) sees SIG_DFL
+for SIGUSR1, faulthandler's handler being invisible to Python, and sets
+SIG_DFL, whose action is to end the process. So each task starts with the
+handler registered again, and the monitor puts it back within a beat when it
+is gone (``keep_stack_dumps``); the kernel does not signal a rank on its host
+that does not catch SIGUSR1 (``nbddp/execution/rank_stacks.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import traceback
 from types import FrameType
 from typing import Any, Iterator
 
+from nbddp.protocol.host import catches_signal
 from nbddp.protocol.messages import ENGINE_FRAME, MAIN_THREAD_HEADER, PUBLISH_KEYS, STACK_SIGNAL, Beat, StackDump
 
 BEAT_S = 1.0
@@ -177,6 +187,16 @@ def enable_stack_dumps(path: str) -> None:
         old.close()
 
 
+def keep_stack_dumps() -> None:
+    """Register the SIGUSR1 handler again if it is gone (see the module docstring); a no-op while it is there."""
+    from nbddp.worker.engine.rank_state import STATE
+
+    f = STATE.stack_file
+    if f is not None and not f.closed and catches_signal(os.getpid(), STACK_SIGNAL) is not True:
+        faulthandler.unregister(STACK_SIGNAL)  # register() alone keeps its record and installs nothing
+        faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
+
+
 class Monitor(threading.Thread):
     """Publishes this rank's heartbeat while a task runs, and its stack when asked."""
 
@@ -202,6 +222,7 @@ class Monitor(threading.Thread):
                 self._send_stack()
             if now >= next_beat or BEAT.paused_at != paused:  # a pause is told at once: peers are not stalled
                 next_beat = now + BEAT_S
+                keep_stack_dumps()
                 paused = BEAT.paused_at
                 if self.sampled and not paused:
                     self._sample(now)
@@ -281,6 +302,7 @@ def start_monitor(phase: str) -> Monitor | None:
     from nbddp.worker.engine.rank_state import STATE
 
     BEAT.reset("setup" if phase == "fit" else phase)
+    keep_stack_dumps()  # an earlier task's code may have set SIGUSR1 back to its default
     publish = engine_publisher()
     if publish is None or STATE.placement is None:
         return None
