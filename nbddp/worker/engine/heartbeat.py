@@ -22,10 +22,11 @@ The person's code can take that handler away without meaning to: code that
 saves "the previous" handlers with ``signal.getsignal`` and puts them back
 (Lightning's ``Trainer`` does it for every signal as it ends) sees SIG_DFL
 for SIGUSR1, faulthandler's handler being invisible to Python, and sets
-SIG_DFL, whose action is to end the process. So each task starts with the
-handler registered again, and the monitor puts it back within a beat when it
-is gone (``keep_stack_dumps``); the kernel does not signal a rank on its host
-that does not catch SIGUSR1 (``nbddp/execution/rank_stacks.py``).
+SIG_DFL, whose action is to end the process. So the monitor registers the
+handler again as each task starts and within a beat whenever it is gone
+(``keep_stack_dumps``: a look at ``/proc``, about 50 us); the kernel does not
+signal a rank on its host that does not catch SIGUSR1
+(``nbddp/execution/rank_stacks.py``).
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ class Monitor(threading.Thread):
         self._stack_size = _size(stack_path)
 
     def run(self) -> None:
+        keep_stack_dumps()  # an earlier task's code may have set SIGUSR1 back (here: 50 us off the task's path)
         next_beat = 0.0
         paused = ""
         while not self.stopping.wait(POLL_S):
@@ -302,7 +304,6 @@ def start_monitor(phase: str) -> Monitor | None:
     from nbddp.worker.engine.rank_state import STATE
 
     BEAT.reset("setup" if phase == "fit" else phase)
-    keep_stack_dumps()  # an earlier task's code may have set SIGUSR1 back to its default
     publish = engine_publisher()
     if publish is None or STATE.placement is None:
         return None
