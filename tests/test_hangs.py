@@ -395,7 +395,9 @@ def test_stacks_never_end_a_rank_whose_code_set_sigusr1_back_to_its_default(work
 
 def test_catches_signal_reads_whether_a_handler_is_installed_now():
     """The kernel's check before SIGUSR1 (no engine): a process with faulthandler's handler catches it, one whose
-    handler was set back to the default does not, and a process that is gone gives no answer."""
+    handler was set back to the default does not (and is not signalled once the wait for its monitor is over),
+    and a process that is gone gives no answer (signalled as before: where /proc cannot say)."""
+    from nbddp.execution.rank_stacks import _catches
     from nbddp.protocol.host import catches_signal
 
     code = ("import faulthandler, signal, sys\nfaulthandler.register(signal.SIGUSR1)\nprint('set', flush=True)\n"
@@ -404,16 +406,18 @@ def test_catches_signal_reads_whether_a_handler_is_installed_now():
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "set\n"
-        assert catches_signal(child.pid, signal.SIGUSR1) is True
+        assert catches_signal(child.pid, signal.SIGUSR1) is True and _catches(child.pid, time.monotonic())
         assert catches_signal(child.pid, signal.SIGUSR2) is False
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline() == "reset\n"
         assert catches_signal(child.pid, signal.SIGUSR1) is False
+        t0 = time.monotonic()
+        assert not _catches(child.pid, t0 + 0.2) and time.monotonic() - t0 >= 0.2  # waited, then gave up
         child.stdin.write("\n")
         child.stdin.flush()
         child.wait(10)
-        assert catches_signal(child.pid, signal.SIGUSR1) is None
+        assert catches_signal(child.pid, signal.SIGUSR1) is None and _catches(child.pid, time.monotonic())
     finally:
         child.kill()
         child.wait()

@@ -32,7 +32,7 @@ import pytest
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.fresh_workers, pytest.mark.faults, pytest.mark.notebook]
 
-from kernel_cells import HELPERS, ROOT, Kernel, alive, kill, wait_gone
+from kernel_cells import HELPERS, ROOT, Kernel, alive, kill, none_left, wait_gone
 
 COMMON = HELPERS + """
 import json, os, time, torch, nbddp
@@ -195,10 +195,7 @@ out({"pids": session_pids(), "prefix": s.file_prefix, "record": s.record_path,
         assert len(alive(pids)) == len(pids), "ended before its keep_alive"
         assert wait_gone(pids, 20) == [], "still running 20 s after its 3 s keep_alive"
         assert time.monotonic() - t0 >= 3.0
-        deadline = time.monotonic() + 5
-        while glob.glob(f"/dev/shm/{out['prefix']}*") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert glob.glob(f"/dev/shm/{out['prefix']}*") == []
+        none_left(pids, out["prefix"])  # and no /dev/shm file within 5 s
         assert not os.path.exists(out["record"])
     finally:
         kernel.close()
@@ -400,14 +397,6 @@ def _ledger(record: str, fit_id: str, until, timeout: float = 150):
     raise AssertionError(f"the ledger never got there: {open(log).read() if os.path.exists(log) else 'no log'}")
 
 
-def _left_behind(pids: list[int], prefix: str, record: str) -> tuple[list[int], list[str], bool]:
-    running = wait_gone(pids, 20)
-    deadline = time.monotonic() + 5
-    while glob.glob(f"/dev/shm/{prefix}*") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return running, glob.glob(f"/dev/shm/{prefix}*"), os.path.exists(record)
-
-
 CARED_ATTACH = """
 import warnings
 with warnings.catch_warnings(record=True) as caught:
@@ -480,7 +469,8 @@ def test_a_detached_elastic_fit_is_relaunched_with_no_kernel_and_skips_its_dead_
         assert after["timings"]["callback_points_skipped"] >= 1 and after["waited"] < 120
         assert any("synchronous callback point(s)" in n and "were skipped" in n for n in after["notices"]), after
         print(f"relaunched {relaunched_s:.1f} s after the kill")
-        assert _left_behind(pids, before["prefix"], before["record"]) == ([], [], False)
+        none_left(pids, before["prefix"])
+        assert not os.path.exists(before["record"])
     finally:
         first.close()
         _end(before["record"] if "before" in locals() and before else "", pids)
@@ -531,6 +521,7 @@ nbddp.stop()
         pids += out["pids"]
         assert re.search(r"rank [01] \(pid \d+ on .*\): WorkerDied", out["error"]), out
         assert "max_restarts=1 were all used" in out["error"]
-        assert _left_behind(pids, first["prefix"], first["record"]) == ([], [], False)
+        none_left(pids, first["prefix"])
+        assert not os.path.exists(first["record"])
     finally:
         _end(first["record"], pids)

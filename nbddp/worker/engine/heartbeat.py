@@ -189,11 +189,15 @@ def enable_stack_dumps(path: str) -> None:
 
 
 def keep_stack_dumps() -> None:
-    """Register the SIGUSR1 handler again if it is gone (see the module docstring); a no-op while it is there."""
+    """Register the SIGUSR1 handler again if it is gone (see the module docstring); a no-op while it is there.
+
+    Only when /proc says it is gone: re-registering means unregistering first, and a SIGUSR1 that came in
+    between would meet the default action, so where /proc cannot say (not Linux) nothing is done.
+    """
     from nbddp.worker.engine.rank_state import STATE
 
     f = STATE.stack_file
-    if f is not None and not f.closed and catches_signal(os.getpid(), STACK_SIGNAL) is not True:
+    if f is not None and not f.closed and catches_signal(os.getpid(), STACK_SIGNAL) is False:
         faulthandler.unregister(STACK_SIGNAL)  # register() alone keeps its record and installs nothing
         faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
 
